@@ -1,0 +1,114 @@
+"""The one training configuration object, and the error type for user mistakes."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+# ImageNet channel statistics (RGB, 0-1 scale): torchvision's pretrained weights expect them.
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+MODELS = ("squeezenet1_1", "resnet18", "mobilenet_v3_small")
+OPTIMIZERS = ("adam", "adamw", "sgd")
+SCHEDULERS = ("cosine", "onecycle", "none")
+AMP_MODES = ("auto", "off", "fp16", "bf16")
+
+
+class UserError(Exception):
+    """A mistake in the user's input: the command prints its message as one line, no traceback."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything one training run needs. Variants come from `dataclasses.replace`."""
+
+    # model
+    model: str = "squeezenet1_1"
+    weights: str = "imagenet"          # "none", "imagenet" or a path to a state_dict / saved model
+    image_size: int = 150              # square input side, pixels
+    # optimisation
+    epochs: int = 10
+    batch_size: int = 32               # samples per micro-batch (one forward/backward)
+    grad_accum_steps: int = 1          # micro-batches per optimizer step; effective batch = product
+    lr: float = 1e-3                   # peak learning rate, per optimizer step
+    weight_decay: float = 0.0
+    momentum: float = 0.9              # SGD only
+    optimizer: str = "adam"
+    scheduler: str = "cosine"          # stepped once per optimizer step
+    max_grad_norm: float | None = None  # clip the global L2 norm of gradients; None = no clipping
+    early_stopping_patience: int | None = None  # epochs without a better val accuracy; None = off
+    max_nonfinite_steps: int = 5       # consecutive NaN/inf losses tolerated before giving up
+    # speed knobs
+    amp: str = "off"                   # "auto" picks fp16 (CUDA) / bf16 (CUDA sm80+) / off (CPU)
+    channels_last: bool = False
+    compile: bool = False
+    cudnn_benchmark: bool = True
+    num_workers: int = 0               # DataLoader worker processes
+    pin_memory: bool = False
+    persistent_workers: bool = False
+    prefetch_factor: int | None = None  # batches prefetched per worker; None = PyTorch's default
+    # bookkeeping
+    seed: int = 42
+    device: str = "auto"               # "auto", "cpu" or "cuda"
+    progress: bool = True              # tqdm bars
+
+    def __post_init__(self) -> None:
+        _choice("model", self.model, MODELS)
+        _choice("optimizer", self.optimizer, OPTIMIZERS)
+        _choice("scheduler", self.scheduler, SCHEDULERS)
+        _choice("amp", self.amp, AMP_MODES)
+        _choice("device", self.device, ("auto", "cpu", "cuda"))
+        _positive_int("image_size", self.image_size, low=16, high=2048)
+        _positive_int("epochs", self.epochs, high=100_000)
+        _positive_int("batch_size", self.batch_size, high=1 << 20)
+        _positive_int("grad_accum_steps", self.grad_accum_steps, high=1 << 16)
+        _positive_int("max_nonfinite_steps", self.max_nonfinite_steps, high=1 << 20)
+        _positive_float("lr", self.lr)
+        if not (isinstance(self.weight_decay, (int, float)) and math.isfinite(self.weight_decay)
+                and self.weight_decay >= 0):
+            raise UserError(f"weight_decay must be a finite number >= 0, but got {self.weight_decay=}.")
+        if not (0 <= self.momentum < 1):
+            raise UserError(f"momentum must be in [0, 1), but got {self.momentum=}.")
+        if self.max_grad_norm is not None:
+            _positive_float("max_grad_norm", self.max_grad_norm)
+        if self.early_stopping_patience is not None:
+            _positive_int("early_stopping_patience", self.early_stopping_patience, high=100_000)
+        if not (isinstance(self.num_workers, int) and 0 <= self.num_workers <= 256):
+            raise UserError(f"num_workers must be an integer in 0..256, but got {self.num_workers=}.")
+        if self.prefetch_factor is not None:
+            _positive_int("prefetch_factor", self.prefetch_factor, high=1024)
+            if self.num_workers == 0:
+                raise UserError("prefetch_factor needs num_workers > 0.")
+        if self.persistent_workers and self.num_workers == 0:
+            raise UserError("persistent_workers needs num_workers > 0.")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise UserError(f"seed must be an integer >= 0, but got {self.seed=}.")
+
+    @property
+    def effective_batch_size(self) -> int:
+        return self.batch_size * self.grad_accum_steps
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise UserError(f"{name} must be one of {', '.join(allowed)}, but got {value!r}.")
+
+
+def _positive_int(name: str, value: Any, *, low: int = 1, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not (low <= value <= high):
+        raise UserError(f"{name} must be an integer in {low}..{high}, but got {name}={value!r}.")
+
+
+def _positive_float(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value <= 0:
+        raise UserError(f"{name} must be a finite number > 0, but got {name}={value!r}.")

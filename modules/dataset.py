@@ -1,0 +1,348 @@
+"""Data sources (Intel via kagglehub, any image folder, the synthetic set), image decoding,
+transforms and DataLoaders."""
+from __future__ import annotations
+
+import logging
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset, Sampler
+from torchvision import transforms as T
+
+from modules.config import IMAGENET_MEAN, IMAGENET_STD, TrainConfig, UserError
+
+log = logging.getLogger(__name__)
+
+# Kaggle's dataset, pinned to a version so a cached copy resolves without the network.
+INTEL_HANDLE = "puneet6060/intel-image-classification/versions/2"
+IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm",
+              ".pbm", ".jfif"}
+VAL_FRACTION = 0.1  # share of each train class held out for validation when no val/ split exists
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    """Any PIL mode (L, P, RGBA, CMYK, I;16, F, 1 ...) as 8-bit RGB; transparency over white."""
+    if img.mode == "RGB":
+        return img
+    if img.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I", "F"):
+        arr = np.asarray(img, dtype=np.float64)
+        lo, hi = float(arr.min()), float(arr.max())
+        scaled = (arr - lo) * (255.0 / (hi - lo)) if hi > lo else np.zeros_like(arr)
+        return Image.fromarray(scaled.astype(np.uint8)).convert("RGB")
+    if img.mode == "P" and "transparency" in img.info:
+        img = img.convert("RGBA")
+    if img.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
+        rgba = img.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return img.convert("RGB")
+
+
+def load_rgb(path) -> Image.Image:
+    """Decode one image file fully into RGB (raises on truncated or undecodable files)."""
+    with Image.open(path) as img:
+        img.load()
+        return to_rgb(img)
+
+
+def train_transform(image_size: int, mean=IMAGENET_MEAN, std=IMAGENET_STD) -> T.Compose:
+    """The seed's per-sample PIL augmentation: random resized crop, flip, mild colour jitter."""
+    return T.Compose([
+        T.RandomResizedCrop(image_size, scale=(0.6, 1.0), antialias=True),
+        T.RandomHorizontalFlip(),
+        T.ColorJitter(brightness=0.2, contrast=0.2, saturation=0.2),
+        T.ToTensor(),
+        T.Normalize(mean, std),
+    ])
+
+
+def eval_transform(image_size: int, mean=IMAGENET_MEAN, std=IMAGENET_STD) -> T.Compose:
+    """Deterministic resize to image_size x image_size and normalisation."""
+    return T.Compose([
+        T.Resize((image_size, image_size), antialias=True),
+        T.ToTensor(),
+        T.Normalize(mean, std),
+    ])
+
+
+Sample = tuple[str, int]  # (path, class index)
+
+
+@dataclass
+class DatasetIndex:
+    """The usable images of a dataset, split three ways, and what had to be skipped."""
+
+    name: str                       # "intel", "synthetic" or the folder's name
+    root: Path
+    layout: str                     # "intel", "train/test" or "class folders"
+    classes: list[str]
+    train: list[Sample]
+    val: list[Sample]
+    test: list[Sample]
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (path, reason)
+
+    @property
+    def skipped_files(self) -> int:
+        return len(self.skipped)
+
+    def summary(self) -> str:
+        return (f"{self.name}: {len(self.classes)} classes, {len(self.train)} train / "
+                f"{len(self.val)} val / {len(self.test)} test images ({self.layout} layout)"
+                + (f", {self.skipped_files} skipped" if self.skipped else ""))
+
+
+# ----------------------------------------------------------------------------- sources
+
+def download_intel() -> Path:
+    """The Intel Image Classification folder from kagglehub's cache, downloading it once."""
+    try:
+        import kagglehub
+    except ImportError:
+        raise UserError("the Intel dataset needs the kagglehub package: pip install -r "
+                        "requirements.txt (or pass --data-dir PATH / --dataset synthetic).") from None
+    try:
+        return Path(kagglehub.dataset_download(INTEL_HANDLE))
+    except Exception as exc:
+        reason = type(exc).__name__
+        raise UserError(f"the Intel dataset cannot be reached on Kaggle ({reason}); download it "
+                        "once with network access, or pass --data-dir PATH to a local copy, or "
+                        "use --dataset synthetic.") from None
+
+
+def resolve_source(dataset: str, data_dir: str | os.PathLike | None, cache_dir: Path,
+                   synthetic_per_class: tuple[int, int] = (400, 100)) -> tuple[Path, str]:
+    """(root folder, dataset name) for --dataset / --data-dir; --data-dir wins."""
+    if data_dir is not None:
+        root = Path(data_dir).expanduser()
+        if not root.exists():
+            raise UserError(f"data folder {str(root)!r} does not exist.")
+        if not root.is_dir():
+            raise UserError(f"--data-dir {str(root)!r} is a file, not a folder.")
+        name = re.sub(r"[^A-Za-z0-9_.-]+", "_", root.resolve().name).strip("._") or "dataset"
+        return root, name
+    if dataset == "intel":
+        return download_intel(), "intel"
+    if dataset == "synthetic":
+        from modules.synthetic import ensure_synthetic
+        n_train, n_test = synthetic_per_class
+        return ensure_synthetic(Path(cache_dir) / "synthetic", n_train, n_test), "synthetic"
+    raise UserError(f"dataset must be intel or synthetic, but got {dataset!r}.")
+
+
+# ----------------------------------------------------------------------------- indexing
+
+def find_splits(root: Path) -> tuple[str, dict[str, Path]]:
+    """Which layout a folder has: (layout name, {split: folder of class folders})."""
+    def first_dir(*candidates: Path) -> Path | None:
+        return next((c for c in candidates if c.is_dir()), None)
+
+    intel_train = first_dir(root / "seg_train" / "seg_train", root / "seg_train")
+    if intel_train is not None:
+        intel_test = first_dir(root / "seg_test" / "seg_test", root / "seg_test")
+        if intel_test is None:
+            raise UserError(f"{str(root)!r} has seg_train but no seg_test folder (Intel layout).")
+        return "intel", {"train": intel_train, "test": intel_test}
+    if (root / "train").is_dir():
+        test = first_dir(root / "test")
+        if test is None:
+            raise UserError(f"{str(root)!r} has train/ but no test/ folder; add test/<class>/ "
+                            "images or pass a folder of class folders to split automatically.")
+        splits = {"train": root / "train", "test": test}
+        if (root / "val").is_dir():
+            splits["val"] = root / "val"
+        return "train/test", splits
+    if _class_dirs(root):
+        return "class folders", {"all": root}
+    raise UserError(f"{str(root)!r} has no class folders: expected seg_train/seg_train/<class> "
+                    "(Intel), train/<class> + test/<class>, or <class>/ folders of images.")
+
+
+def _class_dirs(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith((".", "_")))
+
+
+def _image_files(folder: Path) -> list[Path]:
+    """Candidate image files below a class folder; hidden and non-image files are ignored."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in sorted(filenames):
+            if not name.startswith(".") and Path(name).suffix.lower() in IMAGE_EXTS:
+                found.append(Path(dirpath) / name)
+    return found
+
+
+def check_image(path: Path) -> str | None:
+    """None when the file decodes, else a short reason. JPEGs decode at reduced scale (fast)."""
+    try:
+        if path.stat().st_size == 0:
+            return "empty file"
+        with Image.open(path) as img:
+            img.draft("RGB", (64, 64))  # DCT-domain downscale: reads every byte, decodes 1/8
+            img.load()
+            if img.width < 1 or img.height < 1:
+                return "no pixels"
+        return None
+    except PermissionError:
+        return "unreadable (permission denied)"
+    except Image.DecompressionBombError:
+        return "too large (decompression bomb guard)"
+    except OSError as exc:
+        msg = str(exc)
+        return "truncated" if "truncated" in msg.lower() else ("not an image" if "identify" in msg else msg[:60])
+    except Exception as exc:  # PIL raises assorted errors for malformed headers
+        return f"undecodable ({type(exc).__name__})"
+
+
+def _scan_split(folder: Path, split: str, check: bool
+                ) -> tuple[dict[str, list[Path]], list[tuple[str, str]]]:
+    classes = _class_dirs(folder)
+    if not classes:
+        raise UserError(f"the {split} folder {str(folder)!r} has no class folders.")
+    per_class = {c.name: _image_files(c) for c in classes}
+    skipped: list[tuple[str, str]] = []
+    if check:
+        every = [p for files in per_class.values() for p in files]
+        with ThreadPoolExecutor(max_workers=min(8, (os.cpu_count() or 1) * 2)) as pool:
+            reasons = dict(zip(every, pool.map(check_image, every)))
+        skipped = [(str(p), r) for p, r in reasons.items() if r is not None]
+        per_class = {c: [p for p in files if reasons[p] is None] for c, files in per_class.items()}
+    for name, files in per_class.items():
+        if not files:
+            bad = sum(1 for p, _ in skipped if Path(p).parent.name == name)
+            extra = f" ({bad} undecodable files skipped)" if bad else ""
+            raise UserError(f"class {name!r} in the {split} split has no usable images{extra}.")
+    return per_class, skipped
+
+
+def _seeded_split(per_class: dict[str, list[Path]], fraction: float, seed: int
+                  ) -> tuple[dict[str, list[Path]], dict[str, list[Path]]]:
+    """Stratified split: about `fraction` of each class (at least one when it has two or more)."""
+    rng = np.random.default_rng(seed)
+    kept, held = {}, {}
+    for name, files in per_class.items():
+        order = rng.permutation(len(files))
+        n_held = min(len(files) - 1, max(1, round(fraction * len(files))))
+        held[name] = sorted(files[i] for i in order[:n_held])
+        kept[name] = sorted(files[i] for i in order[n_held:])
+    return kept, held
+
+
+def index_dataset(root: Path, name: str | None = None, *, seed: int = 0, check: bool = True,
+                  val_fraction: float = VAL_FRACTION) -> DatasetIndex:
+    """Find the layout, list and check every image, and split train/val/test."""
+    root = Path(root)
+    if not root.is_dir():
+        raise UserError(f"data folder {str(root)!r} does not exist.")
+    layout, folders = find_splits(root)
+    scanned, skipped = {}, []
+    for split, folder in folders.items():
+        scanned[split], bad = _scan_split(folder, split, check)
+        skipped += bad
+    if layout == "class folders":
+        rest, scanned["test"] = _seeded_split(scanned.pop("all"), 0.2, seed)
+        scanned["train"], scanned["val"] = _seeded_split(rest, val_fraction, seed + 1)
+    elif "val" not in scanned:
+        scanned["train"], scanned["val"] = _seeded_split(scanned["train"], val_fraction, seed)
+    classes = sorted(scanned["train"])
+    for split in ("val", "test"):
+        if sorted(scanned[split]) != classes:
+            only_train = sorted(set(classes) - set(scanned[split]))
+            only_other = sorted(set(scanned[split]) - set(classes))
+            parts = ([f"only in train: {', '.join(only_train)}"] if only_train else []) + \
+                    ([f"only in {split}: {', '.join(only_other)}"] if only_other else [])
+            raise UserError(f"train and {split} have different classes ({'; '.join(parts)}).")
+    to_samples = lambda per: [(str(p), classes.index(c)) for c in classes for p in per[c]]  # noqa: E731
+    index = DatasetIndex(name=name or root.name, root=root, layout=layout, classes=classes,
+                         train=to_samples(scanned["train"]), val=to_samples(scanned["val"]),
+                         test=to_samples(scanned["test"]), skipped=skipped)
+    if skipped:
+        examples = "; ".join(f"{Path(p).name}: {r}" for p, r in skipped[:3])
+        log.warning("skipped %d undecodable image file(s) (%s%s); counted in skipped_files.",
+                    len(skipped), examples, "; ..." if len(skipped) > 3 else "")
+    return index
+
+
+def subset(index: DatasetIndex, per_class: dict[str, int]) -> DatasetIndex:
+    """The first n images of each class in each split, e.g. {"train": 60, "val": 12, "test": 30}."""
+    def take(samples: list[Sample], n: int) -> list[Sample]:
+        counts: dict[int, int] = {}
+        out = []
+        for path, label in samples:
+            if counts.get(label, 0) < n:
+                counts[label] = counts.get(label, 0) + 1
+                out.append((path, label))
+        return out
+    return replace(index, **{split: take(getattr(index, split), n) for split, n in per_class.items()})
+
+
+# ----------------------------------------------------------------------------- loading
+
+class ImageListDataset(Dataset):
+    """Decodes (path, label) samples per item and applies a PIL transform: the seed's data path."""
+
+    def __init__(self, samples: list[Sample], transform):
+        self.samples = samples
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int):
+        path, label = self.samples[i]
+        try:
+            img = load_rgb(path)
+        except Exception as exc:
+            raise UserError(f"image {path!r} became unreadable during training "
+                            f"({type(exc).__name__}); re-run to re-index the folder.") from None
+        return self.transform(img), label
+
+
+class EpochSampler(Sampler[int]):
+    """A shuffle that is a pure function of (seed, epoch): resumed runs see the same order."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed, self.epoch = n, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        return iter(torch.randperm(self.n, generator=g).tolist())
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def make_loader(samples: list[Sample], transform, config: TrainConfig, *, train: bool,
+                batch_size: int | None = None) -> DataLoader:
+    """A DataLoader with the config's loader knobs; training loaders shuffle per epoch."""
+    batch_size = batch_size or config.batch_size
+    # Pinned pages only help host-to-GPU copies; without a GPU PyTorch warns and ignores them.
+    workers = dict(num_workers=config.num_workers,
+                   pin_memory=config.pin_memory and torch.cuda.is_available())
+    if config.num_workers > 0:
+        workers["persistent_workers"] = config.persistent_workers
+        if config.prefetch_factor is not None:
+            workers["prefetch_factor"] = config.prefetch_factor
+    dataset = ImageListDataset(samples, transform)
+    return DataLoader(dataset, batch_size=batch_size,
+                      sampler=EpochSampler(len(dataset), config.seed) if train else None,
+                      # a lone last sample would break BatchNorm in train mode
+                      drop_last=train and len(dataset) > batch_size, **workers)
+
+
+def make_loaders(index: DatasetIndex, config: TrainConfig
+                 ) -> tuple[DataLoader, DataLoader, DataLoader]:
+    """(train, val, test) loaders at config.image_size with the seed's per-sample transforms."""
+    size = config.image_size
+    return (make_loader(index.train, train_transform(size), config, train=True),
+            make_loader(index.val, eval_transform(size), config, train=False),
+            make_loader(index.test, eval_transform(size), config, train=False))
