@@ -1,0 +1,48 @@
+"""Shared fixtures: tiny generated image folders and a CPU-only, quiet environment."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+# Tests must never reach the network, even where it exists.
+os.environ.setdefault("KAGGLEHUB_CACHE", "/nonexistent-kagglehub-cache")
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def write_image(path: Path, colour: tuple[int, int, int], size: int = 32, mode: str = "RGB",
+                fmt: str | None = None, seed: int = 0) -> Path:
+    """A noisy image whose dominant colour carries its class."""
+    rng = np.random.default_rng(seed)
+    arr = np.clip(np.array(colour)[None, None, :] + rng.normal(0, 25, (size, size, 3)), 0, 255)
+    img = Image.fromarray(arr.astype(np.uint8))
+    if mode != "RGB":
+        img = img.convert(mode)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    img.save(path, format=fmt)
+    return path
+
+
+COLOURS = {"red": (200, 40, 40), "green": (40, 200, 40), "blue": (40, 40, 200)}
+
+
+def make_folder(root: Path, layout: str = "train/test", n_train: int = 12, n_test: int = 4,
+                classes=("red", "green", "blue")) -> Path:
+    """An image folder in one of the accepted layouts, learnable from colour."""
+    splits = {"intel": {"seg_train/seg_train": n_train, "seg_test/seg_test": n_test},
+              "train/test": {"train": n_train, "test": n_test},
+              "class folders": {".": n_train + n_test}}[layout]
+    for split, n in splits.items():
+        for c in classes:
+            for i in range(n):
+                write_image(root / split / c / f"{i}.jpg", COLOURS[c], seed=hash((split, c, i)) % 1000)
+    return root
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Path:
+    return make_folder(tmp_path / "data")

@@ -1,0 +1,29 @@
+"""TrainConfig checks its values up front and names the bad one."""
+import dataclasses
+
+import pytest
+
+from modules.config import TrainConfig, UserError
+
+
+@pytest.mark.parametrize("field, value", [
+    ("lr", -1e-3), ("lr", 0.0), ("lr", float("nan")), ("batch_size", 0), ("epochs", -1),
+    ("image_size", 8), ("model", "vgg99"), ("optimizer", "lion"), ("amp", "fp8"),
+    ("grad_accum_steps", 0), ("max_grad_norm", 0.0), ("weight_decay", -1.0),
+    ("num_workers", -2), ("batch_size", 2.5), ("batch_size", True),
+])
+def test_bad_values_are_refused_by_name(field, value):
+    with pytest.raises(UserError, match=field):
+        TrainConfig(**{field: value})
+
+
+def test_variants_come_from_replace_and_stay_checked():
+    base = TrainConfig()
+    assert dataclasses.replace(base, batch_size=64, grad_accum_steps=2).effective_batch_size == 128
+    with pytest.raises(UserError):
+        dataclasses.replace(base, lr=-1)
+
+
+def test_worker_options_need_workers():
+    with pytest.raises(UserError, match="prefetch_factor needs num_workers"):
+        TrainConfig(prefetch_factor=2)

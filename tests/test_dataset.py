@@ -1,0 +1,185 @@
+"""Data layer: layouts, mode conversion, bad files, clear errors, the Intel source, loaders."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from conftest import COLOURS, make_folder, write_image
+from modules import dataset
+from modules.config import TrainConfig, UserError
+from modules.dataset import (EpochSampler, index_dataset, load_rgb, make_loaders,
+                             resolve_source, subset)
+
+
+@pytest.mark.parametrize("layout", ["intel", "train/test", "class folders"])
+def test_layouts_are_found_and_split(tmp_path, layout):
+    root = make_folder(tmp_path / "d", layout=layout, n_train=10, n_test=5)
+    index = index_dataset(root, "d", seed=1)
+    assert index.layout == layout
+    assert index.classes == ["blue", "green", "red"]
+    assert len(index.train) + len(index.val) + len(index.test) == 45
+    assert index.val and index.test and index.skipped_files == 0
+    assert not {p for p, _ in index.train} & {p for p, _ in index.val}
+
+
+def test_val_folder_is_used_when_present(folder):
+    for c in COLOURS:
+        write_image(folder / "val" / c / "v.png", COLOURS[c])
+    index = index_dataset(folder)
+    assert len(index.val) == 3 and len(index.train) == 36
+
+
+def test_seeded_split_is_reproducible_and_differs_by_seed(folder):
+    a, b, c = (index_dataset(folder, seed=s) for s in (3, 3, 4))
+    assert a.val == b.val
+    assert a.val != c.val
+
+
+@pytest.mark.parametrize("mode", ["L", "P", "RGBA", "CMYK", "I;16", "1", "LA"])
+def test_any_image_mode_becomes_rgb(tmp_path, mode):
+    fmt = {"CMYK": "JPEG"}.get(mode, "PNG")
+    path = tmp_path / f"img.{fmt.lower()}"
+    if mode == "I;16":
+        arr = (np.linspace(0, 65535, 32 * 32).reshape(32, 32)).astype(np.uint16)
+        Image.fromarray(arr).save(path)
+    else:
+        write_image(path, (120, 30, 200), mode=mode, fmt=fmt)
+    img = load_rgb(path)
+    assert img.mode == "RGB" and img.size == (32, 32)
+    if mode == "I;16":  # the full 16-bit range maps onto 0..255, not clipped to white
+        arr = np.asarray(img)
+        assert arr.min() == 0 and arr.max() == 255
+
+
+def test_rgba_transparency_becomes_white(tmp_path):
+    path = tmp_path / "clear.png"
+    Image.new("RGBA", (4, 4), (0, 0, 0, 0)).save(path)
+    assert np.asarray(load_rgb(path)).min() == 255
+
+
+def test_bad_files_are_skipped_counted_and_named(folder, caplog):
+    red = folder / "train" / "red"
+    (red / "empty.jpg").write_bytes(b"")
+    good = (red / "0.jpg").read_bytes()
+    (red / "truncated.jpg").write_bytes(good[: len(good) // 2])
+    (red / "notes.jpg").write_text("not an image at all")
+    (red / "random.png").write_bytes(np.random.default_rng(0).bytes(500))
+    (red / ".DS_Store").write_bytes(b"\0\1junk")
+    (red / "Thumbs.db").write_bytes(b"junk")
+    (red / "readme.txt").write_text("ignored")
+    write_image(red / "grey.png", (90, 90, 90), mode="L")  # usable after conversion
+    with caplog.at_level(logging.WARNING):
+        index = index_dataset(folder)
+    reasons = dict((Path(p).name, r) for p, r in index.skipped)
+    assert set(reasons) == {"empty.jpg", "truncated.jpg", "notes.jpg", "random.png"}
+    assert reasons["empty.jpg"] == "empty file" and reasons["truncated.jpg"] == "truncated"
+    assert index.skipped_files == 4
+    assert any("grey.png" in p for p, _ in index.train + index.val)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "skipped 4" in warnings[0].getMessage()
+
+
+@pytest.mark.parametrize("breakage, message", [
+    ("missing", "does not exist"),
+    ("no classes", "has no class folders"),
+    ("empty class", "class 'green' in the train split has no usable images"),
+    ("all bad", "class 'green' in the train split has no usable images (12 undecodable"),
+    ("class mismatch", "only in test: yellow"),
+    ("no test", "has train/ but no test/"),
+])
+def test_clear_errors(tmp_path, breakage, message):
+    root = tmp_path / "d"
+    if breakage == "no classes":
+        (root / "train").mkdir(parents=True)
+        (root / "test").mkdir()
+    elif breakage != "missing":
+        make_folder(root)
+    if breakage == "empty class":
+        for f in (root / "train" / "green").iterdir():
+            f.unlink()
+    if breakage == "all bad":
+        for f in (root / "train" / "green").iterdir():
+            f.write_bytes(b"")
+    if breakage == "class mismatch":
+        write_image(root / "test" / "yellow" / "0.jpg", (200, 200, 0))
+    if breakage == "no test":
+        import shutil
+        shutil.rmtree(root / "test")
+    with pytest.raises(UserError, match=message.replace("(", r"\(")) as err:
+        index_dataset(root)
+    assert "\n" not in str(err.value)
+
+
+def test_intel_source_uses_the_versioned_kagglehub_handle(tmp_path, monkeypatch):
+    import kagglehub
+    fixture = make_folder(tmp_path / "kaggle", layout="intel")
+    asked = []
+    monkeypatch.setattr(kagglehub, "dataset_download", lambda h, *a, **k: asked.append(h) or str(fixture))
+    root, name = resolve_source("intel", None, tmp_path)
+    assert (root, name) == (fixture, "intel")
+    assert asked == ["puneet6060/intel-image-classification/versions/2"]
+    assert index_dataset(root, name).layout == "intel"
+
+
+def test_intel_offline_is_one_clear_line(tmp_path, monkeypatch):
+    import kagglehub
+    import requests
+
+    def offline(*_, **__):
+        raise requests.exceptions.ConnectionError("Failed to resolve 'api.kaggle.com'")
+    monkeypatch.setattr(kagglehub, "dataset_download", offline)
+    with pytest.raises(UserError) as err:
+        resolve_source("intel", None, tmp_path)
+    text = str(err.value)
+    assert "cannot be reached" in text and "--data-dir" in text and "--dataset synthetic" in text
+    assert "\n" not in text
+
+
+def test_data_dir_overrides_dataset_and_names_it(folder, tmp_path):
+    root, name = resolve_source("intel", folder, tmp_path)
+    assert root == folder and name == "data"
+
+
+def test_loaders_batch_at_the_requested_size(folder):
+    config = TrainConfig(image_size=24, batch_size=8, num_workers=0)
+    train, val, test = make_loaders(index_dataset(folder), config)
+    x, y = next(iter(train))
+    assert x.shape == (8, 3, 24, 24) and x.dtype == torch.float32 and y.dtype == torch.int64
+    assert abs(float(x.mean())) < 3  # normalised, not 0..255
+    assert len(train.dataset) + len(val.dataset) + len(test.dataset) == 48
+
+
+def test_loader_exposes_worker_knobs(folder):
+    config = TrainConfig(image_size=24, batch_size=4, num_workers=2, pin_memory=True,
+                         persistent_workers=True, prefetch_factor=3)
+    train, _, _ = make_loaders(index_dataset(folder), config)
+    assert (train.num_workers, train.pin_memory, train.persistent_workers,
+            train.prefetch_factor) == (2, torch.cuda.is_available(), True, 3)
+    assert next(iter(train))[0].shape == (4, 3, 24, 24)
+
+
+def test_epoch_sampler_order_depends_only_on_seed_and_epoch():
+    a, b = EpochSampler(50, seed=1), EpochSampler(50, seed=1)
+    a.set_epoch(3)
+    b.set_epoch(3)
+    assert list(a) == list(b) and sorted(a) == list(range(50))
+    b.set_epoch(4)
+    assert list(a) != list(b)
+
+
+def test_subset_keeps_the_first_n_per_class(folder):
+    index = subset(index_dataset(folder), {"train": 2, "test": 1})
+    assert len(index.train) == 6 and len(index.test) == 3
+    assert sorted({label for _, label in index.train}) == [0, 1, 2]
+
+
+def test_synthetic_source_generates_intel_layout(tmp_path):
+    root, name = resolve_source("synthetic", None, tmp_path, synthetic_per_class=(3, 2))
+    index = index_dataset(root, name)
+    assert name == "synthetic" and index.layout == "intel" and len(index.classes) == 6
+    assert len(index.test) == 12

@@ -1,0 +1,207 @@
+"""Each trainer feature does what it says, on tiny in-memory data (CPU, seconds)."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.data import DataLoader, TensorDataset
+
+from modules.config import TrainConfig, UserError
+from modules.dataset import EpochSampler
+from modules.trainer import (DivergedError, autocast_dtype, load_checkpoint, set_seed, train)
+
+BASE = TrainConfig(model="squeezenet1_1", weights="none", image_size=16, epochs=3, batch_size=8,
+                   lr=0.05, optimizer="sgd", scheduler="none", device="cpu", progress=False,
+                   seed=0)
+
+
+class TinyNet(nn.Module):
+    """Small and BatchNorm-free, so micro-batching is exactly equivalent to one big batch."""
+
+    def __init__(self, num_classes: int = 3):
+        super().__init__()
+        self.num_classes = num_classes
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.fc = nn.Linear(4, num_classes)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.conv(x)).mean(dim=(2, 3)))
+
+
+def colour_data(n: int = 48, seed: int = 0, shift: int = 0) -> TensorDataset:
+    """Class k has a bright channel k; `shift` relabels, to make a deliberately wrong val set."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.arange(n) % 3
+    x = torch.randn(n, 3, 16, 16, generator=g) * 0.5
+    x[torch.arange(n), y] += 1.0
+    return TensorDataset(x, (y + shift) % 3)
+
+
+def loader(data, config, train=True):
+    return DataLoader(data, batch_size=config.batch_size,
+                      sampler=EpochSampler(len(data), config.seed) if train else None)
+
+
+def fit(config=BASE, train_data=None, val_data=None, **kwargs):
+    set_seed(config.seed)
+    model = TinyNet()
+    train_data = train_data or colour_data()
+    val_data = val_data or colour_data(24, seed=1)
+    return train(model, loader(train_data, config), loader(val_data, config, False), config,
+                 **kwargs)
+
+
+def test_learns_and_records_history():
+    result = fit(dataclasses.replace(BASE, epochs=4))
+    assert result.best_val_acc > 0.8
+    assert [r["epoch"] for r in result.history] == [1, 2, 3, 4]
+    row = result.history[-1]
+    assert {"train_loss", "train_acc", "val_loss", "val_acc", "lr", "epoch_s",
+            "samples_per_s"} <= set(row)
+    assert row["samples_per_s"] > 0 and result.timing["steps"] == 4 * 6
+    assert 0 <= result.timing["data_wait_frac"] < 1
+
+
+def test_accumulation_matches_one_large_batch():
+    data = colour_data(32)
+    one = dataclasses.replace(BASE, epochs=1, batch_size=32, grad_accum_steps=1)
+    four = dataclasses.replace(BASE, epochs=1, batch_size=8, grad_accum_steps=4)
+    a, b = fit(one, data), fit(four, data)
+    for pa, pb in zip(a.model.parameters(), b.model.parameters()):
+        torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)
+
+
+def test_clipping_bounds_the_gradient_norm():
+    norms = []
+
+    def record(optimizer, args, kwargs):
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        norms.append(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item())
+    handle = register_optimizer_step_pre_hook(record)
+    try:
+        fit(dataclasses.replace(BASE, epochs=1, lr=1.0, max_grad_norm=0.01))
+        clipped = list(norms)
+        norms.clear()
+        fit(dataclasses.replace(BASE, epochs=1, lr=1.0))
+    finally:
+        handle.remove()
+    assert max(clipped) <= 0.01 * 1.0001
+    assert max(norms) > 0.05  # without clipping the same run has larger gradients
+
+
+def test_early_stopping_restores_the_best_weights():
+    snapshots = {}
+    config = dataclasses.replace(BASE, epochs=12, early_stopping_patience=2)
+    model_ref = {}
+
+    def report(epoch, metrics):
+        snapshots[epoch] = {k: v.clone() for k, v in model_ref["m"].state_dict().items()}
+
+    # The val labels are shifted, so the better the model fits train, the worse val gets.
+    set_seed(0)
+    model_ref["m"] = model = TinyNet()
+    result = train(model, loader(colour_data(), config),
+                   loader(colour_data(24, seed=1, shift=1), config, False), config, report=report)
+    assert result.stopped_early and result.epochs_run < 12
+    accs = [r["val_acc"] for r in result.history]
+    assert result.best_epoch == 1 + accs.index(max(accs)) < result.epochs_run
+    for k, v in result.model.state_dict().items():
+        torch.testing.assert_close(v, snapshots[result.best_epoch][k])
+
+
+def test_a_planted_nan_loss_is_skipped_and_counted():
+    data = colour_data()
+    data.tensors[0][5] = float("nan")  # poisons exactly one batch per epoch
+    result = fit(dataclasses.replace(BASE, epochs=2), data)
+    assert result.nonfinite_steps == 2
+    assert all(torch.isfinite(p).all() for p in result.model.parameters())
+    assert math.isfinite(result.history[-1]["train_loss"]) and result.best_val_acc > 0.6
+
+
+def test_a_diverging_run_stops_with_a_clear_message():
+    data = colour_data()
+    data.tensors[0][:] = float("inf")
+    with pytest.raises(DivergedError, match=r"diverged.*lower --lr") as err:
+        fit(dataclasses.replace(BASE, max_nonfinite_steps=3), data)
+    assert isinstance(err.value, UserError) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("scheduler", ["cosine", "onecycle"])
+def test_schedules_step_per_optimizer_step(scheduler):
+    config = dataclasses.replace(BASE, epochs=2, scheduler=scheduler, optimizer="adamw", lr=0.01)
+    lrs = [r["lr"] for r in fit(config).history]
+    assert lrs[-1] < 0.02 * config.lr  # both anneal to ~0 by the last optimizer step
+    if scheduler == "onecycle":
+        assert lrs[0] > 0.001  # warmed up towards the peak during epoch 1
+
+
+def test_resume_continues_and_matches_an_uninterrupted_run(tmp_path):
+    config = dataclasses.replace(BASE, epochs=4, optimizer="adam", lr=0.01, scheduler="cosine")
+    full = fit(config, checkpoint_path=tmp_path / "full.pt")
+
+    class Interrupted(Exception):
+        pass
+
+    def stop_after_two(epoch, metrics):
+        if epoch == 2:
+            raise Interrupted
+    with pytest.raises(Interrupted):
+        fit(config, checkpoint_path=tmp_path / "part.pt", report=stop_after_two)
+    assert load_checkpoint(tmp_path / "part.pt")["epoch"] == 2
+
+    resumed = fit(config, checkpoint_path=tmp_path / "part.pt", resume=True)
+    assert resumed.resumed_from_epoch == 2 and resumed.epochs_run == 4
+    assert [r["val_acc"] for r in resumed.history] == [r["val_acc"] for r in full.history]
+    assert [r["train_loss"] for r in resumed.history] == [r["train_loss"] for r in full.history]
+    for pa, pb in zip(full.model.parameters(), resumed.model.parameters()):
+        torch.testing.assert_close(pa, pb, rtol=0, atol=0)
+
+
+def test_resume_refuses_changed_settings(tmp_path):
+    fit(dataclasses.replace(BASE, epochs=1), checkpoint_path=tmp_path / "c.pt")
+    with pytest.raises(UserError, match="settings changed.*batch_size"):
+        fit(dataclasses.replace(BASE, epochs=1, batch_size=4), checkpoint_path=tmp_path / "c.pt",
+            resume=True)
+
+
+def test_report_sees_every_epoch_and_can_stop_training():
+    seen = []
+    fit(dataclasses.replace(BASE, epochs=3), report=lambda e, m: seen.append((e, m["val_acc"])))
+    assert [e for e, _ in seen] == [1, 2, 3] and all(0 <= a <= 1 for _, a in seen)
+
+
+def test_tensorboard_scalars_and_config_are_written(tmp_path):
+    fit(dataclasses.replace(BASE, epochs=1), run_dir=tmp_path / "run")
+    assert list((tmp_path / "run").glob("events.out.tfevents.*"))
+    assert '"batch_size": 8' in (tmp_path / "run" / "config.json").read_text()
+
+
+def test_channels_last_trains_to_the_same_result():
+    a = fit(dataclasses.replace(BASE, epochs=1))
+    b = fit(dataclasses.replace(BASE, epochs=1, channels_last=True))
+    for pa, pb in zip(a.model.parameters(), b.model.parameters()):
+        torch.testing.assert_close(pa, pb, rtol=1e-4, atol=1e-5)
+
+
+def test_autocast_policy():
+    cpu = torch.device("cpu")
+    assert autocast_dtype("off", cpu) is None
+    assert autocast_dtype("auto", cpu) is None  # no native bf16 assumed on CPU
+    assert autocast_dtype("bf16", cpu) is torch.bfloat16
+    with pytest.raises(UserError, match="fp16 needs a CUDA GPU"):
+        autocast_dtype("fp16", cpu)
+
+
+def test_bf16_autocast_trains_on_cpu():
+    result = fit(dataclasses.replace(BASE, epochs=2, amp="bf16"))
+    assert result.settings["amp_dtype"] == "bfloat16" and result.best_val_acc > 0.6
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fp16_with_grad_scaler_on_gpu():
+    result = fit(dataclasses.replace(BASE, epochs=2, amp="fp16", device="cuda"))
+    assert result.settings["amp_dtype"] == "float16" and result.best_val_acc > 0.6

@@ -1,0 +1,163 @@
+"""Tests for modules.utility: model files, prediction, the results table and the plots."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from modules.config import UserError
+from modules.models import build_model
+from modules.utility import (load_model, plot_comparison, predict, results_table, save_model,
+                             table_markdown)
+
+CLASSES = ["cat", "dog", "fish"]
+IMAGE_SIZE = 64
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture
+def saved(tmp_path):
+    """A random-init squeezenet1_1 with 3 classes, saved; returns (model, path)."""
+    torch.manual_seed(0)
+    model = build_model("squeezenet1_1", len(CLASSES), weights="none").eval()
+    path = save_model(model, tmp_path / "model.pt", arch="squeezenet1_1", class_names=CLASSES,
+                      image_size=IMAGE_SIZE, extra={"test_acc": 0.5})
+    return model, path
+
+
+def _write_images(directory):
+    rng = np.random.default_rng(0)
+    rgb = Image.fromarray(rng.integers(0, 256, (40, 50, 3), dtype=np.uint8), "RGB")
+    gray = Image.fromarray(rng.integers(0, 256, (30, 30), dtype=np.uint8), "L")
+    rgba = Image.fromarray(rng.integers(0, 256, (20, 35, 4), dtype=np.uint8), "RGBA")
+    paths = []
+    for name, img in (("rgb.png", rgb), ("gray.png", gray), ("rgba.png", rgba)):
+        img.save(directory / name)
+        paths.append(directory / name)
+    return paths
+
+
+def test_load_model_gives_identical_outputs(saved):
+    model, path = saved
+    loaded = load_model(path)
+    x = torch.randn(2, 3, IMAGE_SIZE, IMAGE_SIZE)
+    with torch.no_grad():
+        assert torch.equal(model(x), loaded(x))
+    assert not loaded.training
+    assert loaded.meta["class_names"] == CLASSES
+    assert loaded.meta["image_size"] == IMAGE_SIZE
+    assert loaded.meta["extra"] == {"test_acc": 0.5}
+
+
+def test_predict_returns_class_labels_and_normalised_probs(saved, tmp_path):
+    paths = _write_images(tmp_path)
+    results = predict(load_model(saved[1]), paths, batch_size=2)
+    assert [r["path"] for r in results] == [str(p) for p in paths]
+    for r in results:
+        assert r["label"] in CLASSES
+        assert list(r["probs"]) == CLASSES
+        assert math.isclose(sum(r["probs"].values()), 1.0, abs_tol=1e-5)
+        assert r["prob"] == max(r["probs"].values())
+
+
+def test_predict_names_undecodable_file(saved, tmp_path):
+    bad = tmp_path / "broken.png"
+    bad.write_bytes(b"not an image")
+    with pytest.raises(UserError, match="broken.png"):
+        predict(load_model(saved[1]), [bad])
+
+
+def test_saved_file_loads_with_weights_only(saved):
+    payload = torch.load(saved[1], weights_only=True)
+    assert payload["arch"] == "squeezenet1_1"
+    assert payload["class_names"] == CLASSES
+    assert all(t.device.type == "cpu" for t in payload["state_dict"].values())
+
+
+def test_save_strips_compile_and_ddp_prefixes(tmp_path):
+    model = build_model("squeezenet1_1", 3, weights="none")
+
+    class Wrapper(torch.nn.Module):  # stands in for torch.compile's OptimizedModule
+        def __init__(self, inner):
+            super().__init__()
+            self._orig_mod = inner
+
+    path = save_model(Wrapper(model), tmp_path / "m.pt", arch="squeezenet1_1",
+                      class_names=CLASSES, image_size=IMAGE_SIZE)
+    keys = torch.load(path, weights_only=True)["state_dict"].keys()
+    assert set(keys) == set(model.state_dict().keys())
+    assert not list(tmp_path.glob("*.tmp"))  # the atomic write leaves no temp file
+
+
+def test_load_model_rejects_non_model_file(tmp_path):
+    other = tmp_path / "notes.pt"
+    torch.save({"weights": [1, 2, 3]}, other)
+    with pytest.raises(UserError, match="not a model saved by save_model"):
+        load_model(other)
+    with pytest.raises(UserError, match="no such model file"):
+        load_model(tmp_path / "missing.pt")
+    text = tmp_path / "text.pt"
+    text.write_text("hello")
+    with pytest.raises(UserError, match="not a readable PyTorch file"):
+        load_model(text)
+
+
+def test_results_table_formats_percentages_and_na():
+    rows = [
+        {"scenario": "baseline", "train_acc": 0.9, "test_acc": 0.8766, "train_loss": 0.31234,
+         "gpu_util_pct": None, "cpu_util_pct": 55.0, "epochs": 3, "settings": {"lr": 1e-3}},
+        {"scenario": "fast", "test_acc": 0.5, "gpu_util_pct": 0.0},
+    ]
+    df = results_table(rows)
+    assert list(df.index) == ["baseline", "fast"]
+    assert df.loc["baseline", "Train Acc (%)"] == "90.0"
+    assert df.loc["baseline", "Test Acc (%)"] == "87.7"
+    assert df.loc["baseline", "Train Loss"] == "0.3123"
+    assert df.loc["baseline", "GPU Util (%)"] == "n/a"
+    assert df.loc["fast", "GPU Util (%)"] == "0.0"  # a measured zero stays zero
+    assert df.loc["fast", "Wall (s)"] == "n/a"  # missing key
+    for header in ("Best Resolution", "CPU Exec (us)", "Step (ms)", "Throughput (img/s)",
+                   "Peak Mem (MB)", "Data Wait (%)"):
+        assert header in df.columns
+
+
+def test_table_markdown_shape():
+    df = results_table([{"scenario": "a", "test_acc": 0.5},
+                        {"scenario": "b|c", "diagnosis": "slow\ndata"}])
+    lines = table_markdown(df).splitlines()
+    assert len(lines) == 2 + len(df)
+    assert lines[0].startswith("| Scenario | Train Acc (%)")
+    assert set(lines[1]) <= set("|-")
+    # Every row has the same number of cells, even with a "|" and a newline in a value.
+    cells = [len(line.replace("\\|", "").split("|")) for line in lines]
+    assert len(set(cells)) == 1 and cells[0] == len(df.columns) + 3
+
+
+def test_plot_comparison_writes_png_and_html(tmp_path):
+    histories = {
+        "baseline": [{"epoch": 1, "train_loss": 1.2, "val_loss": 1.3, "train_acc": 0.4,
+                      "val_acc": 0.35},
+                     {"epoch": 2, "train_loss": 0.9, "val_loss": None, "train_acc": 0.6,
+                      "val_acc": float("nan")}],
+        "amp": [{"epoch": 1, "train_loss": 1.1, "val_loss": 1.2, "train_acc": 0.45,
+                 "val_acc": 0.4}],
+    }
+    paths = plot_comparison(histories, tmp_path / "plots")
+    names = {p.name for p in paths}
+    assert {"training_loss_comparison.png", "training_accuracy_comparison.png",
+            "training_comparison.html"} <= names
+    for p in paths:
+        if p.suffix == ".png":
+            data = p.read_bytes()
+            assert data.startswith(PNG_MAGIC) and len(data) > 10_000
+    html = (tmp_path / "plots" / "training_comparison.html").read_text(encoding="utf-8")
+    assert 'src="plotly.min.js"' in html and "cdn.plot.ly" not in html
+    assert (tmp_path / "plots" / "plotly.min.js").stat().st_size > 100_000
+
+
+def test_plot_comparison_empty_writes_nothing(tmp_path):
+    assert plot_comparison({}, tmp_path / "plots") == []
+    assert not (tmp_path / "plots").exists()
