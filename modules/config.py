@@ -12,6 +12,8 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 MODELS = ("squeezenet1_1", "resnet18", "mobilenet_v3_small")
+# Smallest input side, pixels, whose feature map survives each model's downsampling.
+MIN_IMAGE_SIZE = {"squeezenet1_1": 17, "resnet18": 16, "mobilenet_v3_small": 16}
 OPTIMIZERS = ("adam", "adamw", "sgd")
 SCHEDULERS = ("cosine", "onecycle", "none")
 AMP_MODES = ("auto", "off", "fp16", "bf16")
@@ -61,7 +63,7 @@ class TrainConfig:
         _choice("scheduler", self.scheduler, SCHEDULERS)
         _choice("amp", self.amp, AMP_MODES)
         _choice("device", self.device, ("auto", "cpu", "cuda"))
-        _positive_int("image_size", self.image_size, low=16, high=2048)
+        _positive_int("image_size", self.image_size, low=MIN_IMAGE_SIZE[self.model], high=2048)
         _positive_int("epochs", self.epochs, high=100_000)
         _positive_int("batch_size", self.batch_size, high=1 << 20)
         _positive_int("grad_accum_steps", self.grad_accum_steps, high=1 << 16)

@@ -157,12 +157,13 @@ def _cpu_state(module: nn.Module) -> dict[str, torch.Tensor]:
 def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
           run_dir: str | os.PathLike | None = None,
           checkpoint_path: str | os.PathLike | None = None, resume: bool = False,
-          report: Report | None = None) -> TrainResult:
+          report: Report | None = None, profiler=None) -> TrainResult:
     """Train `model` in place; return it with the weights of its best validation epoch.
 
     run_dir: TensorBoard scalars and the run's config.json go here.
     checkpoint_path: state after every epoch; with resume=True training continues from it.
     report(epoch, metrics): called after every epoch (1-based); may raise to stop (pruning).
+    profiler: anything with step() (modules.profiler.TorchProfiler), stepped once per batch.
     """
     started = time.perf_counter()
     device = resolve_device(config.device)
@@ -271,6 +272,8 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
             timing["step_s"] += t3 - t0
             timing["steps"] += 1
             timing["samples"] += y.shape[0]
+            if profiler is not None:
+                profiler.step()
             bar.update(1)
         bar.close()
         train_s = time.perf_counter() - epoch_start
@@ -324,9 +327,11 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
         model.load_state_dict(best["state"])
     best_row = next((r for r in history if r["epoch"] == best["epoch"]), None)
     steps = max(1, timing["steps"])
+    step_s = timing["step_s"] or float("nan")
     timing.update(avg_step_ms=1000 * timing["step_s"] / steps,
-                  data_wait_frac=timing["data_wait_s"] / timing["step_s"] if timing["step_s"] else 0.0,
-                  samples_per_s=timing["samples"] / timing["step_s"] if timing["step_s"] else 0.0,
+                  data_wait_frac=timing["data_wait_s"] / step_s,
+                  h2d_frac=timing["h2d_s"] / step_s,
+                  samples_per_s=timing["samples"] / step_s,
                   cpu_exec_us=1e6 * timing["cpu_s"] / steps)
     return TrainResult(
         model=model, history=history, best_epoch=best["epoch"], best_val_acc=max(best["acc"], 0.0),

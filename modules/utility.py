@@ -336,7 +336,7 @@ _COLUMNS = (
     ("data_wait_frac", "Data Wait (%)", "pct"),
     ("wall_s", "Wall (s)", "1f"),
     ("skipped_files", "Skipped Files", "int"),
-    ("diagnosis", "Diagnosis", "text"),
+    ("diagnosis", "Bottleneck", "diagnosis"),
 )
 
 
@@ -359,7 +359,9 @@ def results_table(rows: list[dict]):
 def _cell(value: Any, kind: str) -> str:
     if value is None:
         return NA
-    if kind == "text" or isinstance(value, bool) or not isinstance(value, (int, float)):
+    if kind == "diagnosis" and isinstance(value, dict):  # modules.profiler.diagnose's result
+        return str(value.get("bottleneck", NA))
+    if kind in ("text", "diagnosis") or isinstance(value, bool) or not isinstance(value, (int, float)):
         return str(value)
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)  # a diverged loss shows as nan/inf rather than vanishing

@@ -1,0 +1,230 @@
+"""The profiler writes a trace, the sampler reads sane numbers, and `diagnose` names constructed and
+really measured bottlenecks (CPU, seconds). No assertion depends on this machine's speed."""
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch import nn
+from torch.profiler import record_function
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+from modules.config import UserError
+from modules.profiler import (BOTTLENECKS, KEY_AVERAGES_TXT, SystemSampler, TorchProfiler,
+                              diagnose, native_bf16_cpu)
+
+REGIONS = ("data_wait", "h2d", "forward", "backward", "optimizer_step")
+CORES = 2
+
+
+def run_steps(loader, model: nn.Module, n_steps: int, profiler=None) -> dict[str, float]:
+    """A training loop shaped like the trainer's; returns its measured step-time breakdown."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    batches = iter(loader)
+    wait_s = step_s = 0.0
+    for _ in range(n_steps):
+        t0 = time.perf_counter()
+        with record_function("data_wait"):
+            x, y = next(batches)
+        t1 = time.perf_counter()
+        with record_function("h2d"):
+            x, y = x.to("cpu"), y.to("cpu")
+        with record_function("forward"):
+            loss = nn.functional.cross_entropy(model(x), y)
+        with record_function("backward"):
+            loss.backward()
+        with record_function("optimizer_step"):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        t2 = time.perf_counter()
+        wait_s += t1 - t0
+        step_s += t2 - t0
+        if profiler is not None:
+            profiler.step()
+    return {"data_wait_frac": wait_s / step_s, "avg_step_ms": 1000 * step_s / n_steps,
+            "samples_per_s": n_steps * len(y) / step_s}
+
+
+def tiny_loader(n: int = 48, size: int = 8, batch: int = 8) -> DataLoader:
+    x = torch.randn(n, 3, size, size)
+    return DataLoader(TensorDataset(x, torch.arange(n) % 3), batch_size=batch)
+
+
+def tiny_model(size: int = 8) -> nn.Module:
+    return nn.Sequential(nn.Flatten(), nn.Linear(3 * size * size, 3))
+
+
+# ----------------------------------------------------------------------------- TorchProfiler
+
+def test_profiler_trace_holds_the_five_regions_and_key_averages(tmp_path):
+    with TorchProfiler(tmp_path, wait=1, warmup=1, active=3) as prof:
+        run_steps(tiny_loader(), tiny_model(), 6, prof)
+    traces = list(tmp_path.glob("*.pt.trace.json"))
+    assert len(traces) == 1
+    names = {e.get("name") for e in json.loads(traces[0].read_text())["traceEvents"]}
+    assert set(REGIONS) <= names
+    table = (tmp_path / KEY_AVERAGES_TXT).read_text()
+    assert "Self CPU" in table and "forward" in table
+
+
+def test_disabled_profiler_writes_nothing(tmp_path):
+    out = tmp_path / "trace"
+    with TorchProfiler(out, enabled=False) as prof:
+        run_steps(tiny_loader(), tiny_model(), 6, prof)
+    assert not out.exists()
+
+
+def test_profiler_run_too_short_for_the_schedule_logs_instead_of_crashing(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="modules.profiler"):
+        with TorchProfiler(tmp_path, wait=1, warmup=1, active=3) as prof:
+            run_steps(tiny_loader(), tiny_model(), 1, prof)
+    assert not list(tmp_path.glob("*.pt.trace.json"))
+    assert "no trace written" in caplog.text
+
+
+def test_profiler_rejects_a_bad_schedule(tmp_path):
+    with pytest.raises(UserError, match="active"):
+        TorchProfiler(tmp_path, active=0)
+
+
+# ----------------------------------------------------------------------------- SystemSampler
+
+def busy(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        sum(i * i for i in range(1000))
+
+
+def test_sampler_readings_are_in_range_and_gpu_is_none_without_cuda():
+    with SystemSampler(interval_s=0.5) as sampler:
+        busy(1.5)
+    s = sampler.summary()
+    assert s["n_samples"] >= 2
+    assert 0 <= s["cpu_util_pct"] <= 100
+    assert s["process_cpu_pct"] >= 0
+    assert s["ram_peak_mb"] > 0
+    if not torch.cuda.is_available():
+        assert s["gpu_util_pct"] is None and s["gpu_mem_peak_mb"] is None
+
+
+def test_sampler_counts_cpu_time_of_child_processes():
+    # The child burns a fixed amount of CPU time (not wall time), so the bound holds on a busy
+    # machine; it then sleeps so the sampler's last reading still sees it alive.
+    burn = ("import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass\n"
+            "print('done', flush=True)\ntime.sleep(30)\n")
+    with SystemSampler(interval_s=0.1) as sampler:
+        child = subprocess.Popen([sys.executable, "-c", burn], stdout=subprocess.PIPE, text=True)
+        try:
+            assert child.stdout.readline().strip() == "done"
+            sampler.stop()
+        finally:
+            child.kill()
+            child.wait()
+    assert sampler.summary()["process_cpu_s"] >= 0.4
+
+
+def test_sampler_with_a_short_scenario_still_has_one_sample():
+    with SystemSampler(interval_s=10) as sampler:
+        pass
+    assert sampler.summary()["n_samples"] == 1
+
+
+# ----------------------------------------------------------------------------- diagnose
+
+def test_input_bound_quotes_the_wait_and_the_workers():
+    d = diagnose({"data_wait_frac": 0.7, "num_workers": 2, "cpu_count": 2, "avg_step_ms": 120,
+                  "device": "cpu", "cached_decode": False})
+    assert d["bottleneck"] == "input-bound"
+    assert any("70%" in r and "2 workers on 2 cores" in r for r in d["recommendations"])
+    assert not any("Raise num_workers" in r for r in d["recommendations"])  # already one per core
+    assert 1 <= len(d["recommendations"]) <= 3
+
+
+def test_compute_bound_cpu_mentions_channels_last_and_bf16():
+    d = diagnose({"data_wait_frac": 0.02, "h2d_frac": 0.01, "avg_step_ms": 85,
+                  "samples_per_s": 376, "device": "cpu", "channels_last": False,
+                  "amp_dtype": "fp32", "native_bf16": False})
+    assert d["bottleneck"] == "compute-bound"
+    text = " ".join(d["recommendations"])
+    assert "channels_last" in text and "bf16" in text and "2%" in text
+
+
+def test_memory_bound_from_peak_memory_or_allocator_retries():
+    d = diagnose({"peak_mem_mb": 7600, "mem_limit_mb": 8000, "device": "cuda", "batch_size": 64,
+                  "data_wait_frac": 0.6})
+    assert d["bottleneck"] == "memory-bound"  # outranks the input wait
+    assert any("95%" in r and "64" in r for r in d["recommendations"])
+    assert diagnose({"alloc_retries": 3, "device": "cuda"})["bottleneck"] == "memory-bound"
+
+
+def test_transfer_bound_recommends_pinned_memory():
+    d = diagnose({"data_wait_frac": 0.05, "h2d_frac": 0.25, "avg_step_ms": 40, "device": "cuda"})
+    assert d["bottleneck"] == "transfer-bound"
+    assert any("pin_memory" in r and "25%" in r for r in d["recommendations"])
+
+
+def test_overhead_bound_from_a_tiny_step_or_an_idle_gpu():
+    d = diagnose({"data_wait_frac": 0.05, "avg_step_ms": 1.2, "device": "cuda", "batch_size": 8})
+    assert d["bottleneck"] == "overhead-bound"
+    assert any("1.20 ms" in r for r in d["recommendations"])
+    d = diagnose({"data_wait_frac": 0.02, "avg_step_ms": 30, "device": "cuda", "gpu_util_pct": 20})
+    assert d["bottleneck"] == "overhead-bound" and "20%" in d["summary"]
+
+
+def test_diagnose_all_none_does_not_crash():
+    keys = ("data_wait_frac", "h2d_frac", "avg_step_ms", "samples_per_s", "batch_size", "device",
+            "gpu_util_pct", "cpu_util_pct", "peak_mem_mb", "mem_limit_mb", "alloc_retries",
+            "num_workers", "cpu_count", "channels_last", "amp_dtype", "native_bf16",
+            "cached_decode")
+    for figures in ({k: None for k in keys}, {}, {"data_wait_frac": float("nan")}):
+        d = diagnose(figures)
+        assert d["bottleneck"] in BOTTLENECKS and d["summary"] and d["recommendations"]
+
+
+def test_native_bf16_cpu_is_a_bool():
+    assert isinstance(native_bf16_cpu(), bool)
+
+
+# ----------------------------------------------------------------------------- end to end
+
+class SlowDataset(Dataset):
+    """Stands in for slow JPEG decoding: 20 ms per item."""
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, i):
+        time.sleep(0.02)
+        return torch.randn(3, 8, 8), i % 3
+
+
+def figures(measured: dict[str, float]) -> dict:
+    return {**measured, "device": "cpu", "num_workers": 0, "cpu_count": CORES, "batch_size": 4,
+            "channels_last": False, "amp_dtype": "fp32", "native_bf16": False}
+
+
+def test_end_to_end_slow_input_is_input_bound():
+    loader = DataLoader(SlowDataset(), batch_size=4)
+    measured = run_steps(loader, tiny_model(), 6)
+    assert measured["data_wait_frac"] > 0.5
+    assert diagnose(figures(measured))["bottleneck"] == "input-bound"
+
+
+def test_end_to_end_in_memory_data_with_a_conv_model_is_compute_bound():
+    torch.manual_seed(0)
+    loader = tiny_loader(n=48, size=32, batch=8)
+    model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(),
+                          nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
+                          nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 3))
+    measured = run_steps(loader, model, 6)
+    assert measured["data_wait_frac"] < 0.1
+    d = diagnose(figures(measured))
+    assert d["bottleneck"] == "compute-bound"
+    assert "channels_last" in " ".join(d["recommendations"])
+
