@@ -14,7 +14,7 @@ from modules.config import TrainConfig, UserError
 from modules.dataset import EpochSampler
 from modules.trainer import (DivergedError, autocast_dtype, load_checkpoint, set_seed, train)
 
-BASE = TrainConfig(model="squeezenet1_1", weights="none", image_size=16, epochs=3, batch_size=8,
+BASE = TrainConfig(model="resnet18", weights="none", image_size=16, epochs=3, batch_size=8,
                    lr=0.05, optimizer="sgd", scheduler="none", device="cpu", progress=False,
                    seed=0)
 

@@ -1,0 +1,354 @@
+"""The command line and its scenarios: `python pipeline.py --help`. The notebook calls the same
+functions (`build_parser`, `run`)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+from modules.config import MODELS, TrainConfig, UserError
+from modules.dataset import DatasetIndex, index_dataset, make_loaders, resolve_source, subset
+from modules.models import build_model
+from modules.report import write_report
+from modules.profiler import SystemSampler, TorchProfiler, diagnose, native_bf16_cpu
+from modules.trainer import TrainResult, autocast_dtype, resolve_device, set_seed, train
+from modules.utility import (evaluate, load_model, plot_comparison, results_table, save_model,
+                             table_markdown)
+
+log = logging.getLogger("pipeline")
+
+SCENARIOS = ("baseline",)
+# --quick: images per class and split, and epochs; small enough for minutes on a 2-core CPU.
+QUICK_PER_CLASS = {"train": 200, "val": 20, "test": 40}
+QUICK_EPOCHS = 15
+QUICK_IMAGE_SIZE = {"cpu": 64, "cuda": 150}   # pixels; CPU time grows with the square
+SYNTHETIC_PER_CLASS = (400, 100)              # train, test images per class when generated
+QUICK_SYNTHETIC_PER_CLASS = (QUICK_PER_CLASS["train"] + QUICK_PER_CLASS["val"],
+                             QUICK_PER_CLASS["test"])
+
+
+# ----------------------------------------------------------------------------- options
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, no usage block
+        raise UserError(f"{message} (see python pipeline.py --help)")
+
+
+def _bounded(kind, low, high=None, strict=False):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if isinstance(value, float) and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+        if value < low or (strict and value == low) or (high is not None and value > high):
+            rng = f"> {low}" if strict else f">= {low}"
+            rng += f" and <= {high}" if high is not None else ""
+            raise argparse.ArgumentTypeError(f"must be {rng}, got {text!r}")
+        return value
+    return parse
+
+
+def _scenario_list(text: str) -> list[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [s for s in names if s not in SCENARIOS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown scenario {', '.join(unknown) if unknown else repr(text)}; available: "
+            f"{', '.join(SCENARIOS)}")
+    return names
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="pipeline.py", description="Train an image classifier on this machine's "
+                "hardware and write results, plots, model and logs to --output-dir.")
+    data = p.add_argument_group("data")
+    data.add_argument("--dataset", choices=("synthetic", "intel"), default="synthetic",
+                      help="synthetic: generated offline (default); intel: Kaggle's Intel Image "
+                           "Classification via kagglehub")
+    data.add_argument("--data-dir", metavar="PATH", help="any image folder: Intel's layout, "
+                      "train/<class> + test/<class> (+ val/), or <class>/ folders; overrides --dataset")
+    run = p.add_argument_group("run")
+    run.add_argument("--scenarios", type=_scenario_list, default=list(SCENARIOS),
+                     help=f"comma-separated, run in order (default: {','.join(SCENARIOS)})")
+    run.add_argument("--quick", action="store_true",
+                     help="smoke preset: small subset, few epochs, device-sized images")
+    run.add_argument("--output-dir", default="others", metavar="DIR")
+    run.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    run.add_argument("--resume", action="store_true",
+                     help="continue interrupted scenarios from their checkpoints")
+    run.add_argument("--seed", type=_bounded(int, 0), default=42)
+    run.add_argument("--profile", action="store_true",
+                     help="write torch.profiler traces of a few steps to DIR/profiler/<scenario>")
+    run.add_argument("--no-progress", action="store_true", help="no progress bars")
+    train_ = p.add_argument_group("training (override the scenario defaults)")
+    train_.add_argument("--model", choices=MODELS, default="squeezenet1_1")
+    train_.add_argument("--weights", default="imagenet", metavar="none|imagenet|PATH",
+                        help="initial weights (default imagenet, random when unreachable)")
+    train_.add_argument("--epochs", type=_bounded(int, 1, 100_000))
+    train_.add_argument("--image-size", type=_bounded(int, 16, 2048))
+    train_.add_argument("--batch-size", type=_bounded(int, 1, 1 << 20))
+    train_.add_argument("--lr", type=_bounded(float, 0.0, 10.0, strict=True))
+    train_.add_argument("--grad-accum-steps", type=_bounded(int, 1, 1 << 16))
+    train_.add_argument("--max-grad-norm", type=_bounded(float, 0.0, strict=True))
+    train_.add_argument("--early-stopping", type=_bounded(int, 1), metavar="PATIENCE",
+                        help="stop after PATIENCE epochs without a better val accuracy")
+    train_.add_argument("--amp", choices=("auto", "off", "fp16", "bf16"))
+    train_.add_argument("--channels-last", action="store_true",
+                        help="NHWC memory format for the model and inputs")
+    train_.add_argument("--compile", action="store_true", help="torch.compile the model")
+    train_.add_argument("--num-workers", type=_bounded(int, 0, 256))
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    if args.data_dir is not None and not Path(args.data_dir).expanduser().is_dir():
+        raise UserError(f"--data-dir {args.data_dir!r} does not exist or is not a folder.")
+    if args.weights not in ("none", "imagenet") and not Path(args.weights).is_file():
+        raise UserError(f"--weights must be none, imagenet or an existing file, but got "
+                        f"{args.weights!r}.")
+    device = resolve_device(args.device)  # --device cuda without a GPU fails here
+    for name in args.scenarios:  # so does any value TrainConfig refuses, before any work
+        scenario_config(name, args, device)
+    return args
+
+
+# ----------------------------------------------------------------------------- scenarios
+
+def scenario_config(name: str, args: argparse.Namespace, device: torch.device) -> TrainConfig:
+    """The scenario's defaults, then the user's overrides."""
+    if name != "baseline":
+        raise UserError(f"unknown scenario {name!r}")
+    # The seed notebook's unoptimised setup: fp32, NCHW, batch 32, Adam 1e-3, cosine,
+    # per-sample PIL transforms every epoch, a default single-process DataLoader.
+    config = TrainConfig(model=args.model, weights=args.weights, image_size=150, epochs=10,
+                         batch_size=32, lr=1e-3, optimizer="adam", scheduler="cosine", amp="off",
+                         channels_last=False, num_workers=0, seed=args.seed,
+                         device=device.type, progress=not args.no_progress)
+    if args.quick:
+        config = dataclasses.replace(config, epochs=QUICK_EPOCHS,
+                                     image_size=QUICK_IMAGE_SIZE[device.type])
+    overrides = {"epochs": args.epochs, "image_size": args.image_size,
+                 "batch_size": args.batch_size, "lr": args.lr,
+                 "grad_accum_steps": args.grad_accum_steps, "max_grad_norm": args.max_grad_norm,
+                 "early_stopping_patience": args.early_stopping, "amp": args.amp,
+                 "compile": args.compile or None, "channels_last": args.channels_last or None,
+                 "num_workers": args.num_workers}
+    return dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def load_data(args: argparse.Namespace, output_dir: Path) -> DatasetIndex:
+    per_class = QUICK_SYNTHETIC_PER_CLASS if args.quick else SYNTHETIC_PER_CLASS
+    root, name = resolve_source(args.dataset, args.data_dir, output_dir / "data", per_class)
+    index = index_dataset(root, name, seed=args.seed)
+    if args.quick:
+        index = subset(index, QUICK_PER_CLASS)
+    log.info("data: %s", index.summary())
+    return index
+
+
+def run_scenario(name: str, args: argparse.Namespace, index: DatasetIndex, output_dir: Path,
+                 device: torch.device) -> dict[str, Any]:
+    config = scenario_config(name, args, device)
+    log.info("== scenario %s: %s, %d px, batch %d, %d epochs on %s", name, config.model,
+             config.image_size, config.batch_size, config.epochs, device)
+    set_seed(config.seed)
+    model = build_model(config.model, len(index.classes), config.weights)
+    train_loader, val_loader, test_loader = make_loaders(index, config)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    profiler = TorchProfiler(output_dir / "profiler" / name, enabled=args.profile)
+    with SystemSampler(cuda_device=_cuda_index(device)) as sampler, profiler:
+        result = train(model, train_loader, val_loader, config, run_dir=output_dir / "runs" / name,
+                       checkpoint_path=output_dir / "checkpoints" / f"{name}.pt",
+                       resume=args.resume, profiler=profiler)
+        test = evaluate(result.model, test_loader, device=device,
+                        amp_dtype=autocast_dtype(config.amp, device),
+                        channels_last=config.channels_last, num_classes=len(index.classes))
+    system = sampler.summary()
+    row = result_row(name, config, result, test, index, device, system)
+    log.info("%s: test accuracy %.1f%% (val %.1f%% at epoch %d) in %.0f s", name,
+             100 * row["test_acc"], 100 * row["val_acc"], row["best_epoch"], row["wall_s"])
+    log.info("%s: %s", name, row["diagnosis"]["summary"])
+    _keep_best_model(result, config, index, row, output_dir)
+    return row
+
+
+def _cuda_index(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def result_row(name: str, config: TrainConfig, result: TrainResult, test: dict[str, Any],
+               index: DatasetIndex, device: torch.device, system: dict[str, Any]
+               ) -> dict[str, Any]:
+    """The scenario's results.json object: accuracy, timing, hardware figures, diagnosis."""
+    best = next((r for r in result.history if r["epoch"] == result.best_epoch), {})
+    t = result.timing
+    if device.type == "cuda":
+        peak_mb = torch.cuda.max_memory_allocated(device) / 2**20
+        mem_limit_mb = torch.cuda.get_device_properties(device).total_memory / 2**20
+        alloc_retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+    else:  # resident memory of this process and its DataLoader workers, sampled
+        peak_mb = system.get("ram_peak_mb")
+        mem_limit_mb = psutil.virtual_memory().total / 2**20
+        alloc_retries = None
+    row = {
+        "scenario": name, "dataset": index.name, "model": config.model,
+        "train_acc": best.get("train_acc"), "train_loss": best.get("train_loss"),
+        "val_acc": best.get("val_acc"), "val_loss": best.get("val_loss"),
+        "test_acc": test["acc"], "test_loss": test["loss"],
+        "per_class_test_acc": dict(zip(index.classes, test["per_class_acc"])),
+        "confusion_matrix": test["confusion"],
+        "best_resolution": config.image_size, "epochs": result.epochs_run,
+        "best_epoch": result.best_epoch,
+        "avg_step_ms": t.get("avg_step_ms"), "samples_per_s": t.get("samples_per_s"),
+        "data_wait_frac": t.get("data_wait_frac"), "h2d_frac": t.get("h2d_frac"),
+        "cpu_exec_us": t.get("cpu_exec_us"),
+        "gpu_util_pct": system.get("gpu_util_pct"), "cpu_util_pct": system.get("cpu_util_pct"),
+        "process_cpu_pct": system.get("process_cpu_pct"),
+        "peak_mem_mb": peak_mb, "gpu_mem_peak_mb": system.get("gpu_mem_peak_mb"),
+        "energy_j": system.get("energy_j"),
+        "wall_s": result.wall_s, "time_to_best_s": result.time_to_best_s,
+        "skipped_files": index.skipped_files, "nonfinite_steps": result.nonfinite_steps,
+        "stopped_early": result.stopped_early, "resumed_from_epoch": result.resumed_from_epoch,
+        "settings": {**config.to_dict(), **result.settings},
+        "history": result.history,
+    }
+    row["diagnosis"] = diagnose({
+        **{k: row[k] for k in ("data_wait_frac", "h2d_frac", "avg_step_ms", "samples_per_s",
+                               "gpu_util_pct", "cpu_util_pct", "peak_mem_mb")},
+        "batch_size": config.batch_size, "device": device.type, "mem_limit_mb": mem_limit_mb,
+        "alloc_retries": alloc_retries, "num_workers": config.num_workers,
+        "cpu_count": os.cpu_count(), "channels_last": config.channels_last,
+        "amp_dtype": result.settings.get("amp_dtype"),
+        "native_bf16": native_bf16_cpu() if device.type == "cpu" else None,
+        "cached_decode": False})
+    return row
+
+
+def _keep_best_model(result: TrainResult, config: TrainConfig, index: DatasetIndex,
+                     row: dict[str, Any], output_dir: Path) -> None:
+    """Save this scenario's model as <dataset>_model.pt unless a better one is already there."""
+    path = output_dir / f"{index.name}_model.pt"
+    if path.exists():
+        try:
+            previous = load_model(path).meta.get("extra", {})
+        except UserError:
+            previous = {}
+        if previous.get("dataset") == index.name and \
+                (previous.get("test_acc") or 0) > row["test_acc"] and \
+                previous.get("scenario") != row["scenario"]:
+            return
+    save_model(result.model, path, arch=config.model, class_names=index.classes,
+               image_size=config.image_size,
+               extra={"scenario": row["scenario"], "dataset": index.name,
+                      "test_acc": row["test_acc"], "val_acc": row["val_acc"]})
+    log.info("saved the best model so far to %s", path)
+
+
+# ----------------------------------------------------------------------------- outputs
+
+def _json_safe(value):
+    """NaN and inf become null: a diverged number must never read as a score."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def write_json(path: Path, data) -> None:
+    """Atomic: readers see the old file or the new one, never half of one."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(_json_safe(data), f, indent=2, allow_nan=False)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def merge_results(path: Path, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Earlier rows of the same dataset stay; a scenario run again replaces its row."""
+    try:
+        old = json.loads(path.read_text()) if path.exists() else []
+    except (OSError, json.JSONDecodeError):
+        old = []
+    names = {r["scenario"] for r in rows}
+    datasets = {r["dataset"] for r in rows}
+    kept = [r for r in old if isinstance(r, dict) and r.get("scenario") not in names
+            and r.get("dataset") in datasets]
+    return kept + rows
+
+
+def write_outputs(rows: list[dict[str, Any]], output_dir: Path) -> list[dict[str, Any]]:
+    results = merge_results(output_dir / "results.json", rows)
+    write_json(output_dir / "results.json", results)
+    plot_comparison({r["scenario"]: r["history"] for r in results}, output_dir)
+    write_report(results, output_dir)
+    print(table_markdown(results_table(results)))
+    return results
+
+
+def prepare_output_dir(path: str) -> Path:
+    out = Path(path).expanduser()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".write_test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as exc:
+        raise UserError(f"cannot write to output dir {str(out)!r} ({exc.strerror or exc}).") from None
+    return out
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every requested scenario in order; returns the results rows."""
+    output_dir = prepare_output_dir(args.output_dir)
+    device = resolve_device(args.device)
+    index = load_data(args, output_dir)
+    rows = [run_scenario(name, args, index, output_dir, device) for name in args.scenarios]
+    return write_outputs(rows, output_dir)
+
+
+def _setup_logging() -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+    logging.addLevelName(logging.WARNING, "warning")
+    logging.addLevelName(logging.INFO, "info")
+    logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    _setup_logging()
+    started = time.perf_counter()
+    try:
+        args = parse_args(argv)
+        run(args)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: rerun the same command with --resume to continue.", file=sys.stderr)
+        return 130
+    log.info("done in %.0f s; outputs in %s", time.perf_counter() - started, args.output_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

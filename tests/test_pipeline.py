@@ -1,0 +1,151 @@
+"""The command end to end: options, outputs, clear errors, resume."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import pipeline
+from conftest import COLOURS, make_folder, write_image
+from modules.utility import load_model, predict
+
+ROOT = Path(__file__).resolve().parents[1]
+ROW_FIELDS = {"scenario", "train_acc", "train_loss", "test_acc", "best_resolution", "epochs",
+              "avg_step_ms", "samples_per_s", "gpu_util_pct", "cpu_util_pct", "cpu_exec_us",
+              "peak_mem_mb", "data_wait_frac", "wall_s", "diagnosis", "skipped_files", "settings"}
+
+
+def run_main(*argv: str) -> int:
+    return pipeline.main(list(argv))
+
+
+@pytest.fixture
+def small(tmp_path):
+    data = make_folder(tmp_path / "colours", n_train=16, n_test=6)
+    (data / "train" / "red" / "broken.jpg").write_bytes(b"")
+    return data
+
+
+def test_baseline_end_to_end_on_a_folder(small, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert run_main("--data-dir", str(small), "--epochs", "3", "--image-size", "32",
+                    "--batch-size", "8", "--weights", "none", "--no-progress",
+                    "--output-dir", str(out)) == 0
+    rows = json.loads((out / "results.json").read_text())
+    assert [r["scenario"] for r in rows] == ["baseline"]
+    row = rows[0]
+    assert ROW_FIELDS <= set(row)
+    assert row["skipped_files"] == 1 and row["best_resolution"] == 32 and row["epochs"] == 3
+    assert row["gpu_util_pct"] is None and 0 < row["cpu_util_pct"] <= 100
+    assert row["settings"]["batch_size"] == 8 and row["settings"]["amp"] == "off"
+    assert 0 <= row["test_acc"] <= 1 and len(row["history"]) == 3
+    for name in ("training_loss_comparison.png", "training_accuracy_comparison.png",
+                 "training_comparison.html", "colours_model.pt", "checkpoints/baseline.pt",
+                 "runs/baseline/config.json"):
+        assert (out / name).exists(), name
+    assert list((out / "runs" / "baseline").glob("events.out.tfevents.*"))
+    model = load_model(out / "colours_model.pt")
+    assert model.meta["class_names"] == ["blue", "green", "red"]
+    assert predict(model, [small / "test" / "red" / "0.jpg"])[0]["label"] in model.meta["class_names"]
+    assert "| baseline |" in capsys.readouterr().out
+
+
+def test_resume_after_a_finished_run_trains_nothing_more(small, tmp_path):
+    args = ["--data-dir", str(small), "--epochs", "2", "--image-size", "32", "--weights", "none",
+            "--no-progress", "--output-dir", str(tmp_path / "out")]
+    assert run_main(*args) == 0
+    first = json.loads((tmp_path / "out" / "results.json").read_text())[0]
+    assert run_main(*args, "--resume") == 0
+    again = json.loads((tmp_path / "out" / "results.json").read_text())[0]
+    assert again["resumed_from_epoch"] == 2 and again["history"] == first["history"]
+    assert again["test_acc"] == first["test_acc"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--lr", "-0.1"], "argument --lr: must be > 0.0"),
+    (["--lr", "abc"], "argument --lr: expected a number"),
+    (["--batch-size", "0"], "argument --batch-size: must be >= 1"),
+    (["--epochs", "1e9"], "argument --epochs: expected a number"),
+    (["--image-size", "16"], "image_size must be an integer in 17..2048"),
+    (["--model", "resnet999"], "argument --model: invalid choice"),
+    (["--data-dir", "/no/such/folder"], "--data-dir '/no/such/folder' does not exist"),
+    (["--weights", "/no/such.pt"], "--weights must be none, imagenet or an existing file"),
+    (["--scenarios", "baseline,magic"], "unknown scenario magic"),
+    (["--frobnicate"], "unrecognized arguments: --frobnicate"),
+])
+def test_bad_options_end_in_one_line(argv, message, capsys, tmp_path):
+    assert run_main(*argv, "--output-dir", str(tmp_path / "o")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and "\n" not in err
+    assert not (tmp_path / "o").exists()  # refused before any work
+
+
+def test_user_errors_in_a_real_process_have_no_traceback(tmp_path):
+    empty = tmp_path / "empty"
+    (empty / "train" / "a").mkdir(parents=True)
+    (empty / "test" / "a").mkdir(parents=True)
+    proc = subprocess.run([sys.executable, "pipeline.py", "--data-dir", str(empty),
+                           "--output-dir", str(tmp_path / "o")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == \
+        "error: class 'a' in the train split has no usable images."
+
+
+def test_unwritable_output_dir_is_one_clear_line(small, tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert run_main("--data-dir", str(small), "--output-dir", str(blocker / "out")) == 2
+    assert "cannot write to output dir" in capsys.readouterr().err
+
+
+def test_quick_run_on_synthetic_data_learns(tmp_path):
+    out = tmp_path / "out"
+    assert run_main("--quick", "--weights", "none", "--no-progress", "--output-dir", str(out)) == 0
+    row = json.loads((out / "results.json").read_text())[0]
+    assert row["dataset"] == "synthetic" and row["best_resolution"] == 64
+    assert row["test_acc"] > 0.3  # six classes: chance is 0.167
+    assert (out / "synthetic_model.pt").exists()
+
+
+REGIONS = ("data_wait", "h2d", "forward", "backward", "optimizer_step")
+
+
+def test_profiled_run_writes_traces_report_and_every_figure(small, tmp_path):
+    out = tmp_path / "out"
+    assert run_main("--data-dir", str(small), "--epochs", "2", "--image-size", "32",
+                    "--batch-size", "4", "--weights", "none", "--no-progress", "--profile",
+                    "--output-dir", str(out)) == 0
+    traces = list((out / "profiler" / "baseline").glob("*.pt.trace.json"))
+    assert traces and (out / "profiler" / "baseline" / "key_averages.txt").exists()
+    text = traces[0].read_text()
+    assert all(f'"{region}"' in text for region in REGIONS)
+    row = json.loads((out / "results.json").read_text())[0]
+    for key in ("gpu_util_pct", "cpu_util_pct", "cpu_exec_us", "avg_step_ms", "samples_per_s",
+                "peak_mem_mb", "data_wait_frac", "wall_s", "time_to_best_s", "energy_j"):
+        assert key in row, key
+    assert row["peak_mem_mb"] > 0 and row["cpu_exec_us"] > 0 and row["avg_step_ms"] > 0
+    assert row["diagnosis"]["bottleneck"] in ("input-bound", "compute-bound", "overhead-bound")
+    assert row["diagnosis"]["recommendations"]
+    report = (out / "report.md").read_text()
+    assert "## Diagnosis" in report and "step_time_breakdown.png" in report
+    assert (out / "step_time_breakdown.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_large_jpegs_for_a_tiny_input_are_diagnosed_input_bound(tmp_path):
+    data = tmp_path / "big"
+    for split, n in (("train", 10), ("test", 2)):
+        for c in COLOURS:
+            for i in range(n):
+                write_image(data / split / c / f"{i}.jpg", COLOURS[c], size=1400, seed=i)
+    out = tmp_path / "out"
+    assert run_main("--data-dir", str(data), "--epochs", "1", "--image-size", "24",
+                    "--batch-size", "4", "--weights", "none", "--no-progress",
+                    "--output-dir", str(out)) == 0
+    row = json.loads((out / "results.json").read_text())[0]
+    assert row["data_wait_frac"] > 0.5
+    assert row["diagnosis"]["bottleneck"] == "input-bound"
