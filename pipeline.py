@@ -217,6 +217,7 @@ def result_row(name: str, config: TrainConfig, result: TrainResult, test: dict[s
         "best_epoch": result.best_epoch,
         "avg_step_ms": t.get("avg_step_ms"), "samples_per_s": t.get("samples_per_s"),
         "data_wait_frac": t.get("data_wait_frac"), "h2d_frac": t.get("h2d_frac"),
+        "gpu_compute_frac": t.get("gpu_compute_frac"),  # CUDA-event time / step time
         "cpu_exec_us": t.get("cpu_exec_us"),
         "gpu_util_pct": system.get("gpu_util_pct"), "cpu_util_pct": system.get("cpu_util_pct"),
         "process_cpu_pct": system.get("process_cpu_pct"),
