@@ -109,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="NHWC memory format for the model and inputs")
     train_.add_argument("--compile", action="store_true", help="torch.compile the model")
     train_.add_argument("--num-workers", type=_bounded(int, 0, 256))
+    train_.add_argument("--pin-memory", action="store_true",
+                        help="page-locked batches for faster, asynchronous copies to the GPU")
     return p
 
 
@@ -145,7 +147,7 @@ def scenario_config(name: str, args: argparse.Namespace, device: torch.device) -
                  "grad_accum_steps": args.grad_accum_steps, "max_grad_norm": args.max_grad_norm,
                  "early_stopping_patience": args.early_stopping, "amp": args.amp,
                  "compile": args.compile or None, "channels_last": args.channels_last or None,
-                 "num_workers": args.num_workers}
+                 "num_workers": args.num_workers, "pin_memory": args.pin_memory or None}
     return dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
 
 

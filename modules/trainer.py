@@ -395,3 +395,15 @@ def _summary_writer(run_dir, config: TrainConfig):
     (run_dir / "config.json").write_text(config.to_json())
     from torch.utils.tensorboard import SummaryWriter  # imported late: it loads TensorBoard
     return SummaryWriter(log_dir=str(run_dir))
+
+
+def fit(index, config: TrainConfig, **train_kwargs) -> TrainResult:
+    """Seed, build the model and the loaders for a DatasetIndex, and train: what a tuner calls
+    for one candidate. Keyword arguments go to `train` (run_dir, report, checkpoint_path, ...)."""
+    from modules.dataset import make_loaders  # late: dataset is only needed by this helper
+    from modules.models import build_model
+
+    set_seed(config.seed)
+    model = build_model(config.model, len(index.classes), config.weights)
+    train_loader, val_loader, _ = make_loaders(index, config)
+    return train(model, train_loader, val_loader, config, **train_kwargs)

@@ -11,7 +11,8 @@ from PIL import Image
 
 # Tests must never reach the network, even where it exists.
 os.environ.setdefault("KAGGLEHUB_CACHE", "/nonexistent-kagglehub-cache")
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+if "OMP_NUM_THREADS" not in os.environ:  # a caller that sets it (parallel runs) wins
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
 def write_image(path: Path, colour: tuple[int, int, int], size: int = 32, mode: str = "RGB",
