@@ -21,6 +21,8 @@ from torchmetrics.classification import MulticlassAccuracy
 from tqdm.auto import tqdm
 
 from modules.config import TrainConfig, UserError
+from modules.dataset import make_loaders
+from modules.models import build_model
 from modules.utility import atomic_torch_save, evaluate
 
 log = logging.getLogger(__name__)
@@ -400,9 +402,6 @@ def _summary_writer(run_dir, config: TrainConfig):
 def fit(index, config: TrainConfig, **train_kwargs) -> TrainResult:
     """Seed, build the model and the loaders for a DatasetIndex, and train: what a tuner calls
     for one candidate. Keyword arguments go to `train` (run_dir, report, checkpoint_path, ...)."""
-    from modules.dataset import make_loaders  # late: dataset is only needed by this helper
-    from modules.models import build_model
-
     set_seed(config.seed)
     model = build_model(config.model, len(index.classes), config.weights)
     train_loader, val_loader, _ = make_loaders(index, config)
