@@ -149,3 +149,17 @@ def test_large_jpegs_for_a_tiny_input_are_diagnosed_input_bound(tmp_path):
     row = json.loads((out / "results.json").read_text())[0]
     assert row["data_wait_frac"] > 0.5
     assert row["diagnosis"]["bottleneck"] == "input-bound"
+
+
+def test_tensorboard_profiler_plugin_reads_the_trace(small, tmp_path):
+    tb_data = pytest.importorskip("torch_tb_profiler.profiler.data")
+    from torch_tb_profiler.profiler.run_generator import RunGenerator
+    out = tmp_path / "out"
+    assert run_main("--data-dir", str(small), "--epochs", "1", "--image-size", "32",
+                    "--batch-size", "4", "--weights", "none", "--no-progress", "--profile",
+                    "--output-dir", str(out)) == 0
+    trace = next((out / "profiler" / "baseline").glob("*.pt.trace.json"))
+    data = tb_data.RunProfileData.parse("worker0", None, str(trace), str(tmp_path / "cache"))
+    data.process()
+    views = [v.display_name for v in RunGenerator("worker0", None, data).generate_run_profile().views]
+    assert {"Overview", "Operator", "Trace"} <= set(views)
