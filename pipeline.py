@@ -19,20 +19,25 @@ import torch
 from modules.config import MODELS, TrainConfig, UserError
 from modules.dataset import DatasetIndex, index_dataset, make_loaders, resolve_source, subset
 from modules.models import build_model
-from modules.report import write_report
 from modules.profiler import SystemSampler, TorchProfiler, diagnose, native_bf16_cpu
+from modules.report import write_report
 from modules.trainer import TrainResult, autocast_dtype, resolve_device, set_seed, train
 from modules.utility import (evaluate, load_model, plot_comparison, results_table, save_model,
                              table_markdown)
+from optuna_optimizer import OptunaTuner
+from resolution_tuner import (CPU_RESOLUTIONS, GPU_RESOLUTIONS, QUICK_CPU_RESOLUTIONS,
+                              ResolutionTuner)
 
 log = logging.getLogger("pipeline")
 
-SCENARIOS = ("baseline",)
+SCENARIOS = ("baseline", "resolution", "hpo")
 # --quick: images per class and split, and epochs; small enough for minutes on a 2-core CPU.
 QUICK_PER_CLASS = {"train": 200, "val": 20, "test": 40}
 QUICK_EPOCHS = 15
 QUICK_IMAGE_SIZE = {"cpu": 64, "cuda": 150}   # pixels; CPU time grows with the square
 SYNTHETIC_PER_CLASS = (400, 100)              # train, test images per class when generated
+QUICK_N_TRIALS = 4
+N_TRIALS = 20
 QUICK_SYNTHETIC_PER_CLASS = (QUICK_PER_CLASS["train"] + QUICK_PER_CLASS["val"],
                              QUICK_PER_CLASS["test"])
 
@@ -70,6 +75,16 @@ def _scenario_list(text: str) -> list[str]:
     return names
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="pipeline.py", description="Train an image classifier on this machine's "
                 "hardware and write results, plots, model and logs to --output-dir.")
@@ -92,6 +107,16 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--profile", action="store_true",
                      help="write torch.profiler traces of a few steps to DIR/profiler/<scenario>")
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
+    tune = p.add_argument_group("tuning")
+    tune.add_argument("--resolutions", type=_int_list, metavar="LIST",
+                      help="ResolutionTuner candidates, e.g. 144,160,176,192 (default: by device)")
+    tune.add_argument("--n-trials", type=_bounded(int, 1, 100_000),
+                      help=f"Optuna trials ({N_TRIALS}; {QUICK_N_TRIALS} with --quick)")
+    tune.add_argument("--time-budget", type=_bounded(float, 0.0, strict=True), metavar="SECONDS",
+                      help="stop starting new Optuna trials after this long")
+    tune.add_argument("--storage", metavar="URL",
+                      help="Optuna RDB storage (default: sqlite:///DIR/optuna.db); e.g. "
+                           "postgresql://user:pass@host/db to share a study across machines")
     train_ = p.add_argument_group("training (override the scenario defaults)")
     train_.add_argument("--model", choices=MODELS, default="squeezenet1_1")
     train_.add_argument("--weights", default="imagenet", metavar="none|imagenet|PATH",
@@ -131,7 +156,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def scenario_config(name: str, args: argparse.Namespace, device: torch.device) -> TrainConfig:
     """The scenario's defaults, then the user's overrides."""
-    if name != "baseline":
+    if name not in SCENARIOS:
         raise UserError(f"unknown scenario {name!r}")
     # The seed notebook's unoptimised setup: fp32, NCHW, batch 32, Adam 1e-3, cosine,
     # per-sample PIL transforms every epoch, a default single-process DataLoader.
@@ -139,6 +164,8 @@ def scenario_config(name: str, args: argparse.Namespace, device: torch.device) -
                          batch_size=32, lr=1e-3, optimizer="adam", scheduler="cosine", amp="off",
                          channels_last=False, num_workers=0, seed=args.seed,
                          device=device.type, progress=not args.no_progress)
+    if name != "baseline":
+        config = dataclasses.replace(config, **optimized_settings(device))
     if args.quick:
         config = dataclasses.replace(config, epochs=QUICK_EPOCHS,
                                      image_size=QUICK_IMAGE_SIZE[device.type])
@@ -149,6 +176,32 @@ def scenario_config(name: str, args: argparse.Namespace, device: torch.device) -
                  "compile": args.compile or None, "channels_last": args.channels_last or None,
                  "num_workers": args.num_workers, "pin_memory": args.pin_memory or None}
     return dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def optimized_settings(device: torch.device) -> dict[str, Any]:
+    """The tuned scenarios' training setup (the autotuner, when it lands, measures these)."""
+    cores = os.cpu_count() or 1
+    settings = {"amp": "auto",           # bf16/fp16 on GPUs; off on CPUs (emulated bf16 is slower)
+                "channels_last": True,   # measured ~2x for SqueezeNet on a 2-core AVX2 CPU
+                "batch_size": 64}
+    if device.type == "cuda":
+        settings.update(num_workers=min(8, cores), pin_memory=True, persistent_workers=True)
+    elif cores > 2:  # on 2 cores a decoding worker would take one of the two compute threads
+        settings.update(num_workers=min(4, cores // 2), persistent_workers=True)
+    return settings
+
+
+def tuned_resolutions(args: argparse.Namespace, device: torch.device) -> list[int]:
+    if args.resolutions:
+        return args.resolutions
+    if device.type == "cuda":
+        return list(GPU_RESOLUTIONS)
+    return list(QUICK_CPU_RESOLUTIONS if args.quick else CPU_RESOLUTIONS)
+
+
+def short_budget(config: TrainConfig) -> int:
+    """Epochs for each tuning run: a third of the scenario's, at least 2."""
+    return max(2, config.epochs // 3)
 
 
 def load_data(args: argparse.Namespace, output_dir: Path) -> DatasetIndex:
@@ -162,8 +215,20 @@ def load_data(args: argparse.Namespace, output_dir: Path) -> DatasetIndex:
 
 
 def run_scenario(name: str, args: argparse.Namespace, index: DatasetIndex, output_dir: Path,
-                 device: torch.device) -> dict[str, Any]:
+                 device: torch.device, tuned: dict[str, Any]) -> dict[str, Any]:
+    """Tune (resolution, hpo), then train, test and describe one scenario."""
+    started = time.perf_counter()
     config = scenario_config(name, args, device)
+    extra: dict[str, Any] = {}
+    if name == "resolution":
+        config, extra = tune_resolution(config, args, index, output_dir, device)
+        tuned["image_size"] = config.image_size
+    elif name == "hpo":
+        if args.image_size is None:
+            size = tuned.get("image_size") or _previous_resolution(output_dir, index.name)
+            config = dataclasses.replace(config, image_size=size or config.image_size)
+        config, extra = tune_hyperparameters(config, args, index, output_dir)
+    tuning_s = time.perf_counter() - started
     log.info("== scenario %s: %s, %d px, batch %d, %d epochs on %s", name, config.model,
              config.image_size, config.batch_size, config.epochs, device)
     set_seed(config.seed)
@@ -181,11 +246,49 @@ def run_scenario(name: str, args: argparse.Namespace, index: DatasetIndex, outpu
                         channels_last=config.channels_last, num_classes=len(index.classes))
     system = sampler.summary()
     row = result_row(name, config, result, test, index, device, system)
+    row.update(extra, tuning_s=tuning_s, wall_s=tuning_s + result.wall_s)
     log.info("%s: test accuracy %.1f%% (val %.1f%% at epoch %d) in %.0f s", name,
              100 * row["test_acc"], 100 * row["val_acc"], row["best_epoch"], row["wall_s"])
     log.info("%s: %s", name, row["diagnosis"]["summary"])
     _keep_best_model(result, config, index, row, output_dir)
     return row
+
+
+def tune_resolution(config: TrainConfig, args: argparse.Namespace, index: DatasetIndex,
+                    output_dir: Path, device: torch.device) -> tuple[TrainConfig, dict[str, Any]]:
+    sizes = tuned_resolutions(args, device)
+    log.info("== resolution tuning: %s px, %d epochs each", ",".join(map(str, sizes)),
+             short_budget(config))
+    tuner = ResolutionTuner(index, dataclasses.replace(config, progress=False), sizes,
+                            epochs=short_budget(config))
+    size = tuner.run()
+    tuner.save_plot(output_dir / "resolution_tradeoff.png")
+    return dataclasses.replace(config, image_size=size), {"resolution_trials": tuner.tradeoff()}
+
+
+def tune_hyperparameters(config: TrainConfig, args: argparse.Namespace, index: DatasetIndex,
+                         output_dir: Path) -> tuple[TrainConfig, dict[str, Any]]:
+    n_trials = args.n_trials or (QUICK_N_TRIALS if args.quick else N_TRIALS)
+    log.info("== hyperparameter search: %d trials at %d px", n_trials, config.image_size)
+    tuner = OptunaTuner(index, config, output_dir=output_dir, n_trials=n_trials,
+                        timeout_s=args.time_budget, storage=args.storage, resume=args.resume,
+                        epochs=(2, short_budget(config) + 1), seed=args.seed)
+    summary = tuner.run()
+    tuner.save_plots()
+    # Trials train a short budget; the final run keeps the scenario's full epochs.
+    best = {k: v for k, v in summary["best_params"].items() if k != "epochs"}
+    return dataclasses.replace(config, **best), {"hpo": summary}
+
+
+def _previous_resolution(output_dir: Path, dataset: str) -> int | None:
+    """The resolution scenario's pick from an earlier run on the same dataset, if any."""
+    try:
+        rows = json.loads((output_dir / "results.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    picks = [r.get("best_resolution") for r in rows if isinstance(r, dict)
+             and r.get("scenario") == "resolution" and r.get("dataset") == dataset]
+    return picks[-1] if picks else None
 
 
 def _cuda_index(device: torch.device) -> int | None:
@@ -325,11 +428,13 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     output_dir = prepare_output_dir(args.output_dir)
     device = resolve_device(args.device)
     index = load_data(args, output_dir)
-    rows = [run_scenario(name, args, index, output_dir, device) for name in args.scenarios]
+    tuned: dict[str, Any] = {}  # what one scenario hands the next (the picked resolution)
+    rows = [run_scenario(name, args, index, output_dir, device, tuned) for name in args.scenarios]
     return write_outputs(rows, output_dir)
 
 
-def _setup_logging() -> None:
+def setup_logging() -> None:
+    """Library logs to stderr as 'info: ...' / 'warning: ...' lines."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
     logging.addLevelName(logging.WARNING, "warning")
@@ -338,7 +443,7 @@ def _setup_logging() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    _setup_logging()
+    setup_logging()
     started = time.perf_counter()
     try:
         args = parse_args(argv)

@@ -483,8 +483,12 @@ def _plot_png(series: dict, metric: str, title: str, ylabel: str, path: Path) ->
     return path
 
 
-def _plot_html(series: dict, path: Path) -> list[Path]:
-    import plotly
+def comparison_figure(histories: dict[str, list[dict]]):
+    """The interactive loss/accuracy figure of plot_comparison's HTML, for a notebook to show."""
+    return _figure({name: _curves(name, epochs) for name, epochs in histories.items()})
+
+
+def _figure(series: dict):
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
@@ -505,6 +509,13 @@ def _plot_html(series: dict, path: Path) -> list[Path]:
     fig.update_yaxes(title_text="Loss", row=1, col=1)
     fig.update_yaxes(title_text="Accuracy (%)", row=1, col=2)
     fig.update_layout(title="Training comparison by scenario", template="plotly_white")
+    return fig
+
+
+def _plot_html(series: dict, path: Path) -> list[Path]:
+    import plotly
+
+    fig = _figure(series)
     bundle = path.parent / "plotly.min.js"
     # plotly keeps an existing plotly.min.js; one left by another plotly version could break
     # the page, so refresh it when it differs from the version that writes the HTML.

@@ -19,6 +19,9 @@ ROW_FIELDS = {"scenario", "train_acc", "train_loss", "test_acc", "best_resolutio
 
 
 def run_main(*argv: str) -> int:
+    """The command; one scenario unless the test names them (the tuners have their own tests)."""
+    if "--scenarios" not in argv and "--quick" not in argv:
+        argv = ("--scenarios", "baseline", *argv)
     return pipeline.main(list(argv))
 
 
@@ -103,13 +106,23 @@ def test_unwritable_output_dir_is_one_clear_line(small, tmp_path, capsys):
     assert "cannot write to output dir" in capsys.readouterr().err
 
 
-def test_quick_run_on_synthetic_data_learns(tmp_path):
+def test_quick_run_does_all_three_scenarios_on_synthetic_data(tmp_path):
     out = tmp_path / "out"
     assert run_main("--quick", "--weights", "none", "--no-progress", "--output-dir", str(out)) == 0
-    row = json.loads((out / "results.json").read_text())[0]
-    assert row["dataset"] == "synthetic" and row["best_resolution"] == 64
-    assert row["test_acc"] > 0.3  # six classes: chance is 0.167
-    assert (out / "synthetic_model.pt").exists()
+    rows = {r["scenario"]: r for r in json.loads((out / "results.json").read_text())}
+    assert list(rows) == ["baseline", "resolution", "hpo"]
+    assert all(r["dataset"] == "synthetic" for r in rows.values())
+    assert rows["baseline"]["best_resolution"] == 64
+    assert rows["baseline"]["test_acc"] > 0.3  # six classes: chance is 0.167
+    trials = rows["resolution"]["resolution_trials"]
+    assert [t["image_size"] for t in trials] == [48, 64, 96]
+    assert rows["resolution"]["best_resolution"] in (48, 64, 96)
+    assert rows["hpo"]["best_resolution"] == rows["resolution"]["best_resolution"]
+    assert rows["hpo"]["hpo"]["n_trials"] == 4
+    assert rows["hpo"]["settings"]["lr"] == rows["hpo"]["hpo"]["best_params"]["lr"]
+    for name in ("synthetic_model.pt", "optuna.db", "resolution_tradeoff.png", "report.md",
+                 "training_accuracy_comparison.png"):
+        assert (out / name).exists(), name
 
 
 REGIONS = ("data_wait", "h2d", "forward", "backward", "optimizer_step")

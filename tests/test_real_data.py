@@ -31,7 +31,7 @@ def export_digits(root, per_class: int = 100):
 def test_baseline_learns_handwritten_digits(tmp_path):
     data = export_digits(tmp_path / "digits")
     out = tmp_path / "out"
-    assert pipeline.main(["--data-dir", str(data), "--epochs", "15", "--image-size", "32",
+    assert pipeline.main(["--scenarios", "baseline", "--data-dir", str(data), "--epochs", "15", "--image-size", "32",
                           "--weights", "none", "--no-progress", "--output-dir", str(out)]) == 0
     row = json.loads((out / "results.json").read_text())[0]
     assert row["settings"]["model"] == "squeezenet1_1"

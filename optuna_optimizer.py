@@ -1,0 +1,225 @@
+"""Optuna hyperparameter search over the trainer: pruning on validation accuracy, a persistent
+(resumable, crash-tolerant) RDB study, out-of-memory trials recorded as pruned, and plots."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import warnings
+from pathlib import Path
+
+import optuna
+import torch
+
+from modules.config import TrainConfig, UserError
+from modules.trainer import DivergedError, fit
+
+log = logging.getLogger(__name__)
+
+PRUNERS = ("median", "hyperband")
+# Seconds between heartbeats of a running trial, and silence after which it counts as dead (a
+# killed Colab kernel) and is retried. Several heartbeats fit in the grace period, so a busy
+# epoch does not look like a crash.
+HEARTBEAT_S, GRACE_S, MAX_RETRY = 30, 90, 2
+
+
+class OptunaTuner:
+    """An Optuna study maximising validation accuracy over training hyperparameters."""
+
+    def __init__(self, index, base: TrainConfig, *, output_dir, n_trials: int = 10,
+                 timeout_s: float | None = None, storage: str | None = None,
+                 study_name: str = "hpo", pruner: str = "median", resume: bool = False,
+                 epochs: tuple[int, int] = (2, 6),
+                 batch_sizes: tuple[int, ...] = (16, 32, 64, 128, 256),
+                 max_batch_size: int | None = None, seed: int | None = None):
+        if isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials < 1:
+            raise UserError(f"n_trials must be an integer >= 1, but got n_trials={n_trials!r}.")
+        if timeout_s is not None and (isinstance(timeout_s, bool)
+                                      or not isinstance(timeout_s, (int, float))
+                                      or not timeout_s > 0 or timeout_s == float("inf")):
+            raise UserError(f"timeout_s must be a finite number > 0 or None, but got "
+                            f"timeout_s={timeout_s!r}.")
+        if pruner not in PRUNERS:
+            raise UserError(f"pruner must be one of {', '.join(PRUNERS)}, but got {pruner!r}.")
+        lo, hi = epochs
+        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+            raise UserError(f"epochs must be a range (low, high) with 1 <= low <= high, but got "
+                            f"epochs={epochs!r}.")
+        self.batch_sizes = tuple(b for b in batch_sizes
+                                 if max_batch_size is None or b <= max_batch_size)
+        if not self.batch_sizes:
+            raise UserError(f"no batch size in {tuple(batch_sizes)} fits "
+                            f"max_batch_size={max_batch_size!r}.")
+        self.index, self.base, self.epochs = index, base, (lo, hi)
+        self.output_dir = Path(output_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.n_trials, self.timeout_s, self.resume = n_trials, timeout_s, resume
+        self.study_name, self.pruner = study_name, pruner
+        self.seed = base.seed if seed is None else seed
+        # SQLite by default: a file in the output folder outlives a crashed Colab session.
+        self.storage_url = storage or f"sqlite:///{(self.output_dir / 'optuna.db').resolve()}"
+        self.storage = self._storage()  # opened now, so a bad URL fails before any training
+        self.study: optuna.Study | None = None
+
+    # ------------------------------------------------------------------------- one trial
+
+    def suggest(self, trial) -> TrainConfig:
+        """The base config with this trial's hyperparameters."""
+        return dataclasses.replace(
+            self.base,
+            lr=trial.suggest_float("lr", 1e-4, 1e-2, log=True),
+            batch_size=trial.suggest_categorical("batch_size", list(self.batch_sizes)),
+            epochs=trial.suggest_int("epochs", *self.epochs),
+            optimizer=trial.suggest_categorical("optimizer", ["adam", "adamw", "sgd"]),
+            weight_decay=trial.suggest_float("weight_decay", 1e-6, 1e-2, log=True),
+        )
+
+    def objective(self, trial) -> float:
+        """Train one candidate; return its best validation accuracy."""
+        config = dataclasses.replace(self.suggest(trial), progress=False)
+
+        def report(epoch: int, metrics: dict[str, float]) -> None:
+            trial.report(metrics["val_acc"], epoch)
+            if trial.should_prune():
+                trial.set_user_attr("pruned_reason", f"pruned after epoch {epoch}")
+                raise optuna.TrialPruned(f"pruned after epoch {epoch}")
+
+        try:
+            result = fit(self.index, config, report=report)
+        except DivergedError as exc:
+            trial.set_user_attr("pruned_reason", str(exc))
+            raise optuna.TrialPruned(str(exc)) from None
+        except RuntimeError as exc:  # torch.cuda.OutOfMemoryError is a RuntimeError too
+            if "out of memory" not in str(exc).lower():
+                raise
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # so the next trial starts with the memory back
+            reason = f"out of memory at batch_size={config.batch_size}"
+            trial.set_user_attr("pruned_reason", reason)
+            raise optuna.TrialPruned(reason) from None
+        trial.set_user_attr("samples_per_s", float(result.timing.get("samples_per_s", 0.0)))
+        trial.set_user_attr("epochs_run", result.epochs_run)
+        trial.set_user_attr("wall_s", result.wall_s)
+        return result.best_val_acc
+
+    # ------------------------------------------------------------------------- the study
+
+    def _storage(self) -> optuna.storages.RDBStorage:
+        # Optuna 4.9 renamed the retry callback and its argument; requirements still allow 3.5.
+        storages = optuna.storages
+        if hasattr(storages, "RetryHeartbeatStaleTrialCallback"):
+            retry_cls, keyword = storages.RetryHeartbeatStaleTrialCallback, \
+                "heartbeat_stale_trial_callback"
+        else:
+            retry_cls, keyword = storages.RetryFailedTrialCallback, "failed_trial_callback"
+        try:
+            with warnings.catch_warnings():  # heartbeats and retries are flagged experimental
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                retry = retry_cls(max_retry=MAX_RETRY)
+                return storages.RDBStorage(self.storage_url, heartbeat_interval=HEARTBEAT_S,
+                                           grace_period=GRACE_S, **{keyword: retry})
+        except Exception as exc:  # SQLAlchemy raises many types for bad URLs / unreachable DBs
+            first = (str(exc).strip().splitlines() or [""])[0]
+            raise UserError(f"cannot open Optuna storage {self.storage_url!r} "
+                            f"({type(exc).__name__}: {first}).") from None
+
+    def _make_pruner(self) -> optuna.pruners.BasePruner:
+        if self.pruner == "median":
+            return optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=1)
+        return optuna.pruners.HyperbandPruner(min_resource=1, max_resource=self.epochs[1])
+
+    def _log_trial(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        value = "-" if trial.value is None else f"{trial.value:.4f}"
+        reason = trial.user_attrs.get("pruned_reason")
+        log.info("trial %d %s value %s params %s%s", trial.number, trial.state.name, value,
+                 trial.params, f" ({reason})" if reason else "")
+
+    def run(self) -> dict:
+        """Optimise; return a summary of the whole study (earlier sessions included)."""
+        optuna.logging.set_verbosity(optuna.logging.WARNING)  # we log one line per trial
+        storage = self.storage
+        if not self.resume and self.study_name in optuna.get_all_study_names(storage):
+            log.info("deleting the existing study %r in %s to start over (resume=False)",
+                     self.study_name, self.storage_url)
+            optuna.delete_study(study_name=self.study_name, storage=storage)
+        self.study = optuna.create_study(
+            storage=storage, study_name=self.study_name, direction="maximize",
+            sampler=optuna.samplers.TPESampler(seed=self.seed), pruner=self._make_pruner(),
+            load_if_exists=True)
+        # Optuna refuses a categorical whose choices change within a study, mid-trial; say it now.
+        for trial in self.study.trials:
+            old = trial.distributions.get("batch_size")
+            if old is not None and tuple(old.choices) != self.batch_sizes:
+                raise UserError(f"cannot resume study {self.study_name!r}: its batch sizes were "
+                                f"{tuple(old.choices)}, now {self.batch_sizes} (keep batch_sizes "
+                                "and max_batch_size, or run without resume to start over).")
+        # n_trials counts this call's trials only, so resume runs n_trials more.
+        self.study.optimize(self.objective, n_trials=self.n_trials, timeout=self.timeout_s,
+                            callbacks=[self._log_trial], gc_after_trial=True)
+        return self.summary()
+
+    def summary(self) -> dict:
+        study = self._require_study()
+        states = [t.state for t in study.trials]
+        complete = states.count(optuna.trial.TrialState.COMPLETE)
+        return {"best_params": study.best_params if complete else {},
+                "best_value": study.best_value if complete else None,
+                "n_trials": len(states), "n_pruned": states.count(optuna.trial.TrialState.PRUNED),
+                "n_complete": complete, "study_name": self.study_name,
+                "storage": self.storage_url}
+
+    def _require_study(self) -> optuna.Study:
+        if self.study is None:
+            raise UserError("no study yet: call run() first.")
+        return self.study
+
+    # ------------------------------------------------------------------------- outputs
+
+    def save_plots(self) -> list[Path]:
+        """optuna_history.{html,png}, optuna_importance.html (when computable), best_params.json."""
+        study = self._require_study()
+        import optuna.visualization as vis  # imported late: it loads plotly
+        written: list[Path] = []
+        complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+
+        # Plotly's JS goes next to the pages once, not inlined or from a CDN: works offline.
+        path = self.output_dir / "optuna_history.html"
+        vis.plot_optimization_history(study).write_html(path, include_plotlyjs="directory")
+        written.append(path)
+
+        # Importances fit a model to (params -> value): it needs two results and some variation.
+        varying = len({json.dumps(t.params, sort_keys=True) for t in complete}) >= 2
+        if varying:
+            path = self.output_dir / "optuna_importance.html"
+            vis.plot_param_importances(study).write_html(path, include_plotlyjs="directory")
+            written.append(path)
+        else:
+            log.info("skipping parameter importances: need >= 2 complete trials with different "
+                     "params, have %d complete", len(complete))
+
+        written.append(self._history_png(complete))
+        path = self.output_dir / "best_params.json"
+        summary = self.summary()
+        path.write_text(json.dumps({k: summary[k] for k in ("best_params", "best_value",
+                                                            "n_trials", "n_complete", "n_pruned")},
+                                   indent=2, sort_keys=True))
+        written.append(path)
+        return written
+
+    def _history_png(self, complete: list[optuna.trial.FrozenTrial]) -> Path:
+        # Figure + Agg canvas rather than pyplot: no global state, no display backend needed.
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        fig = Figure(figsize=(6, 4))
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot()
+        numbers = [t.number for t in complete]
+        values = [t.value for t in complete]
+        best = [max(values[:i + 1]) for i in range(len(values))]
+        ax.scatter(numbers, values, label="trial val acc", s=18)
+        ax.step(numbers, best, where="post", color="tab:red", label="best so far")
+        ax.set(xlabel="trial", ylabel="validation accuracy", title=f"Optuna: {self.study_name}")
+        ax.legend(loc="lower right")
+        path = self.output_dir / "optuna_history.png"
+        fig.savefig(path, dpi=100, bbox_inches="tight")
+        return path

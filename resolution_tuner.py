@@ -1,0 +1,111 @@
+"""ResolutionTuner: trains the same short budget at each candidate input size, picks the size with
+the best validation accuracy (a tie within noise goes to the cheaper size) and reports what each
+size costs in time."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from modules.config import TrainConfig, UserError
+from modules.dataset import DatasetIndex
+from modules.trainer import fit
+
+log = logging.getLogger(__name__)
+
+GPU_RESOLUTIONS = (144, 160, 176, 192)
+# On a CPU, time per image grows with the pixel count: 192 px costs about 9x what 64 px does.
+CPU_RESOLUTIONS = (64, 96, 128)
+QUICK_CPU_RESOLUTIONS = (48, 64, 96)
+
+
+@dataclass
+class ResolutionTrial:
+    image_size: int
+    val_acc: float        # best validation accuracy within the budget, 0-1
+    samples_per_s: float  # training throughput after warm-up
+    epoch_s: float        # mean seconds per epoch, validation included
+    wall_s: float         # the whole short run, seconds
+
+
+class ResolutionTuner:
+    """Which input size buys the most accuracy for the time: one short run per candidate."""
+
+    def __init__(self, index: DatasetIndex, base: TrainConfig, resolutions=GPU_RESOLUTIONS, *,
+                 epochs: int | None = None, tolerance: float = 0.01):
+        sizes = sorted(set(int(r) for r in resolutions))
+        if not sizes:
+            raise UserError("resolutions must name at least one input size.")
+        for size in sizes:  # TrainConfig checks each size against the model's minimum
+            dataclasses.replace(base, image_size=size)
+        self.index, self.base, self.resolutions = index, base, sizes
+        self.epochs = epochs or base.epochs
+        # One validation image more or less is noise, whatever the tolerance says.
+        self.tolerance = max(tolerance, 1.0 / max(1, len(index.val)))
+        self.trials: list[ResolutionTrial] = []
+
+    def run(self) -> int:
+        """Train every candidate; return the picked size."""
+        self.trials = []
+        for size in self.resolutions:
+            config = dataclasses.replace(self.base, image_size=size, epochs=self.epochs,
+                                         early_stopping_patience=None)
+            result = fit(self.index, config)
+            trial = ResolutionTrial(
+                image_size=size, val_acc=result.best_val_acc,
+                samples_per_s=result.timing.get("samples_per_s") or 0.0,
+                epoch_s=sum(r["epoch_s"] for r in result.history) / max(1, len(result.history)),
+                wall_s=result.wall_s)
+            self.trials.append(trial)
+            log.info("resolution %d px: val accuracy %.1f%%, %.0f img/s, %.1f s per epoch", size,
+                     100 * trial.val_acc, trial.samples_per_s, trial.epoch_s)
+        best = self.pick(self.trials, self.tolerance)
+        log.info("resolution pick: %d px (ties within %.1f points go to the smaller size)", best,
+                 100 * self.tolerance)
+        return best
+
+    @staticmethod
+    def pick(trials: list[ResolutionTrial], tolerance: float) -> int:
+        """The smallest size whose accuracy is within `tolerance` of the best one."""
+        if not trials:
+            raise UserError("no resolution was tried.")
+        top = max(t.val_acc for t in trials)
+        return min(t.image_size for t in trials if t.val_acc >= top - tolerance)
+
+    def tradeoff(self) -> list[dict[str, Any]]:
+        """Per size: accuracy, speed, and accuracy gained per extra second of epoch time
+        relative to the smallest size."""
+        rows = []
+        first = self.trials[0] if self.trials else None
+        for t in self.trials:
+            extra_s = t.epoch_s - first.epoch_s
+            gain = (t.val_acc - first.val_acc) / extra_s if extra_s > 0 else None
+            rows.append({**dataclasses.asdict(t), "points_per_extra_epoch_s":
+                         100 * gain if gain is not None else None})
+        return rows
+
+    def save_plot(self, path: str | Path) -> Path | None:
+        """Validation accuracy against seconds per epoch, one labelled point per size."""
+        if not self.trials:
+            return None
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(6, 4.5), dpi=120)
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot()
+        xs = [t.epoch_s for t in self.trials]
+        ys = [100 * t.val_acc for t in self.trials]
+        ax.plot(xs, ys, "-o")
+        for t, x, y in zip(self.trials, xs, ys):
+            ax.annotate(f"{t.image_size} px", (x, y), textcoords="offset points", xytext=(5, 5))
+        ax.set_xlabel("seconds per epoch")
+        ax.set_ylabel("validation accuracy (%)")
+        ax.set_title("Resolution: accuracy for the time")
+        ax.grid(True, alpha=0.3)
+        fig.tight_layout()
+        path = Path(path)
+        fig.savefig(path)
+        return path

@@ -1,0 +1,153 @@
+"""The Optuna tuner on a tiny image folder (CPU): objective, pruning, resume, OOM, plots."""
+from __future__ import annotations
+
+import json
+import time
+from types import SimpleNamespace
+
+import optuna
+import pytest
+import torch
+
+import optuna_optimizer
+from conftest import make_folder
+from modules.config import TrainConfig, UserError
+from modules.dataset import index_dataset
+from optuna_optimizer import OptunaTuner
+
+BASE = TrainConfig(model="resnet18", weights="none", image_size=24, epochs=1, batch_size=8,
+                   scheduler="none", device="cpu", progress=False, seed=0)
+PARAMS = {"lr": 1e-3, "batch_size": 8, "epochs": 1, "optimizer": "adamw", "weight_decay": 1e-4}
+
+
+@pytest.fixture(scope="module")
+def index(tmp_path_factory):
+    return index_dataset(make_folder(tmp_path_factory.mktemp("data"), n_train=8, n_test=2))
+
+
+def tuner(index, tmp_path, **kwargs) -> OptunaTuner:
+    kwargs = {"epochs": (1, 2), "batch_sizes": (8, 16), "n_trials": 2, **kwargs}
+    return OptunaTuner(index, BASE, output_dir=tmp_path / "hpo", **kwargs)
+
+
+def fake_fit(index, config, report):
+    """A stand-in for training: two epochs whose accuracy depends on lr (so params matter)."""
+    acc = min(1.0, config.lr * 100)
+    for epoch in (1, 2):
+        report(epoch, {"val_acc": acc * epoch / 2})
+    return SimpleNamespace(best_val_acc=acc, epochs_run=2, wall_s=0.01,
+                           timing={"samples_per_s": 123.0})
+
+
+def test_fixed_trial_suggests_and_trains_without_a_study(index, tmp_path):
+    t = tuner(index, tmp_path)
+    config = t.suggest(optuna.trial.FixedTrial(PARAMS))
+    assert (config.lr, config.batch_size, config.epochs, config.optimizer,
+            config.weight_decay) == (1e-3, 8, 1, "adamw", 1e-4)
+    assert config.model == BASE.model and config.image_size == BASE.image_size
+    acc = t.objective(optuna.trial.FixedTrial(PARAMS))
+    assert 0.0 <= acc <= 1.0
+
+
+class PruneAfterFirstTrial(optuna.pruners.BasePruner):
+    def prune(self, study, trial) -> bool:
+        return trial.number >= 1
+
+
+def test_second_trial_pruned_and_counted(index, tmp_path, monkeypatch):
+    t = tuner(index, tmp_path)
+    monkeypatch.setattr(t, "_make_pruner", PruneAfterFirstTrial)
+    summary = t.run()
+    assert (summary["n_trials"], summary["n_complete"], summary["n_pruned"]) == (2, 1, 1)
+    first, second = t.study.trials
+    assert first.user_attrs["epochs_run"] == first.params["epochs"]
+    assert first.user_attrs["samples_per_s"] > 0 and first.user_attrs["wall_s"] > 0
+    assert second.user_attrs["pruned_reason"] == "pruned after epoch 1"
+    assert summary["best_value"] == first.value and summary["best_params"] == first.params
+
+
+def test_resume_adds_trials_and_fresh_run_starts_over(index, tmp_path, monkeypatch):
+    monkeypatch.setattr(optuna_optimizer, "fit", fake_fit)
+    storage = f"sqlite:///{tmp_path / 'shared.db'}"
+    assert tuner(index, tmp_path, storage=storage).run()["n_trials"] == 2
+    resumed = tuner(index, tmp_path, storage=storage, resume=True, n_trials=1).run()
+    assert resumed["n_trials"] == 3 and resumed["storage"] == storage
+    with pytest.raises(UserError, match="batch sizes were"):  # a changed categorical space
+        tuner(index, tmp_path, storage=storage, resume=True, batch_sizes=(8,)).run()
+    assert tuner(index, tmp_path, storage=storage, n_trials=1).run()["n_trials"] == 1
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")  # our study.ask() plays the dead run
+def test_trial_of_a_killed_process_is_retried(index, tmp_path, monkeypatch):
+    monkeypatch.setattr(optuna_optimizer, "fit", fake_fit)
+    monkeypatch.setattr(optuna_optimizer, "HEARTBEAT_S", 1)
+    monkeypatch.setattr(optuna_optimizer, "GRACE_S", 1)
+    t = tuner(index, tmp_path, n_trials=1)
+    study = optuna.create_study(storage=t.storage, study_name=t.study_name, direction="maximize")
+    dead = study.ask({"lr": optuna.distributions.FloatDistribution(1e-4, 1e-2, log=True)})
+    t.storage.record_heartbeat(dead._trial_id)  # then the process "dies": no more heartbeats
+    time.sleep(2.2)  # SQLite timestamps have 1 s resolution; must exceed GRACE_S
+    t = tuner(index, tmp_path, n_trials=1, resume=True)
+    t.run()
+    failed, retried = t.study.trials
+    assert failed.state == optuna.trial.TrialState.FAIL
+    assert retried.state == optuna.trial.TrialState.COMPLETE
+    assert retried.params["lr"] == failed.params["lr"]
+
+
+def test_out_of_memory_is_a_pruned_trial(index, tmp_path, monkeypatch):
+    def oom(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    monkeypatch.setattr(optuna_optimizer, "fit", oom)
+    t = tuner(index, tmp_path)
+    summary = t.run()
+    assert (summary["n_pruned"], summary["n_complete"], summary["best_value"]) == (2, 0, None)
+    for trial in t.study.trials:
+        assert trial.state == optuna.trial.TrialState.PRUNED
+        assert trial.user_attrs["pruned_reason"] == \
+            f"out of memory at batch_size={trial.params['batch_size']}"
+
+
+def test_save_plots_writes_html_png_json(index, tmp_path, monkeypatch):
+    monkeypatch.setattr(optuna_optimizer, "fit", fake_fit)
+    t = tuner(index, tmp_path, n_trials=3)
+    summary = t.run()
+    written = t.save_plots()
+    names = {p.name for p in written}
+    assert names == {"optuna_history.html", "optuna_importance.html", "optuna_history.png",
+                     "best_params.json"}
+    assert all(p.stat().st_size > 0 for p in written)
+    assert (tmp_path / "hpo" / "optuna_history.png").read_bytes()[:4] == b"\x89PNG"
+    saved = json.loads((tmp_path / "hpo" / "best_params.json").read_text())
+    assert saved["best_params"] == summary["best_params"] and saved["n_trials"] == 3
+
+
+def test_save_plots_skips_importances_with_one_trial(index, tmp_path, monkeypatch):
+    monkeypatch.setattr(optuna_optimizer, "fit", fake_fit)
+    t = tuner(index, tmp_path, n_trials=1)
+    t.run()
+    assert "optuna_importance.html" not in {p.name for p in t.save_plots()}
+
+
+def test_max_batch_size_bounds_the_choices(index, tmp_path, monkeypatch):
+    t = OptunaTuner(index, BASE, output_dir=tmp_path, max_batch_size=64)
+    assert t.batch_sizes == (16, 32, 64)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    assert {t.suggest(study.ask()).batch_size for _ in range(30)} == {16, 32, 64}
+    with pytest.raises(UserError, match="max_batch_size=8"):
+        OptunaTuner(index, BASE, output_dir=tmp_path, max_batch_size=8)
+
+
+@pytest.mark.parametrize("url", ["nosuchdb://nowhere/x", "sqlite:////nonexistent/dir/x.db"])
+def test_bad_storage_url_is_a_one_line_user_error(index, tmp_path, url):
+    with pytest.raises(UserError) as err:
+        OptunaTuner(index, BASE, output_dir=tmp_path, storage=url)
+    assert url in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("kwargs, named", [({"n_trials": 0}, "n_trials=0"),
+                                           ({"timeout_s": -1}, "timeout_s=-1"),
+                                           ({"pruner": "asha"}, "'asha'")])
+def test_bad_arguments_are_user_errors(index, tmp_path, kwargs, named):
+    with pytest.raises(UserError, match=named):
+        OptunaTuner(index, BASE, output_dir=tmp_path, **kwargs)
