@@ -21,6 +21,7 @@ PRUNERS = ("median", "hyperband")
 # killed Colab kernel) and is retried. Several heartbeats fit in the grace period, so a busy
 # epoch does not look like a crash.
 HEARTBEAT_S, GRACE_S, MAX_RETRY = 30, 90, 2
+BATCH_SIZES = (16, 32, 64, 128, 256)  # the search's choices, before the memory bound
 
 
 class OptunaTuner:
@@ -30,7 +31,7 @@ class OptunaTuner:
                  timeout_s: float | None = None, storage: str | None = None,
                  study_name: str = "hpo", pruner: str = "median", resume: bool = False,
                  epochs: tuple[int, int] = (2, 6),
-                 batch_sizes: tuple[int, ...] = (16, 32, 64, 128, 256),
+                 batch_sizes: tuple[int, ...] = BATCH_SIZES,
                  max_batch_size: int | None = None, seed: int | None = None):
         if isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials < 1:
             raise UserError(f"n_trials must be an integer >= 1, but got n_trials={n_trials!r}.")

@@ -18,13 +18,14 @@ import torch
 
 from modules.config import MODELS, TrainConfig, UserError
 from modules.dataset import DatasetIndex, index_dataset, make_loaders, resolve_source, subset
+from modules.hardware import max_batch_size
 from modules.models import build_model
 from modules.profiler import SystemSampler, TorchProfiler, diagnose, native_bf16_cpu
 from modules.report import write_report
 from modules.trainer import TrainResult, autocast_dtype, resolve_device, set_seed, train
 from modules.utility import (evaluate, load_model, plot_comparison, results_table, save_model,
                              table_markdown)
-from optuna_optimizer import OptunaTuner
+from optuna_optimizer import BATCH_SIZES, OptunaTuner
 from resolution_tuner import (CPU_RESOLUTIONS, GPU_RESOLUTIONS, QUICK_CPU_RESOLUTIONS,
                               ResolutionTuner)
 
@@ -227,7 +228,7 @@ def run_scenario(name: str, args: argparse.Namespace, index: DatasetIndex, outpu
         if args.image_size is None:
             size = tuned.get("image_size") or _previous_resolution(output_dir, index.name)
             config = dataclasses.replace(config, image_size=size or config.image_size)
-        config, extra = tune_hyperparameters(config, args, index, output_dir)
+        config, extra = tune_hyperparameters(config, args, index, output_dir, device)
     tuning_s = time.perf_counter() - started
     log.info("== scenario %s: %s, %d px, batch %d, %d epochs on %s", name, config.model,
              config.image_size, config.batch_size, config.epochs, device)
@@ -267,12 +268,16 @@ def tune_resolution(config: TrainConfig, args: argparse.Namespace, index: Datase
 
 
 def tune_hyperparameters(config: TrainConfig, args: argparse.Namespace, index: DatasetIndex,
-                         output_dir: Path) -> tuple[TrainConfig, dict[str, Any]]:
+                         output_dir: Path, device: torch.device
+                         ) -> tuple[TrainConfig, dict[str, Any]]:
     n_trials = args.n_trials or (QUICK_N_TRIALS if args.quick else N_TRIALS)
     log.info("== hyperparameter search: %d trials at %d px", n_trials, config.image_size)
+    # Batch sizes are searched only up to what the GPU holds at this resolution.
+    largest = max_batch_size(config, len(index.classes), device, upto=max(BATCH_SIZES))
     tuner = OptunaTuner(index, config, output_dir=output_dir, n_trials=n_trials,
                         timeout_s=args.time_budget, storage=args.storage, resume=args.resume,
-                        epochs=(2, short_budget(config) + 1), seed=args.seed)
+                        epochs=(2, short_budget(config) + 1), seed=args.seed,
+                        max_batch_size=largest)
     summary = tuner.run()
     tuner.save_plots()
     # Trials train a short budget; the final run keeps the scenario's full epochs.

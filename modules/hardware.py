@@ -1,0 +1,72 @@
+"""What the device can hold: a memory probe that fits peak training memory against batch size."""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from modules.config import TrainConfig
+from modules.models import build_model
+from modules.trainer import autocast_dtype
+
+log = logging.getLogger(__name__)
+
+PROBE_BATCHES = (4, 16)  # two small batches; memory grows linearly in the batch size
+MEMORY_MARGIN = 0.8      # plan to use at most this share of the device's memory
+
+
+def step_peak_bytes(config: TrainConfig, num_classes: int, batch_size: int,
+                    device: torch.device) -> int:
+    """Peak CUDA memory of one training step plus an eval forward at `batch_size`."""
+    model = build_model(config.model, num_classes, "none").to(device)
+    memory_format = torch.channels_last if config.channels_last else torch.contiguous_format
+    model.to(memory_format=memory_format)
+    optimizer = torch.optim.AdamW(model.parameters())  # Adam-style state: the largest of ours
+    x = torch.randn(batch_size, 3, config.image_size, config.image_size, device=device)
+    x = x.to(memory_format=memory_format)
+    y = torch.randint(0, num_classes, (batch_size,), device=device)
+    dtype = autocast_dtype(config.amp, device)
+    amp = dtype is not None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    with torch.autocast("cuda", dtype=dtype or torch.float32, enabled=amp):
+        F.cross_entropy(model(x), y).backward()
+    optimizer.step()
+    model.eval()
+    with torch.no_grad(), torch.autocast("cuda", dtype=dtype or torch.float32, enabled=amp):
+        model(x)
+    peak = torch.cuda.max_memory_allocated(device)
+    del model, optimizer, x, y
+    torch.cuda.empty_cache()
+    return peak
+
+
+def max_batch_size(config: TrainConfig, num_classes: int, device: torch.device, *,
+                   upto: int | None = None, margin: float = MEMORY_MARGIN) -> int | None:
+    """The largest batch whose step fits in `margin` of the GPU's memory: a straight line
+    through two probes, checked by a third; None on CPU, where RAM is not what limits these
+    models. `upto`: the largest batch the caller would use (the check probes no further)."""
+    if device.type != "cuda":
+        return None
+    small, large = PROBE_BATCHES
+    low, high = (step_peak_bytes(config, num_classes, b, device) for b in (small, large))
+    per_sample = max(1.0, (high - low) / (large - small))
+    fixed = low - per_sample * small
+    total = torch.cuda.get_device_properties(device).total_memory
+    fits = max(1, int((margin * total - fixed) / per_sample))
+    if upto is not None:
+        fits = min(fits, upto)
+    # Large batches can pick cuDNN algorithms with bigger workspaces than the line predicts:
+    # a third probe at the prediction scales it down when it overshoots.
+    try:
+        peak = step_peak_bytes(config, num_classes, fits, device)
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        peak = 2 * margin * total  # far over: halve
+    if peak > margin * total:
+        fits = max(1, int(fits * margin * total / peak))
+    log.info("memory probe at %d px: %.1f MB per sample, %.0f MB fixed; up to batch %d fits in "
+             "%.0f%% of %.0f MB", config.image_size, per_sample / 2**20, fixed / 2**20, fits,
+             100 * margin, total / 2**20)
+    return fits
