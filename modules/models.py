@@ -6,11 +6,11 @@ import io
 import logging
 from pathlib import Path
 
-import torch
 import torchvision
 from torch import nn
 
 from modules.config import MODELS, UserError
+from modules.files import read_torch_file
 
 log = logging.getLogger(__name__)
 
@@ -77,13 +77,7 @@ def _load_imagenet(model: nn.Module, name: str) -> None:
 
 
 def _load_file(model: nn.Module, path: Path) -> None:
-    if not path.is_file():
-        raise UserError(f"--weights: no such file {str(path)!r} (expected none, imagenet or a path).")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise UserError(f"--weights: {str(path)!r} is not a readable PyTorch weights file "
-                        f"({type(exc).__name__}).") from None
+    state = read_torch_file(path, "weights file")
     if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
         state = state["state_dict"]  # a file written by modules.utility.save_model
     if not isinstance(state, dict):

@@ -2,7 +2,6 @@
 stopping, per-epoch checkpoints and resume. Knows nothing of Optuna: tuners pass `report`."""
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import os
@@ -23,7 +22,8 @@ from tqdm.auto import tqdm
 from modules.config import TrainConfig, UserError
 from modules.dataset import make_loaders
 from modules.models import build_model
-from modules.utility import atomic_torch_save, evaluate
+from modules.files import atomic_torch_save, read_torch_file
+from modules.utility import evaluate
 
 log = logging.getLogger(__name__)
 
@@ -124,11 +124,7 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise UserError(f"checkpoint {str(path)!r} cannot be read ({type(exc).__name__}); "
-                        "delete it to start over.") from None
+    return read_torch_file(path, "checkpoint")
 
 
 def _rng_state() -> dict[str, Any]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -16,6 +15,7 @@ from torchmetrics.classification import MulticlassConfusionMatrix
 
 from modules.config import IMAGENET_MEAN, IMAGENET_STD, MODELS, UserError
 from modules.dataset import eval_transform, load_rgb
+from modules.files import atomic_torch_save, read_torch_file
 from modules.models import build_model
 
 FORMAT_NAME = "imgcls-model"
@@ -162,47 +162,8 @@ def _json_scalar(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} {value!r} is not JSON-serialisable")
 
 
-def atomic_torch_save(payload: dict, path: Path) -> None:
-    """Readers see the old file or the complete new one, never a half-written one."""
-    if path.is_dir():
-        raise UserError(f"model path {str(path)!r} is a directory; give a file name.")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Same directory: os.replace is only atomic within one filesystem.
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(directory: Path) -> None:
-    # Makes the rename itself durable; not possible on every OS/filesystem, hence best effort.
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _read_payload(path: Path) -> dict:
-    if not path.is_file():
-        raise UserError(f"no such model file {str(path)!r}.")
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise UserError(f"{str(path)!r} is not a readable PyTorch file "
-                        f"({type(exc).__name__}).") from None
+    payload = read_torch_file(path, "model file")
     if not (isinstance(payload, dict) and payload.get("format") == FORMAT_NAME):
         raise UserError(f"{str(path)!r} is not a model saved by save_model (a bare state_dict? "
                         "use --weights PATH to load one into a new model).")

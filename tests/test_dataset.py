@@ -10,7 +10,6 @@ import torch
 from PIL import Image
 
 from conftest import COLOURS, make_folder, write_image
-from modules import dataset
 from modules.config import TrainConfig, UserError
 from modules.dataset import (EpochSampler, index_dataset, load_rgb, make_loaders,
                              resolve_source, subset)

@@ -1,0 +1,56 @@
+"""The project's torch files: written atomically, read with one clear error when unreadable."""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from modules.config import UserError
+
+
+def atomic_torch_save(payload: dict, path: Path) -> None:
+    """Readers see the old file or the complete new one, never a half-written one."""
+    if path.is_dir():
+        raise UserError(f"{str(path)!r} is a directory; give a file name.")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Same directory: os.replace is only atomic within one filesystem.
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    # Makes the rename itself durable; not possible on every OS/filesystem, hence best effort.
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def read_torch_file(path: Path, what: str) -> Any:
+    """torch.load without code execution (weights_only); `what` names the file in errors."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"no such {what} {str(path)!r}.")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise UserError(f"{what} {str(path)!r} is not a readable PyTorch file "
+                        f"({type(exc).__name__}).") from None
