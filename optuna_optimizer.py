@@ -121,7 +121,7 @@ class OptunaTuner:
                                            grace_period=GRACE_S, **{keyword: retry})
         except Exception as exc:  # SQLAlchemy raises many types for bad URLs / unreachable DBs
             first = (str(exc).strip().splitlines() or [""])[0]
-            raise UserError(f"cannot open Optuna storage {self.storage_url!r} "
+            raise UserError(f"cannot open Optuna storage {_without_password(self.storage_url)!r} "
                             f"({type(exc).__name__}: {first}).") from None
 
     def _make_pruner(self) -> optuna.pruners.BasePruner:
@@ -141,7 +141,7 @@ class OptunaTuner:
         storage = self.storage
         if not self.resume and self.study_name in optuna.get_all_study_names(storage):
             log.info("deleting the existing study %r in %s to start over (resume=False)",
-                     self.study_name, self.storage_url)
+                     self.study_name, _without_password(self.storage_url))
             optuna.delete_study(study_name=self.study_name, storage=storage)
         self.study = optuna.create_study(
             storage=storage, study_name=self.study_name, direction="maximize",
@@ -167,7 +167,7 @@ class OptunaTuner:
                 "best_value": study.best_value if complete else None,
                 "n_trials": len(states), "n_pruned": states.count(optuna.trial.TrialState.PRUNED),
                 "n_complete": complete, "study_name": self.study_name,
-                "storage": self.storage_url}
+                "storage": _without_password(self.storage_url)}
 
     def _require_study(self) -> optuna.Study:
         if self.study is None:
@@ -224,3 +224,12 @@ class OptunaTuner:
         path = self.output_dir / "optuna_history.png"
         fig.savefig(path, dpi=100, bbox_inches="tight")
         return path
+
+
+def _without_password(url: str) -> str:
+    """The storage URL as it may be logged or written to results.json."""
+    try:
+        from sqlalchemy.engine import make_url
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # not a URL SQLAlchemy can parse: it holds no password we can find
+        return url
