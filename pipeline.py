@@ -16,6 +16,7 @@ from typing import Any
 import psutil
 import torch
 
+from modules import distributed
 from modules.config import MODELS, TrainConfig, UserError
 from modules.dataset import DatasetIndex, index_dataset, make_loaders, resolve_source, subset
 from modules.hardware import max_batch_size
@@ -251,7 +252,8 @@ def run_scenario(name: str, args: argparse.Namespace, index: DatasetIndex, outpu
     log.info("%s: test accuracy %.1f%% (val %.1f%% at epoch %d) in %.0f s", name,
              100 * row["test_acc"], 100 * row["val_acc"], row["best_epoch"], row["wall_s"])
     log.info("%s: %s", name, row["diagnosis"]["summary"])
-    _keep_best_model(result, config, index, row, output_dir)
+    if distributed.is_main():
+        _keep_best_model(result, config, index, row, output_dir)
     return row
 
 
@@ -430,12 +432,19 @@ def prepare_output_dir(path: str) -> Path:
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every requested scenario in order; returns the results rows."""
-    output_dir = prepare_output_dir(args.output_dir)
     device = resolve_device(args.device)
+    device = distributed.init_from_env(device.type) or device  # under torchrun: this rank's
+    if distributed.world_size() > 1:
+        if args.scenarios != ["baseline"]:
+            raise UserError("under torchrun only --scenarios baseline runs so far; tune on one "
+                            "process, or share an Optuna study with --storage.")
+        if not distributed.is_main():  # one set of logs, from rank 0
+            logging.getLogger().setLevel(logging.WARNING)
+    output_dir = prepare_output_dir(args.output_dir)
     index = load_data(args, output_dir)
     tuned: dict[str, Any] = {}  # what one scenario hands the next (the picked resolution)
     rows = [run_scenario(name, args, index, output_dir, device, tuned) for name in args.scenarios]
-    return write_outputs(rows, output_dir)
+    return write_outputs(rows, output_dir) if distributed.is_main() else rows
 
 
 def setup_logging() -> None:
@@ -459,6 +468,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted: rerun the same command with --resume to continue.", file=sys.stderr)
         return 130
+    finally:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     log.info("done in %.0f s; outputs in %s", time.perf_counter() - started, args.output_dir)
     return 0
 

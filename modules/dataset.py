@@ -12,9 +12,10 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from torchvision import transforms as T
 
+from modules import distributed
 from modules.config import IMAGENET_MEAN, IMAGENET_STD, TrainConfig, UserError
 
 log = logging.getLogger(__name__)
@@ -333,10 +334,19 @@ def make_loader(samples: list[Sample], transform, config: TrainConfig, *, train:
         if config.prefetch_factor is not None:
             workers["prefetch_factor"] = config.prefetch_factor
     dataset = ImageListDataset(samples, transform)
-    return DataLoader(dataset, batch_size=batch_size,
-                      sampler=EpochSampler(len(dataset), config.seed) if train else None,
+    sampler = None
+    if train and distributed.world_size() > 1:
+        # One equal shard per process (DDP needs the same step count on every rank), shuffled
+        # as a function of (seed, epoch) like EpochSampler. Evaluation is not sharded.
+        sampler = DistributedSampler(dataset, num_replicas=distributed.world_size(),
+                                     rank=distributed.rank(), shuffle=True, seed=config.seed,
+                                     drop_last=True)
+    elif train:
+        sampler = EpochSampler(len(dataset), config.seed)
+    n_local = len(sampler) if sampler is not None else len(dataset)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler,
                       # a lone last sample would break BatchNorm in train mode
-                      drop_last=train and len(dataset) > batch_size, **workers)
+                      drop_last=train and n_local > batch_size, **workers)
 
 
 def make_loaders(index: DatasetIndex, config: TrainConfig

@@ -19,6 +19,7 @@ from torch.profiler import record_function
 from torchmetrics.classification import MulticlassAccuracy
 from tqdm.auto import tqdm
 
+from modules import distributed
 from modules.config import TrainConfig, UserError
 from modules.dataset import make_loaders
 from modules.models import build_model
@@ -183,7 +184,11 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
     scheduler = make_scheduler(optimizer, config, steps_per_epoch * config.epochs)
     # GradScaler only matters for fp16, whose narrow range underflows small gradients.
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    forward = torch.compile(model) if config.compile else model
+    world = distributed.world_size()
+    # Under torchrun, DDP averages gradients across processes during backward.
+    forward = nn.parallel.DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None) if world > 1 else model
+    forward = torch.compile(forward) if config.compile else forward
     train_acc = MulticlassAccuracy(num_classes=num_classes, average="micro").to(device)
 
     history: list[dict[str, float]] = []
@@ -206,7 +211,7 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
             start_epoch = config.epochs  # nothing left to train; fall through to restore best
     elapsed_before = history[-1]["elapsed_s"] if history else 0.0
 
-    writer = _summary_writer(run_dir, config)
+    writer = _summary_writer(run_dir if distributed.is_main() else None, config)
     timing = {"data_wait_s": 0.0, "h2d_s": 0.0, "step_s": 0.0, "cpu_s": 0.0, "steps": 0,
               "samples": 0}
     planned_steps = len(train_loader) * max(0, config.epochs - start_epoch)
@@ -248,7 +253,7 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
                     torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
                 logits = forward(x)
                 loss = F.cross_entropy(logits, y)
-            if torch.isfinite(loss):
+            if distributed.all_agree(bool(torch.isfinite(loss)), device):
                 consecutive_bad = 0
                 with record_function("backward"):
                     # Dividing by the window keeps the summed gradient a mean over the
@@ -294,6 +299,10 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
             bar.update(1)
         bar.close()
         train_s = time.perf_counter() - epoch_start
+        if world > 1:  # the epoch's loss and sample count over every process
+            totals = distributed.all_reduce_sum(torch.stack([loss_sum.float(), torch.tensor(
+                float(seen), device=device)]))
+            loss_sum, seen = totals[0], int(totals[1].item())
         if gpu_events:
             torch.cuda.synchronize(device)  # once per epoch, so steps keep overlapping
             timing["gpu_compute_s"] += sum(a.elapsed_time(b) for a, b in gpu_events) / 1000
@@ -327,7 +336,7 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
         patience = config.early_stopping_patience
         stopped_early = patience is not None and bad_epochs >= patience
         finished = stopped_early or epoch + 1 == config.epochs
-        if ckpt_path is not None:
+        if ckpt_path is not None and distributed.is_main():
             save_checkpoint(ckpt_path, {
                 "format": CHECKPOINT_FORMAT, "epoch": epoch + 1, "finished": finished,
                 "config": config.to_dict(), "model": _cpu_state(model),
@@ -353,7 +362,7 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
                   h2d_frac=timing["h2d_s"] / step_s,
                   gpu_compute_frac=timing["gpu_compute_s"] / step_s if "gpu_compute_s" in timing
                   else None,
-                  samples_per_s=timing["samples"] / step_s,
+                  samples_per_s=world * timing["samples"] / step_s,  # equal shards per rank
                   cpu_exec_us=1e6 * timing["cpu_s"] / steps, warmup_steps=warmup)
     return TrainResult(
         model=model, history=history, best_epoch=best["epoch"], best_val_acc=max(best["acc"], 0.0),
@@ -363,7 +372,8 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
         time_to_best_s=best_row["elapsed_s"] if best_row else 0.0, timing=timing,
         settings={"device": str(device), "amp_dtype": str(dtype).replace("torch.", "") if dtype
                   else "fp32", "effective_batch_size": config.effective_batch_size,
-                  "steps_per_epoch": steps_per_epoch, "torch": torch.__version__})
+                  "steps_per_epoch": steps_per_epoch, "world_size": world,
+                  "torch": torch.__version__})
 
 
 def _num_classes(model: nn.Module) -> int:
