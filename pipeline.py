@@ -9,6 +9,7 @@ import logging
 import math
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -422,9 +423,9 @@ def prepare_output_dir(path: str) -> Path:
     out = Path(path).expanduser()
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write_test"
-        probe.write_text("ok")
-        probe.unlink()
+        # A uniquely named probe: torchrun's processes check the same folder at once.
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".write_test"):
+            pass
     except OSError as exc:
         raise UserError(f"cannot write to output dir {str(out)!r} ({exc.strerror or exc}).") from None
     return out
