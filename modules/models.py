@@ -59,14 +59,20 @@ def _replace_head(model: nn.Module, name: str, num_classes: int) -> None:
     model.num_classes = num_classes
 
 
+_UNREACHABLE: set[str] = set()  # models whose weights failed to download in this process
+
+
 def _load_imagenet(model: nn.Module, name: str) -> None:
+    if name in _UNREACHABLE:  # said once already; tuners build many models
+        return
     weights = _WEIGHTS[name]
     try:
         # torch.hub prints a "Downloading ..." line even with progress off; keep the console to
         # the one line below when it fails.
-        with contextlib.redirect_stderr(io.StringIO()):
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             state = weights.get_state_dict(progress=False, check_hash=False)
     except Exception as exc:  # offline, proxy, corrupt cache: training from scratch still works
+        _UNREACHABLE.add(name)
         reason = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
         log.warning("ImageNet weights for %s could not be fetched (%s); training from random "
                     "initialization. Use --weights none to silence this, or --weights PATH.",

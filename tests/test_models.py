@@ -1,0 +1,58 @@
+"""The model zoo: heads sized to the classes, ImageNet weights from the hub cache or a clear
+offline fallback, and weights from a file."""
+import logging
+import urllib.error
+
+import pytest
+import torch
+import torchvision
+
+from modules import models
+from modules.config import UserError
+from modules.models import build_model
+
+
+@pytest.mark.parametrize("name", ["squeezenet1_1", "resnet18", "mobilenet_v3_small"])
+def test_heads_have_one_output_per_class(name):
+    model = build_model(name, 4).eval()
+    assert model(torch.randn(2, 3, 64, 64)).shape == (2, 4) and model.num_classes == 4
+
+
+def test_offline_imagenet_weights_fall_back_with_one_warning(monkeypatch, caplog):
+    monkeypatch.setattr(models, "_UNREACHABLE", set())
+
+    def offline(*_, **__):
+        raise urllib.error.URLError("[Errno -2] Name or service not known")
+    monkeypatch.setattr(torch.hub, "load_state_dict_from_url", offline)
+    with caplog.at_level(logging.WARNING):
+        build_model("squeezenet1_1", 6, "imagenet")
+        build_model("squeezenet1_1", 6, "imagenet")  # a tuner builds many: said once
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "could not be fetched" in warnings[0]
+    assert "random initialization" in warnings[0]
+
+
+def test_imagenet_weights_come_from_the_hub_cache_offline(tmp_path, monkeypatch):
+    monkeypatch.setattr(models, "_UNREACHABLE", set())
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    reference = torchvision.models.squeezenet1_1(weights=None)  # stands in for the real file
+    url = torchvision.models.SqueezeNet1_1_Weights.IMAGENET1K_V1.url
+    cached = tmp_path / "hub" / "checkpoints" / url.rsplit("/", 1)[-1]
+    cached.parent.mkdir(parents=True)
+    torch.save(reference.state_dict(), cached)
+    model = build_model("squeezenet1_1", 6, "imagenet")
+    torch.testing.assert_close(model.features[0].weight, reference.features[0].weight)
+
+
+def test_weights_from_a_file_fit_a_new_head(tmp_path):
+    source = build_model("resnet18", 10)
+    torch.save(source.state_dict(), tmp_path / "w.pt")
+    model = build_model("resnet18", 3, str(tmp_path / "w.pt"))
+    torch.testing.assert_close(model.conv1.weight, source.conv1.weight)
+    assert model.fc.out_features == 3
+
+
+def test_weights_of_another_architecture_are_refused(tmp_path):
+    torch.save(build_model("resnet18", 3).state_dict(), tmp_path / "w.pt")
+    with pytest.raises(UserError, match="no tensor"):
+        build_model("squeezenet1_1", 3, str(tmp_path / "w.pt"))
