@@ -20,6 +20,7 @@ import torch
 from modules import distributed
 from modules.config import MODELS, TrainConfig, UserError
 from modules.dataset import DatasetIndex, index_dataset, make_loaders, resolve_source, subset
+from modules.files import atomic_write_text
 from modules.hardware import max_batch_size
 from modules.models import build_model
 from modules.profiler import SystemSampler, TorchProfiler, diagnose, native_bf16_cpu
@@ -389,12 +390,7 @@ def _json_safe(value):
 
 def write_json(path: Path, data) -> None:
     """Atomic: readers see the old file or the new one, never half of one."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(_json_safe(data), f, indent=2, allow_nan=False)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write_text(json.dumps(_json_safe(data), indent=2, allow_nan=False), path)
 
 
 def merge_results(path: Path, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

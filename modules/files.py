@@ -13,14 +13,23 @@ from modules.config import UserError
 
 def atomic_torch_save(payload: dict, path: Path) -> None:
     """Readers see the old file or the complete new one, never a half-written one."""
+    _atomic_write(Path(path), lambda f: torch.save(payload, f), "wb")
+
+
+def atomic_write_text(text: str, path: Path) -> None:
+    """The same guarantee for a text file (results.json)."""
+    _atomic_write(Path(path), lambda f: f.write(text), "w")
+
+
+def _atomic_write(path: Path, write, mode: str) -> None:
     if path.is_dir():
         raise UserError(f"{str(path)!r} is a directory; give a file name.")
     path.parent.mkdir(parents=True, exist_ok=True)
     # Same directory: os.replace is only atomic within one filesystem.
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
+        with os.fdopen(fd, mode) as f:
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
