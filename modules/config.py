@@ -17,6 +17,7 @@ MIN_IMAGE_SIZE = {"squeezenet1_1": 17, "resnet18": 16, "mobilenet_v3_small": 16}
 OPTIMIZERS = ("adam", "adamw", "sgd")
 SCHEDULERS = ("cosine", "onecycle", "none")
 AMP_MODES = ("auto", "off", "fp16", "bf16")
+OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "forloop")
 
 
 class UserError(Exception):
@@ -47,6 +48,9 @@ class TrainConfig:
     amp: str = "off"                   # "auto" picks fp16 (CUDA) / bf16 (CUDA sm80+) / off (CPU)
     channels_last: bool = False
     compile: bool = False
+    optimizer_impl: str = "auto"       # "auto": fused on CUDA, PyTorch's default elsewhere
+    cpu_threads: int | None = None     # torch intra-op threads; None = PyTorch's default
+    cache_decoded: bool = False        # decode+resize once into a uint8 cache, augment in batches
     cudnn_benchmark: bool = True
     num_workers: int = 0               # DataLoader worker processes
     pin_memory: bool = False
@@ -63,6 +67,9 @@ class TrainConfig:
         _choice("scheduler", self.scheduler, SCHEDULERS)
         _choice("amp", self.amp, AMP_MODES)
         _choice("device", self.device, ("auto", "cpu", "cuda"))
+        _choice("optimizer_impl", self.optimizer_impl, OPTIMIZER_IMPLS)
+        if self.cpu_threads is not None:
+            _positive_int("cpu_threads", self.cpu_threads, high=1024)
         _positive_int("image_size", self.image_size, low=MIN_IMAGE_SIZE[self.model], high=2048)
         _positive_int("epochs", self.epochs, high=100_000)
         _positive_int("batch_size", self.batch_size, high=1 << 20)

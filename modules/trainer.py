@@ -1,5 +1,6 @@
 """The AMP trainer: one training loop with accumulation, clipping, a non-finite guard, early
-stopping, per-epoch checkpoints and resume. Knows nothing of Optuna: tuners pass `report`."""
+stopping, per-epoch checkpoints and resume, and recovery from running out of memory (smaller
+micro-batches, same effective batch). Knows nothing of Optuna: tuners pass `report`."""
 from __future__ import annotations
 
 import logging
@@ -41,6 +42,23 @@ Report = Callable[[int, dict[str, float]], None]
 
 class DivergedError(UserError):
     """The loss stayed NaN/inf for too many steps in a row."""
+
+
+# torch.OutOfMemoryError arrived in torch 2.5; torch.cuda.OutOfMemoryError is the same class
+# there (an alias) and the only one before it.
+_TORCH_OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+
+
+class OutOfMemoryError(UserError, _TORCH_OOM):
+    """Out of memory even with one sample per forward/backward pass. A UserError, so the command
+    prints one line; also a torch OutOfMemoryError (a RuntimeError saying "out of memory"), so
+    code that skips candidates which do not fit (the Optuna tuner) still recognises it."""
+
+
+def _is_out_of_memory(exc: BaseException) -> bool:
+    """CUDA (or any device's) allocator failure; older torch raised a plain RuntimeError."""
+    return isinstance(exc, _TORCH_OOM) or (isinstance(exc, RuntimeError)
+                                           and "out of memory" in str(exc))
 
 
 @dataclass
@@ -96,14 +114,44 @@ def autocast_dtype(amp: str, device: torch.device) -> torch.dtype | None:
 def make_optimizer(model: nn.Module, config: TrainConfig, device: torch.device
                    ) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
-    # Fused kernels update every parameter in one launch; they exist for CUDA tensors only.
-    fused = {"fused": True} if device.type == "cuda" else {}
     if config.optimizer == "adam":
-        return torch.optim.Adam(params, lr=config.lr, weight_decay=config.weight_decay, **fused)
-    if config.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, **fused)
-    return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum,
-                           weight_decay=config.weight_decay, nesterov=config.momentum > 0, **fused)
+        cls, options = torch.optim.Adam, {"weight_decay": config.weight_decay}
+    elif config.optimizer == "adamw":
+        cls, options = torch.optim.AdamW, {"weight_decay": config.weight_decay}
+    else:
+        cls, options = torch.optim.SGD, {"momentum": config.momentum,
+                                         "weight_decay": config.weight_decay,
+                                         "nesterov": config.momentum > 0}
+    options["lr"] = config.lr
+    # How the update runs: fused (one kernel for every parameter), foreach (one multi-tensor
+    # op per step of the update) or forloop (one op per parameter). "auto" fuses on CUDA and
+    # leaves PyTorch's default elsewhere.
+    impl = config.optimizer_impl
+    if impl == "auto":
+        impl = "fused" if device.type == "cuda" else None
+    elif impl == "fused":
+        _check_fused(cls, options, params, config)
+    kernel = {"fused": {"fused": True}, "foreach": {"foreach": True},
+              "forloop": {"foreach": False}, None: {}}[impl]
+    return cls(params, **options, **kernel)
+
+
+def _check_fused(cls, options: dict[str, Any], params: list[torch.Tensor],
+                 config: TrainConfig) -> None:
+    """PyTorch checks fused support lazily, at the first step: take one step on a one-element
+    stand-in per parameter device and dtype, so an unsupported device, dtype or torch version
+    is one clear line before training starts."""
+    for device, dtype in {(p.device, p.dtype) for p in params}:
+        probe = torch.zeros(1, device=device, dtype=dtype, requires_grad=True)
+        probe.grad = torch.zeros_like(probe)
+        try:
+            cls([probe], **options, fused=True).step()
+        except (RuntimeError, TypeError, ValueError) as exc:
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UserError(f"optimizer_impl fused is not supported for {config.optimizer} with "
+                            f"{str(dtype).replace('torch.', '')} parameters on {device.type} "
+                            f"in torch {torch.__version__} ({reason}); use auto, foreach or "
+                            "forloop.") from None
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, total_steps: int):
@@ -168,6 +216,8 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
     profiler: anything with step() (modules.profiler.TorchProfiler), stepped once per batch.
     """
     started = time.perf_counter()
+    if config.cpu_threads is not None:
+        torch.set_num_threads(config.cpu_threads)  # process-wide, on purpose
     device = resolve_device(config.device)
     dtype = autocast_dtype(config.amp, device)
     memory_format = torch.channels_last if config.channels_last else torch.contiguous_format
@@ -222,6 +272,9 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
     if device.type == "cuda":
         timing["gpu_compute_s"] = 0.0
     stopped_early = False
+    # After running out of memory every loader batch goes through in `splits` chunks (x2 per
+    # recovery); the optimizer step still sees the same samples, so the effective batch stays.
+    splits, oom_recoveries = 1, 0
     for epoch in range(start_epoch, config.epochs):
         epoch_start = time.perf_counter()
         if hasattr(train_loader.sampler, "set_epoch"):
@@ -235,6 +288,7 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
         bar = tqdm(total=n_batches, desc=f"epoch {epoch + 1}/{config.epochs}", leave=False,
                    disable=not config.progress, dynamic_ncols=True)
         batches = iter(train_loader)
+        window_batches: list[tuple[torch.Tensor, torch.Tensor]] = []  # replayed after an OOM
         for i in range(n_batches):
             t0, c0 = time.perf_counter(), time.process_time()
             with record_function("data_wait"):
@@ -248,20 +302,33 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
                 gpu_start = torch.cuda.Event(enable_timing=True)
                 gpu_start.record()
             window_start = i - i % accum
-            window = min(accum, n_batches - window_start)  # micro-batches in this optimizer step
-            with record_function("forward"), \
-                    torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-                logits = forward(x)
-                loss = F.cross_entropy(logits, y)
-            if distributed.all_agree(bool(torch.isfinite(loss)), device):
+            window = min(accum, n_batches - window_start)  # loader batches in this optimizer step
+            if i == window_start:
+                window_batches.clear()
+            window_batches.append((x, y))
+            run = window_batches[-1:]  # this batch; after running out of memory, the window
+            while True:
+                try:
+                    for bx, by in run:  # the current batch is always the last one run
+                        finite, parts = _forward_backward(forward, bx, by, splits, window,
+                                                          device, dtype, scaler)
+                    break
+                except RuntimeError as exc:  # torch's OutOfMemoryError is a RuntimeError
+                    # Under DDP the other ranks are already inside this step's collectives.
+                    if world > 1 or not _is_out_of_memory(exc):
+                        raise
+                # Recover outside the except block: its traceback holds the failed pass's
+                # frames and with them its activations; by now they are released.
+                optimizer.zero_grad(set_to_none=True)  # the window's partial gradient
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                splits = _more_splits(splits, by, config)
+                oom_recoveries += 1
+                run = window_batches  # the whole window again, from its first batch
+            # Commit the batch only now that all of it went through, so a replay of the window
+            # counts nothing twice.
+            if finite:
                 consecutive_bad = 0
-                with record_function("backward"):
-                    # Dividing by the window keeps the summed gradient a mean over the
-                    # effective batch, as if it had gone through in one piece.
-                    scaler.scale(loss / window).backward()
-                loss_sum += loss.detach() * y.shape[0]
-                seen += y.shape[0]
-                train_acc.update(logits.detach(), y)
             else:
                 consecutive_bad += 1
                 nonfinite_total += 1
@@ -270,6 +337,10 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
                         f"training diverged: the loss was NaN/inf for {consecutive_bad} batches "
                         f"in a row in epoch {epoch + 1} (lr={config.lr:g}); lower --lr"
                         + ("" if config.max_grad_norm else " or set --max-grad-norm 1.0") + ".")
+            for logits, part_y, part_loss in parts:
+                loss_sum += part_loss * part_y.shape[0]
+                seen += part_y.shape[0]
+                train_acc.update(logits, part_y)
             if i - window_start + 1 == window:
                 with record_function("optimizer_step"):
                     if config.max_grad_norm is not None:
@@ -372,8 +443,56 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
         time_to_best_s=best_row["elapsed_s"] if best_row else 0.0, timing=timing,
         settings={"device": str(device), "amp_dtype": str(dtype).replace("torch.", "") if dtype
                   else "fp32", "effective_batch_size": config.effective_batch_size,
-                  "steps_per_epoch": steps_per_epoch, "world_size": world,
+                  "micro_batch_size": math.ceil(config.batch_size / splits),
+                  "oom_recoveries": oom_recoveries, "steps_per_epoch": steps_per_epoch,
+                  "world_size": world, "cpu_threads": torch.get_num_threads(),
                   "torch": torch.__version__})
+
+
+def _forward_backward(forward, x: torch.Tensor, y: torch.Tensor, splits: int, window: int,
+                      device: torch.device, dtype: torch.dtype | None, scaler
+                      ) -> tuple[bool, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+    """Forward and backward one loader batch, in `splits` chunks (1 until memory ran out).
+
+    Each chunk's loss is weighted by its share of the batch and divided by the batches in the
+    optimizer window, so the window's summed gradient is a mean over its samples however they
+    are cut. A chunk whose loss is NaN/inf gets no backward. Returns (finite, parts): finite is
+    False when any chunk's loss was NaN/inf; parts holds (logits, y, loss), detached, of the
+    chunks that went through, for the epoch's metrics.
+    """
+    n = y.shape[0]
+    size = math.ceil(n / splits)
+    chunks = [(x, y)] if size >= n else list(zip(x.split(size), y.split(size)))
+    finite, parts = True, []
+    for cx, cy in chunks:
+        with record_function("forward"), \
+                torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+            logits = forward(cx)
+            loss = F.cross_entropy(logits, cy)
+        if not distributed.all_agree(bool(torch.isfinite(loss)), device):
+            finite = False
+            continue
+        with record_function("backward"):
+            # A whole batch keeps the plain loss / window (bit for bit as before chunking).
+            share = loss if cy.shape[0] == n else loss * (cy.shape[0] / n)
+            scaler.scale(share / window).backward()
+        parts.append((logits.detach(), cy, loss.detach()))
+    return finite, parts
+
+
+def _more_splits(splits: int, failed_y: torch.Tensor, config: TrainConfig) -> int:
+    """Twice the chunks per loader batch after running out of memory, or OutOfMemoryError when
+    the chunk that failed already held a single sample."""
+    if math.ceil(failed_y.shape[0] / splits) <= 1:
+        raise OutOfMemoryError(
+            f"out of memory even with one {config.image_size} px image per forward/backward "
+            f"pass ({config.model}); lower --image-size or use a smaller --model.")
+    before = math.ceil(config.batch_size / splits)
+    splits *= 2
+    log.warning("out of memory at micro-batch %d (%d px); continuing with micro-batch %d and %dx "
+                "more accumulation: the effective batch stays %d", before, config.image_size,
+                math.ceil(config.batch_size / splits), splits, config.effective_batch_size)
+    return splits
 
 
 def _num_classes(model: nn.Module) -> int:

@@ -1,0 +1,253 @@
+"""Out-of-memory recovery (smaller micro-batches, same effective batch) and the optimizer-impl
+and cpu_threads knobs. CPU tests simulate the OOM; one GPU test makes a real one."""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import importlib
+import logging
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import modules.trainer as trainer
+from modules.config import TrainConfig, UserError
+from modules.dataset import EpochSampler
+from modules.models import build_model
+from modules.trainer import make_optimizer, set_seed, train
+from test_trainer import TinyNet
+
+BASE = TrainConfig(model="squeezenet1_1", weights="none", image_size=32, epochs=2, batch_size=16,
+                   grad_accum_steps=2, lr=0.01, optimizer="sgd", scheduler="cosine",
+                   device="cpu", progress=False, seed=0)
+N_TRAIN = 48
+
+
+class RunsOutAbove(nn.Module):
+    """Trains like `inner`, but a training forward of more than `limit` samples raises the
+    error CUDA raises, once `after` training forwards have gone through."""
+
+    def __init__(self, inner: nn.Module, limit: float, after: int = 0,
+                 error=lambda: torch.OutOfMemoryError("CUDA out of memory (simulated)")):
+        super().__init__()
+        self.inner, self.limit, self.after, self.error = inner, limit, after, error
+        self.num_classes = inner.num_classes
+        self.calls = 0
+
+    def forward(self, x):
+        if self.training:
+            self.calls += 1
+            if x.shape[0] > self.limit and self.calls > self.after:
+                raise self.error()
+        return self.inner(x)
+
+
+class CountingAccuracy(trainer.MulticlassAccuracy):
+    """The trainer's epoch accuracy, also noting how many samples each epoch gave it."""
+    epochs: list[int] = []
+
+    def update(self, preds, target):
+        self.n = getattr(self, "n", 0) + target.shape[0]
+        super().update(preds, target)
+
+    def reset(self):
+        self.n = 0
+        super().reset()
+
+    def compute(self):  # once per epoch
+        CountingAccuracy.epochs.append(self.n)
+        return super().compute()
+
+
+def data(n: int, size: int, seed: int = 0) -> TensorDataset:
+    """Class k has a brighter channel k."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.arange(n) % 3
+    x = torch.randn(n, 3, size, size, generator=g) * 0.5
+    x[torch.arange(n), y] += 1.0
+    return TensorDataset(x, y)
+
+
+def squeezenet() -> nn.Module:
+    model = build_model("squeezenet1_1", 3, "none")
+    # Dropout draws from the RNG per element: chunked batches would draw differently.
+    model.classifier[0] = nn.Identity()
+    return model
+
+
+def run(config=BASE, limit=math.inf, after=0, make=squeezenet, train_data=None, **wrap):
+    set_seed(config.seed)
+    model = RunsOutAbove(make(), limit, after, **wrap)
+    train_data = train_data or data(N_TRAIN, config.image_size)
+    val = data(12, config.image_size, seed=1)
+    return train(model, DataLoader(train_data, batch_size=config.batch_size,
+                                   sampler=EpochSampler(len(train_data), config.seed)),
+                 DataLoader(val, batch_size=config.batch_size), config)
+
+
+def oom_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "modules.trainer" and r.levelno == logging.WARNING
+            and "out of memory" in r.getMessage()]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The same run with memory to spare."""
+    return run()
+
+
+@pytest.mark.parametrize("limit, after, recoveries", [
+    (4, 0, 2),   # the first forward fails; 16 -> 8 -> 4
+    (8, 1, 1),   # the first batch of a window goes through at 16, the second fails: replay both
+])
+def test_oom_halves_the_micro_batch_and_trains_like_a_run_with_memory(
+        reference, monkeypatch, caplog, limit, after, recoveries):
+    monkeypatch.setattr(trainer, "MulticlassAccuracy", CountingAccuracy)
+    monkeypatch.setattr(CountingAccuracy, "epochs", [])
+    caplog.set_level(logging.WARNING, logger="modules.trainer")
+    result = run(limit=limit, after=after)
+    settings = result.settings
+    assert (settings["micro_batch_size"], settings["oom_recoveries"],
+            settings["effective_batch_size"]) == (limit, recoveries, 32)
+    assert reference.settings["oom_recoveries"] == 0
+    assert reference.settings["micro_batch_size"] == 16
+    # every sample counted once per epoch, though a window went through twice
+    assert CountingAccuracy.epochs == [N_TRAIN, N_TRAIN]
+    assert result.timing["samples"] == reference.timing["samples"]
+    for got, want in zip(result.history, reference.history):
+        assert got["train_loss"] == pytest.approx(want["train_loss"], rel=1e-5)
+        assert got["train_acc"] == want["train_acc"]
+        assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-4)
+    # the same samples per optimizer step, weighted the same: the same weights
+    for (name, got), want in zip(result.model.state_dict().items(),
+                                 reference.model.state_dict().values()):
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), name
+    warnings = oom_warnings(caplog)
+    assert len(warnings) == recoveries
+    assert warnings[0] == ("out of memory at micro-batch 16 (32 px); continuing with micro-batch "
+                           "8 and 2x more accumulation: the effective batch stays 32")
+
+
+def test_oom_with_one_sample_per_pass_is_a_one_line_user_error(caplog):
+    caplog.set_level(logging.WARNING, logger="modules.trainer")
+    with pytest.raises(UserError) as err:
+        run(dataclasses.replace(BASE, batch_size=4, grad_accum_steps=1), limit=0)
+    message = str(err.value)
+    assert "\n" not in message and "out of memory" in message and "--image-size" in message
+    # still an OOM to code that skips candidates which do not fit (the Optuna tuner)
+    assert isinstance(err.value, torch.OutOfMemoryError)
+    assert len(oom_warnings(caplog)) == 2  # 4 -> 2 -> 1, then nothing smaller
+
+
+def test_an_older_torch_oom_runtime_error_is_recovered_and_other_errors_are_not():
+    config = dataclasses.replace(BASE, epochs=1)
+    result = run(config, limit=8, make=lambda: TinyNet(),
+                 error=lambda: RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert (result.settings["oom_recoveries"], result.settings["micro_batch_size"]) == (1, 8)
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        run(config, limit=8, make=lambda: TinyNet(), error=lambda: RuntimeError("shape mismatch"))
+
+
+def test_the_nonfinite_guard_works_on_chunked_batches():
+    config = dataclasses.replace(BASE, image_size=24, epochs=2)
+    poisoned = data(N_TRAIN, 24)
+    poisoned.tensors[0][5] = float("nan")  # one sample: one bad chunk in one batch per epoch
+    result = run(config, limit=4, make=lambda: TinyNet(), train_data=poisoned)
+    assert result.settings["oom_recoveries"] == 2 and result.nonfinite_steps == 2
+    assert all(torch.isfinite(p).all() for p in result.model.parameters())
+    assert all(math.isfinite(r["train_loss"]) for r in result.history)
+
+    broken = data(N_TRAIN, 24)
+    broken.tensors[0][:] = float("inf")
+    with pytest.raises(trainer.DivergedError, match="diverged"):
+        run(dataclasses.replace(config, max_nonfinite_steps=2), limit=4, make=lambda: TinyNet(),
+            train_data=broken)
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "adamw", "sgd"])
+@pytest.mark.parametrize("impl, flags", [("auto", {"fused": None, "foreach": None}),
+                                         ("fused", {"fused": True}),
+                                         ("foreach", {"foreach": True}),
+                                         ("forloop", {"foreach": False})])
+def test_optimizer_impl_builds_on_cpu(optimizer, impl, flags):
+    config = dataclasses.replace(BASE, optimizer=optimizer, optimizer_impl=impl)
+    built = make_optimizer(TinyNet(), config, torch.device("cpu"))
+    assert {k: built.defaults.get(k) for k in flags} == flags
+
+
+def test_optimizer_impls_train_alike():
+    config = dataclasses.replace(BASE, image_size=24, epochs=1, optimizer="adamw")
+    runs = [run(dataclasses.replace(config, optimizer_impl=impl), make=lambda: TinyNet())
+            for impl in ("forloop", "foreach", "fused")]
+    for other in runs[1:]:
+        for got, want in zip(other.model.parameters(), runs[0].model.parameters()):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_unsupported_fused_optimizer_is_a_one_line_user_error(monkeypatch):
+    optim_module = importlib.import_module("torch.optim.optimizer")  # fused devices live here
+    if not hasattr(optim_module, "_get_fused_kernels_supported_devices"):
+        pytest.skip("this torch has no fused-device list to patch")
+    monkeypatch.setattr(optim_module, "_get_fused_kernels_supported_devices", lambda: ["cuda"])
+    config = dataclasses.replace(BASE, optimizer="adam", optimizer_impl="fused")
+    with pytest.raises(UserError, match="fused is not supported for adam") as err:
+        make_optimizer(TinyNet(), config, torch.device("cpu"))
+    assert "\n" not in str(err.value)
+
+
+def test_cpu_threads_is_applied_and_recorded():
+    before = torch.get_num_threads()
+    config = dataclasses.replace(BASE, image_size=24, epochs=1)
+    try:
+        result = run(dataclasses.replace(config, cpu_threads=1), make=lambda: TinyNet())
+        assert result.settings["cpu_threads"] == 1 == torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+    assert run(config, make=lambda: TinyNet()).settings["cpu_threads"] == before
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_real_cuda_oom_is_recovered():
+    """Cap this process's GPU memory so that 64 images at 224 px do not fit but 16 do."""
+    config = TrainConfig(model="squeezenet1_1", weights="none", image_size=224, epochs=1,
+                         batch_size=64, lr=0.01, optimizer="sgd", scheduler="none",
+                         device="cuda", amp="off", cudnn_benchmark=False, progress=False, seed=0)
+
+    def train_at(batch_size: int, n: int):
+        cfg = dataclasses.replace(config, batch_size=batch_size)
+        set_seed(cfg.seed)
+        loader = DataLoader(data(n, cfg.image_size), batch_size=batch_size)
+        return train(squeezenet(), loader, DataLoader(data(8, cfg.image_size), batch_size=8), cfg)
+
+    def peak_reserved(batch_size: int) -> int:
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        train_at(batch_size, batch_size)
+        return torch.cuda.max_memory_reserved()
+
+    small, larger = peak_reserved(8), peak_reserved(16)
+    per_sample = max(1, (larger - small) / 8)
+    static = small - 8 * per_sample
+    limit = static + 24 * per_sample  # 64 and 32 do not fit; 16 does
+    total = torch.cuda.get_device_properties(0).total_memory
+    gc.collect()
+    torch.cuda.empty_cache()
+    try:
+        torch.cuda.set_per_process_memory_fraction(limit / total, 0)
+        with pytest.raises(torch.OutOfMemoryError):  # the cap does bite
+            torch.empty(int(limit) + (64 << 20), dtype=torch.uint8, device="cuda")
+        result = train_at(64, 128)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)
+        gc.collect()
+        torch.cuda.empty_cache()
+    measured = f"peaks {small >> 20} MiB at 8, {larger >> 20} MiB at 16; cap {int(limit) >> 20} MiB"
+    assert result.settings["oom_recoveries"] >= 1, measured
+    assert result.settings["micro_batch_size"] <= 32
+    assert result.settings["effective_batch_size"] == 64
+    assert result.timing["samples"] == 128 and math.isfinite(result.history[0]["train_loss"])
