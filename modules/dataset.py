@@ -351,7 +351,14 @@ def make_loader(samples: list[Sample], transform, config: TrainConfig, *, train:
 
 def make_loaders(index: DatasetIndex, config: TrainConfig
                  ) -> tuple[DataLoader, DataLoader, DataLoader]:
-    """(train, val, test) loaders at config.image_size with the seed's per-sample transforms."""
+    """(train, val, test) loaders at config.image_size: from the decoded-image cache with batched
+    augmentation on the device when config.cache_decoded (and it fits in RAM), else the seed's
+    per-sample PIL decode and transforms."""
+    if config.cache_decoded:
+        from modules.fastdata import cached_loaders  # imports this module
+        loaders = cached_loaders(index, config)
+        if loaders is not None:
+            return loaders
     size = config.image_size
     return (make_loader(index.train, train_transform(size), config, train=True),
             make_loader(index.val, eval_transform(size), config, train=False),

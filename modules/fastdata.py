@@ -1,0 +1,251 @@
+"""The fast data path: decode and resize every image once into a uint8 tensor cache, then
+augment whole batches with tensor operations on the training device.
+
+The seed's path (dataset.ImageListDataset) decodes each JPEG and runs PIL transforms per sample,
+every epoch; on a 2-core CPU that costs as much as the model's own step. Here decoding happens
+once per (image list, size), and the per-epoch work is one gather, one colour matrix and one
+resampling per batch."""
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import psutil
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from torch.utils.data import DistributedSampler
+
+from modules import distributed
+from modules.config import IMAGENET_MEAN, IMAGENET_STD, TrainConfig, UserError
+from modules.dataset import EpochSampler, Sample, to_rgb
+
+log = logging.getLogger(__name__)
+
+# Share of the RAM available when the cache is built that decoded images may take.
+CACHE_RAM_FRACTION = 0.5
+# Share of free GPU memory the cache may take to live on the GPU (else it stays in RAM).
+CACHE_GPU_FRACTION = 0.25
+# Augmentation ranges, as in dataset.train_transform (RandomResizedCrop scale, ColorJitter 0.2).
+CROP_SCALE = (0.6, 1.0)
+CROP_RATIO = (3 / 4, 4 / 3)
+JITTER = 0.2
+_LUMA = (0.299, 0.587, 0.114)  # ITU-R 601 grey, as torchvision's rgb_to_grayscale
+
+_MEMO: OrderedDict[tuple[str, int], torch.Tensor] = OrderedDict()  # (image list, size) -> cache
+
+
+# ----------------------------------------------------------------------------- the cache
+
+def decode_resized(path: str, size: int) -> np.ndarray:
+    """One image as a size x size x 3 uint8 array, resized like dataset.eval_transform."""
+    try:
+        with Image.open(path) as img:
+            img.draft("RGB", (size, size))  # JPEG: decode at the smallest DCT scale >= size
+            rgb = to_rgb(img)
+            if rgb.size != (size, size):
+                rgb = rgb.resize((size, size), Image.BILINEAR)
+            return np.asarray(rgb, dtype=np.uint8)
+    except Exception as exc:
+        raise UserError(f"image {path!r} became unreadable while caching ({type(exc).__name__}); "
+                        "re-run to re-index the folder.") from None
+
+
+def cache_bytes(n_images: int, size: int) -> int:
+    return n_images * 3 * size * size
+
+
+def _key(samples: list[Sample], size: int) -> tuple[str, int]:
+    return hashlib.sha1("\n".join(p for p, _ in samples).encode()).hexdigest(), size
+
+
+def decoded_images(samples: list[Sample], size: int) -> torch.Tensor:
+    """(N, 3, size, size) uint8 of the samples' images, decoded once per process and size."""
+    key = _key(samples, size)
+    if key in _MEMO:
+        _MEMO.move_to_end(key)
+        return _MEMO[key]
+    images = torch.empty((len(samples), size, size, 3), dtype=torch.uint8)
+
+    def fill(i: int) -> None:  # PIL decodes with the GIL released: threads run in parallel
+        images[i] = torch.from_numpy(decode_resized(samples[i][0], size).copy())
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+        list(pool.map(fill, range(len(samples))))
+    log.info("decoded %d images once at %d px into a %.0f MB cache in %.1f s", len(samples), size,
+             images.numel() / 2**20, time.perf_counter() - started)
+    images = images.permute(0, 3, 1, 2).contiguous()  # NCHW: per-image gathers stay contiguous
+    _MEMO[key] = images
+    return images
+
+
+def clear_cache() -> None:
+    _MEMO.clear()
+
+
+# ----------------------------------------------------------------------------- augmentation
+
+def _normaliser(device: torch.device, mean, std) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, shift) per channel mapping 0..255 to (x / 255 - mean) / std."""
+    std_t = torch.tensor(std, dtype=torch.float32)
+    scale = 1.0 / (255.0 * std_t)
+    shift = -torch.tensor(mean, dtype=torch.float32) / std_t
+    return scale.to(device), shift.to(device)
+
+
+def normalise(x: torch.Tensor, mean=IMAGENET_MEAN, std=IMAGENET_STD) -> torch.Tensor:
+    """uint8 (N, 3, H, W) -> normalised float32, keeping x's memory format."""
+    scale, shift = _normaliser(x.device, mean, std)
+    return torch.addcmul(shift.view(1, 3, 1, 1), x.float(), scale.view(1, 3, 1, 1))
+
+
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small CPU tensor on `device` without waiting for the GPU's queue (pinned, async)."""
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def augment(x: torch.Tensor, generator: torch.Generator, mean=IMAGENET_MEAN, std=IMAGENET_STD
+            ) -> torch.Tensor:
+    """Random resized crop, horizontal flip and colour jitter of a uint8 batch, normalised.
+
+    Brightness, contrast, saturation and normalisation are all affine in the pixel values, so
+    they fold into one 3x3 matrix plus offset per image (one batched matmul); the crop and the
+    flip are one affine resampling (grid_sample). The random numbers come from `generator`
+    (CPU), so a batch depends only on the generator's state, on any device."""
+    n, _, h, w = x.shape
+    device = x.device
+    u = _to(torch.rand((n, 8), generator=generator), device)  # all the batch's random numbers
+    # colour: brightness b, contrast c, saturation s, each in 1 +- JITTER as in ColorJitter
+    b, c, s = (1 + JITTER * (2 * u[:, k] - 1) for k in range(3))
+    xf = x.float()
+    luma = torch.tensor(_LUMA, device=device)
+    mean_grey = xf.mean(dim=(2, 3)) @ luma                         # (n,) contrast's pivot
+    sat = s.view(n, 1, 1) * torch.eye(3, device=device) + (1 - s).view(n, 1, 1) * luma  # to grey
+    matrix = (b * c).view(n, 1, 1) * sat                           # brightness, then contrast
+    offset = (b * (1 - c) * mean_grey).view(n, 1) * sat.sum(2)     # contrast pulls to mean grey
+    scale, shift = _normaliser(device, mean, std)
+    matrix = matrix * scale.view(1, 3, 1)
+    offset = offset * scale.view(1, 3) + shift.view(1, 3)
+    flat = xf.contiguous().view(n, 3, h * w)  # the matrix mixes channels: (N, 3, H*W) layout
+    xf = torch.baddbmm(offset.unsqueeze(2), matrix, flat).view(n, 3, h, w)
+    # geometry: a crop of CROP_SCALE of the area at an aspect ratio in CROP_RATIO, resized back
+    area = CROP_SCALE[0] + (CROP_SCALE[1] - CROP_SCALE[0]) * u[:, 3]
+    lo, hi = math.log(CROP_RATIO[0]), math.log(CROP_RATIO[1])
+    ratio = torch.exp(lo + (hi - lo) * u[:, 4])
+    cw = torch.sqrt(area * ratio).clamp(max=1.0)
+    ch = torch.sqrt(area / ratio).clamp(max=1.0)
+    flip = torch.where(u[:, 7] < 0.5, -1.0, 1.0)
+    # The sampling grid of an axis-aligned crop, built directly (affine_grid's general matmul
+    # costs about 4x more): x' = cw * flip * x + tx, y' = ch * y + ty in [-1, 1] coordinates.
+    base_x = (torch.arange(w, device=device) * 2 + 1) / w - 1
+    base_y = (torch.arange(h, device=device) * 2 + 1) / h - 1
+    gx = (cw * flip).view(n, 1) * base_x + ((1 - cw) * (2 * u[:, 5] - 1)).view(n, 1)
+    gy = ch.view(n, 1) * base_y + ((1 - ch) * (2 * u[:, 6] - 1)).view(n, 1)
+    grid = torch.stack([gx.view(n, 1, w).expand(n, h, w), gy.view(n, h, 1).expand(n, h, w)], -1)
+    return F.grid_sample(xf, grid, mode="bilinear", padding_mode="border", align_corners=False)
+
+
+# ----------------------------------------------------------------------------- the loader
+
+class CachedLoader:
+    """Batches from a decoded-image cache, augmented (train) or normalised (eval) on `device`.
+
+    Quacks like the DataLoaders the trainer and evaluate() take: len(), iteration over
+    (x, y) pairs, and `sampler.set_epoch` for a shuffle that is a function of (seed, epoch)."""
+
+    data_path = "decoded cache"
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, *, batch_size: int,
+                 train: bool, device: torch.device, seed: int, channels_last: bool):
+        self.images, self.labels = images, labels.to(images.device)
+        self.batch_size, self.train, self.device, self.seed = batch_size, train, device, seed
+        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+        n = len(labels)
+        self.sampler = None
+        if train and distributed.world_size() > 1:
+            self.sampler = DistributedSampler(range(n), num_replicas=distributed.world_size(),
+                                              rank=distributed.rank(), shuffle=True, seed=seed,
+                                              drop_last=True)
+        elif train:
+            self.sampler = EpochSampler(n, seed)
+        n_local = len(self.sampler) if self.sampler is not None else n
+        # as make_loader: a lone last sample would break BatchNorm in train mode
+        self.drop_last = train and n_local > batch_size
+        self.n_local = n_local
+
+    def __len__(self) -> int:
+        full, rest = divmod(self.n_local, self.batch_size)
+        return full + (1 if rest and not self.drop_last else 0)
+
+    def __iter__(self):
+        order = torch.tensor(list(self.sampler) if self.sampler is not None else range(self.n_local),
+                             dtype=torch.int64)
+        epoch = getattr(self.sampler, "epoch", 0)
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + 7919 * epoch + 1)
+        for k in range(len(self)):
+            idx = order[k * self.batch_size:(k + 1) * self.batch_size].to(self.images.device)
+            x = self.images.index_select(0, idx)
+            y = self.labels.index_select(0, idx)
+            if x.device != self.device:
+                pin = self.device.type == "cuda"
+                x = (x.pin_memory() if pin else x).to(self.device, non_blocking=pin)
+                y = (y.pin_memory() if pin else y).to(self.device, non_blocking=pin)
+            x = augment(x, generator) if self.train else normalise(x)
+            yield x.contiguous(memory_format=self.memory_format), y
+
+
+def _device(config: TrainConfig) -> torch.device:
+    wants_cuda = config.device in ("auto", "cuda") and torch.cuda.is_available()
+    return torch.device("cuda" if wants_cuda else "cpu")
+
+
+def cache_fits(index, size: int) -> bool:
+    """Whether the index's decoded images at `size` fit in the cache's RAM budget."""
+    needed = sum(cache_bytes(len(s), size) for s in (index.train, index.val, index.test))
+    held = sum(t.numel() for t in _MEMO.values())
+    return needed <= CACHE_RAM_FRACTION * (psutil.virtual_memory().available + held)
+
+
+def cached_loaders(index, config: TrainConfig) -> tuple[CachedLoader, ...] | None:
+    """(train, val, test) CachedLoaders, or None when the decoded images would not fit in the
+    RAM budget (the caller then streams from disk)."""
+    size = config.image_size
+    splits = (index.train, index.val, index.test)
+    needed = sum(cache_bytes(len(s), size) for s in splits)
+    held = sum(t.numel() for t in _MEMO.values())
+    budget = int(CACHE_RAM_FRACTION * (psutil.virtual_memory().available + held))
+    if not cache_fits(index, size):
+        log.info("decoded-image cache would need %.1f GB at %d px, over its budget of %.1f GB "
+                 "(%.0f%% of available RAM): streaming images from disk instead.",
+                 needed / 1e9, size, budget / 1e9, 100 * CACHE_RAM_FRACTION)
+        return None
+    keys = {_key(s, size) for s in splits}
+    new_bytes = sum(cache_bytes(len(s), size) for s in splits if _key(s, size) not in _MEMO)
+    for key in [k for k in _MEMO if k not in keys]:  # least recently used first
+        if held + new_bytes <= budget:
+            break
+        held -= _MEMO.pop(key).numel()
+    device = _device(config)
+    on_gpu = False
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        on_gpu = needed < CACHE_GPU_FRACTION * free
+    loaders = []
+    for samples, train in zip(splits, (True, False, False)):
+        images = decoded_images(samples, size)
+        labels = torch.tensor([label for _, label in samples], dtype=torch.int64)
+        if on_gpu:
+            images = images.to(device)
+        loaders.append(CachedLoader(images, labels, batch_size=config.batch_size, train=train,
+                                    device=device, seed=config.seed,
+                                    channels_last=config.channels_last))
+    return tuple(loaders)

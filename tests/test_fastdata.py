@@ -1,0 +1,139 @@
+"""The fast data path: decoded uint8 cache, batched augmentation, the cached loader."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from modules import fastdata
+from modules.config import TrainConfig, UserError
+from modules.dataset import index_dataset, make_loaders
+from modules.fastdata import CachedLoader, augment, normalise
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache():
+    fastdata.clear_cache()
+    yield
+    fastdata.clear_cache()
+
+
+def _batch(n=16, size=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, 3, size, size), dtype=torch.uint8, generator=g)
+
+
+def test_augment_shape_dtype_and_determinism():
+    x = _batch()
+    a = augment(x, torch.Generator().manual_seed(1))
+    b = augment(x, torch.Generator().manual_seed(1))
+    c = augment(x, torch.Generator().manual_seed(2))
+    assert a.shape == (16, 3, 24, 24) and a.dtype == torch.float32 and torch.isfinite(a).all()
+    assert torch.equal(a, b)
+    assert not torch.allclose(a, c)
+
+
+def test_augment_without_jitter_or_crop_is_normalise_or_its_mirror(monkeypatch):
+    monkeypatch.setattr(fastdata, "JITTER", 0.0)
+    monkeypatch.setattr(fastdata, "CROP_SCALE", (1.0, 1.0))
+    monkeypatch.setattr(fastdata, "CROP_RATIO", (1.0, 1.0))
+    x = _batch(n=32)
+    out = augment(x, torch.Generator().manual_seed(0))
+    plain = normalise(x)
+    same = [torch.allclose(o, p, atol=1e-4) for o, p in zip(out, plain)]
+    mirrored = [torch.allclose(o, p.flip(-1), atol=1e-4) for o, p in zip(out, plain)]
+    assert all(s or m for s, m in zip(same, mirrored))
+    assert any(same) and any(mirrored)  # both flip outcomes occur in 32 draws
+
+
+def test_colour_jitter_is_bounded_brightness_contrast_saturation(monkeypatch):
+    monkeypatch.setattr(fastdata, "CROP_SCALE", (1.0, 1.0))
+    monkeypatch.setattr(fastdata, "CROP_RATIO", (1.0, 1.0))
+    grey = torch.full((64, 3, 8, 8), 100, dtype=torch.uint8)
+    out = augment(grey, torch.Generator().manual_seed(0))
+    # back to 0..255: a flat grey image stays grey (saturation and contrast keep it), and only
+    # brightness moves it, by at most JITTER
+    std = torch.tensor(fastdata.IMAGENET_STD).view(1, 3, 1, 1)
+    mean = torch.tensor(fastdata.IMAGENET_MEAN).view(1, 3, 1, 1)
+    pixels = (out * std + mean) * 255
+    assert torch.allclose(pixels, pixels[:, :1], atol=1e-3)          # still grey
+    level = pixels[:, 0, 0, 0]
+    assert level.min() >= 100 * (1 - fastdata.JITTER) - 1e-3
+    assert level.max() <= 100 * (1 + fastdata.JITTER) + 1e-3
+    assert level.std() > 1  # and it does vary
+
+
+def _config(**kw):
+    base = dict(image_size=24, batch_size=5, device="cpu", cache_decoded=True, weights="none")
+    return TrainConfig(**{**base, **kw})
+
+
+def test_cached_loaders_match_the_pil_loaders_in_shape_order_and_values(folder):
+    index = index_dataset(folder)
+    cached = make_loaders(index, _config(image_size=32, channels_last=True))
+    pil = make_loaders(index, _config(image_size=32, cache_decoded=False))
+    assert all(isinstance(c, CachedLoader) for c in cached)
+    assert all(isinstance(p, DataLoader) for p in pil)
+    for c, p in zip(cached, pil):
+        assert len(c) == len(p)
+    x, y = next(iter(cached[0]))
+    assert x.shape == (5, 3, 32, 32) and x.is_contiguous(memory_format=torch.channels_last)
+    # evaluation batches: same order and labels; same pixels at the images' own size (32 px)
+    for (xc, yc), (xp, yp) in zip(cached[1], pil[1]):
+        assert torch.equal(yc, yp)
+        assert torch.allclose(xc, xp, atol=2e-2)
+
+
+def test_cached_shuffle_depends_only_on_seed_and_epoch(folder):
+    index = index_dataset(folder)
+    train, _, _ = make_loaders(index, _config())
+    labels = lambda: torch.cat([y for _, y in train])  # noqa: E731
+    first, again = labels(), labels()
+    assert torch.equal(first, again)
+    train.sampler.set_epoch(1)
+    batches = [x for x, _ in train]
+    train.sampler.set_epoch(1)
+    assert all(torch.equal(a, b) for a, b in zip(batches, [x for x, _ in train]))
+    assert not torch.equal(labels(), first) or len(first) < 3
+
+
+def test_images_are_decoded_once_per_size(folder, monkeypatch):
+    index = index_dataset(folder)
+    calls = []
+    real = fastdata.decode_resized
+    monkeypatch.setattr(fastdata, "decode_resized", lambda p, s: calls.append(s) or real(p, s))
+    make_loaders(index, _config())
+    n = len(calls)
+    assert n == len(index.train) + len(index.val) + len(index.test)
+    make_loaders(index, _config(batch_size=7))
+    assert len(calls) == n          # cached
+    make_loaders(index, _config(image_size=20))
+    assert len(calls) == 2 * n      # a new size decodes again
+
+
+def test_over_budget_streams_from_disk_and_says_so(folder, monkeypatch, caplog):
+    monkeypatch.setattr(fastdata, "CACHE_RAM_FRACTION", 1e-12)
+    index = index_dataset(folder)
+    with caplog.at_level(logging.INFO, logger="modules.fastdata"):
+        loaders = make_loaders(index, _config())
+    assert all(isinstance(l, DataLoader) for l in loaders)
+    lines = [r.getMessage() for r in caplog.records if "streaming" in r.getMessage()]
+    assert len(lines) == 1 and "budget" in lines[0]
+
+
+def test_an_image_that_breaks_before_caching_is_a_clear_error(folder):
+    index = index_dataset(folder)
+    broken = index.train[0][0]
+    with open(broken, "wb") as f:
+        f.write(b"not a jpeg any more")
+    with pytest.raises(UserError, match="unreadable while caching"):
+        make_loaders(index, _config())
+
+
+def test_training_on_the_cached_path_learns(folder):
+    from modules.trainer import fit
+    index = index_dataset(folder)
+    result = fit(index, _config(image_size=32, epochs=4, lr=3e-3, batch_size=6, progress=False))
+    assert result.best_val_acc >= 0.6  # three colour classes; chance is 1/3
