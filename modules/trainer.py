@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
-from torchmetrics.classification import MulticlassAccuracy
 from tqdm.auto import tqdm
 
 from modules import distributed
@@ -239,7 +238,6 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
     forward = nn.parallel.DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None) if world > 1 else model
     forward = torch.compile(forward) if config.compile else forward
-    train_acc = MulticlassAccuracy(num_classes=num_classes, average="micro").to(device)
 
     history: list[dict[str, float]] = []
     best = {"acc": -1.0, "epoch": 0, "state": None}
@@ -280,7 +278,9 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
         if hasattr(train_loader.sampler, "set_epoch"):
             train_loader.sampler.set_epoch(epoch)
         model.train()
-        train_acc.reset()
+        # Correct predictions, counted on the device: one argmax per batch, no host sync
+        # (torchmetrics' update validates its inputs every call, a measurable cost per step).
+        correct = torch.zeros((), device=device, dtype=torch.int64)
         loss_sum = torch.zeros((), device=device)
         seen, consecutive_bad = 0, 0
         last_lr = optimizer.param_groups[0]["lr"]  # the lr of the epoch's last optimizer step
@@ -289,6 +289,7 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
                    disable=not config.progress, dynamic_ncols=True)
         batches = iter(train_loader)
         window_batches: list[tuple[torch.Tensor, torch.Tensor]] = []  # replayed after an OOM
+        pending: list[tuple[Any, list]] = []  # (finite flag, metrics) per window batch
         for i in range(n_batches):
             t0, c0 = time.perf_counter(), time.process_time()
             with record_function("data_wait"):
@@ -305,13 +306,13 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
             window = min(accum, n_batches - window_start)  # loader batches in this optimizer step
             if i == window_start:
                 window_batches.clear()
+                pending.clear()
             window_batches.append((x, y))
-            run = window_batches[-1:]  # this batch; after running out of memory, the window
+            first = len(window_batches) - 1  # this batch; after running out of memory, the window
             while True:
                 try:
-                    for bx, by in run:  # the current batch is always the last one run
-                        finite, parts = _forward_backward(forward, bx, by, splits, window,
-                                                          device, dtype, scaler)
+                    done = [_forward_backward(forward, bx, by, splits, window, device, dtype, scaler)
+                            for bx, by in window_batches[first:]]
                     break
                 except RuntimeError as exc:  # torch's OutOfMemoryError is a RuntimeError
                     # Under DDP the other ranks are already inside this step's collectives.
@@ -322,31 +323,37 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
                 optimizer.zero_grad(set_to_none=True)  # the window's partial gradient
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-                splits = _more_splits(splits, by, config)
+                splits = _more_splits(splits, window_batches[-1][1], config)
                 oom_recoveries += 1
-                run = window_batches  # the whole window again, from its first batch
-            # Commit the batch only now that all of it went through, so a replay of the window
-            # counts nothing twice.
-            if finite:
-                consecutive_bad = 0
-            else:
-                consecutive_bad += 1
-                nonfinite_total += 1
-                if consecutive_bad >= config.max_nonfinite_steps:
-                    raise DivergedError(
-                        f"training diverged: the loss was NaN/inf for {consecutive_bad} batches "
-                        f"in a row in epoch {epoch + 1} (lr={config.lr:g}); lower --lr"
-                        + ("" if config.max_grad_norm else " or set --max-grad-norm 1.0") + ".")
-            for logits, part_y, part_loss in parts:
-                loss_sum += part_loss * part_y.shape[0]
-                seen += part_y.shape[0]
-                train_acc.update(logits, part_y)
+                first = 0  # the whole window again, from its first batch
+            pending[first:] = done  # a replayed window replaces its earlier entries
             if i - window_start + 1 == window:
+                # The finite check reads the losses once per optimizer step, after the backward
+                # is queued: on a GPU the host waits for the forward while the device is still
+                # busy, instead of idling the device with a sync between forward and backward.
+                flags = [bool(flag) for flag, _ in pending]
+                step_ok = distributed.all_agree(all(flags), device)
+                if all(flags) and not step_ok:
+                    flags[-1] = False  # another process's loss was NaN/inf: skip with it
+                for flag, parts in pending:  # commit each batch's metrics exactly once
+                    if flag:
+                        for logits, part_y, part_loss in parts:
+                            loss_sum += part_loss * part_y.shape[0]
+                            seen += part_y.shape[0]
+                            correct += (logits.argmax(1) == part_y).sum()
+                for flag in flags:
+                    consecutive_bad = 0 if flag else consecutive_bad + 1
+                    nonfinite_total += 0 if flag else 1
+                    if consecutive_bad >= config.max_nonfinite_steps:
+                        raise DivergedError(
+                            f"training diverged: the loss was NaN/inf for {consecutive_bad} "
+                            f"batches in a row in epoch {epoch + 1} (lr={config.lr:g}); lower --lr"
+                            + ("" if config.max_grad_norm else " or set --max-grad-norm 1.0") + ".")
                 with record_function("optimizer_step"):
-                    if config.max_grad_norm is not None:
-                        scaler.unscale_(optimizer)  # clip the true gradients, not scaled ones
-                        nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
-                    if any(p.grad is not None for p in model.parameters()):
+                    if step_ok:  # a NaN/inf anywhere in the window skips its whole update
+                        if config.max_grad_norm is not None:
+                            scaler.unscale_(optimizer)  # clip the true gradients, not scaled ones
+                            nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
                         last_lr = optimizer.param_groups[0]["lr"]
                         scaler.step(optimizer)
                         scaler.update()
@@ -372,8 +379,8 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
         train_s = time.perf_counter() - epoch_start
         if world > 1:  # the epoch's loss and sample count over every process
             totals = distributed.all_reduce_sum(torch.stack([loss_sum.float(), torch.tensor(
-                float(seen), device=device)]))
-            loss_sum, seen = totals[0], int(totals[1].item())
+                float(seen), device=device), correct.float()]))
+            loss_sum, seen, correct = totals[0], int(totals[1].item()), totals[2].round().long()
         if gpu_events:
             torch.cuda.synchronize(device)  # once per epoch, so steps keep overlapping
             timing["gpu_compute_s"] += sum(a.elapsed_time(b) for a, b in gpu_events) / 1000
@@ -383,7 +390,8 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
                        channels_last=config.channels_last, num_classes=num_classes)
         row = {"epoch": epoch + 1,
                "train_loss": (loss_sum / seen).item() if seen else float("nan"),
-               "train_acc": train_acc.compute().item() if seen else float("nan"),
+               "train_acc": correct.item() / seen if seen else float("nan"),
+               "samples": seen,
                "val_loss": val["loss"], "val_acc": val["acc"],
                "lr": last_lr,
                "epoch_s": time.perf_counter() - epoch_start,
@@ -451,33 +459,51 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
 
 def _forward_backward(forward, x: torch.Tensor, y: torch.Tensor, splits: int, window: int,
                       device: torch.device, dtype: torch.dtype | None, scaler
-                      ) -> tuple[bool, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+                      ) -> tuple[Any, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
     """Forward and backward one loader batch, in `splits` chunks (1 until memory ran out).
 
     Each chunk's loss is weighted by its share of the batch and divided by the batches in the
     optimizer window, so the window's summed gradient is a mean over its samples however they
-    are cut. A chunk whose loss is NaN/inf gets no backward. Returns (finite, parts): finite is
-    False when any chunk's loss was NaN/inf; parts holds (logits, y, loss), detached, of the
-    chunks that went through, for the epoch's metrics.
+    are cut. Nothing here waits for the device. Returns (finite, parts): bool(finite) is False
+    when any chunk's loss was NaN/inf (the caller then skips the window's update);
+    parts holds (logits, y, loss), detached, per chunk, for the epoch's metrics.
     """
     n = y.shape[0]
     size = math.ceil(n / splits)
     chunks = [(x, y)] if size >= n else list(zip(x.split(size), y.split(size)))
-    finite, parts = True, []
-    for cx, cy in chunks:
+    finite, parts = None, []
+    for k, (cx, cy) in enumerate(chunks):
         with record_function("forward"), \
                 torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
             logits = forward(cx)
             loss = F.cross_entropy(logits, cy)
-        if not distributed.all_agree(bool(torch.isfinite(loss)), device):
-            finite = False
-            continue
+        ok = torch.isfinite(loss.detach())
+        finite = ok if finite is None else finite & ok
+        if k == len(chunks) - 1 and device.type == "cuda":
+            # Copy the flag to the host now, before the backward is queued behind it: reading
+            # it then waits for this forward only, not for the whole step.
+            host = torch.empty((), dtype=torch.bool, pin_memory=True)
+            host.copy_(finite, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+            finite = _Flag(host, ready)
         with record_function("backward"):
             # A whole batch keeps the plain loss / window (bit for bit as before chunking).
             share = loss if cy.shape[0] == n else loss * (cy.shape[0] / n)
             scaler.scale(share / window).backward()
         parts.append((logits.detach(), cy, loss.detach()))
     return finite, parts
+
+
+class _Flag:
+    """A GPU bool on its way to the host: bool() waits for the copy, not for later work."""
+
+    def __init__(self, host: torch.Tensor, ready: torch.cuda.Event):
+        self.host, self.ready = host, ready
+
+    def __bool__(self) -> bool:
+        self.ready.synchronize()
+        return bool(self.host)
 
 
 def _more_splits(splits: int, failed_y: torch.Tensor, config: TrainConfig) -> int:
