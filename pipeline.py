@@ -19,7 +19,10 @@ import torch
 
 from modules import distributed
 from modules.config import MODELS, TrainConfig, UserError
-from modules.dataset import DatasetIndex, index_dataset, make_loaders, resolve_source, subset
+from modules.autotune import autotune
+from modules.dataset import (DatasetIndex, index_dataset, make_loader, make_loaders,
+                             resolve_source, subset, train_transform)
+from modules.fastdata import cache_fits
 from modules.files import atomic_write_text
 from modules.hardware import max_batch_size
 from modules.models import build_model
@@ -140,6 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
     train_.add_argument("--num-workers", type=_bounded(int, 0, 256))
     train_.add_argument("--pin-memory", action="store_true",
                         help="page-locked batches for faster, asynchronous copies to the GPU")
+    train_.add_argument("--autotune", action=argparse.BooleanOptionalAction, default=True,
+                        help="measure the speed knobs (threads, channels_last, AMP dtype, "
+                             "optimizer kernels, compile, workers) and the batch that fits, and "
+                             "keep what is faster; for the resolution and hpo scenarios "
+                             "(default: on)")
     return p
 
 
@@ -183,16 +191,48 @@ def scenario_config(name: str, args: argparse.Namespace, device: torch.device) -
 
 
 def optimized_settings(device: torch.device) -> dict[str, Any]:
-    """The tuned scenarios' training setup (the autotuner, when it lands, measures these)."""
+    """The tuned scenarios' starting setup; with --autotune (the default) every speed knob in it
+    is measured on this machine and kept only when it is faster."""
     cores = os.cpu_count() or 1
-    settings = {"amp": "auto",           # bf16/fp16 on GPUs; off on CPUs (emulated bf16 is slower)
-                "channels_last": True,   # measured ~2x for SqueezeNet on a 2-core AVX2 CPU
+    settings = {"amp": "auto",           # bf16/fp16 on GPUs; off on CPUs until measured
+                "channels_last": True,
+                "cache_decoded": True,   # decode once; batched augmentation on the device
                 "batch_size": 64}
     if device.type == "cuda":
-        settings.update(num_workers=min(8, cores), pin_memory=True, persistent_workers=True)
-    elif cores > 2:  # on 2 cores a decoding worker would take one of the two compute threads
+        settings.update(pin_memory=True)
+    elif cores > 2:  # only when the cache does not fit: streaming decodes in workers
         settings.update(num_workers=min(4, cores // 2), persistent_workers=True)
     return settings
+
+
+USER_KNOBS = {"amp": "amp", "channels_last": "channels_last", "compile": "compile",
+              "num_workers": "num_workers", "batch_size": "batch_size",
+              "grad_accum_steps": "batch_size"}
+
+
+def autotune_scenario(config: TrainConfig, args: argparse.Namespace, index: DatasetIndex,
+                      planned_steps: int) -> tuple[TrainConfig, dict[str, Any] | None]:
+    """The measured speed settings for an optimized scenario (options the user gave stay)."""
+    if not args.autotune:
+        return config, None
+    fixed = frozenset(knob for option, knob in USER_KNOBS.items()
+                      if getattr(args, option, None) not in (None, False))
+    factory = None
+    if not (config.cache_decoded and cache_fits(index, config.image_size)):
+        def factory(cfg: TrainConfig):  # the streaming path: how many decoding workers keep up
+            return lambda n: make_loader(
+                index.train, train_transform(cfg.image_size),
+                dataclasses.replace(cfg, num_workers=n, persistent_workers=False,
+                                    prefetch_factor=None), train=True)
+    return autotune(config, len(index.classes), planned_steps=planned_steps, fixed=fixed,
+                    loader_factory=factory)
+
+
+def planned_steps(config: TrainConfig, n_train: int, runs: int = 1, epochs: int | None = None
+                  ) -> int:
+    """Optimizer steps `runs` trainings of `epochs` (default config.epochs) will take."""
+    per_epoch = math.ceil(max(1, n_train // config.batch_size) / config.grad_accum_steps)
+    return runs * per_epoch * (epochs or config.epochs)
 
 
 def tuned_resolutions(args: argparse.Namespace, device: torch.device) -> list[int]:
@@ -224,14 +264,24 @@ def run_scenario(name: str, args: argparse.Namespace, index: DatasetIndex, outpu
     started = time.perf_counter()
     config = scenario_config(name, args, device)
     extra: dict[str, Any] = {}
+    if name == "hpo" and args.image_size is None:
+        size = tuned.get("image_size") or _previous_resolution(output_dir, index.name)
+        config = dataclasses.replace(config, image_size=size or config.image_size)
+    if name != "baseline":
+        tuning_runs = (len(tuned_resolutions(args, device)) if name == "resolution"
+                       else args.n_trials or (QUICK_N_TRIALS if args.quick else N_TRIALS))
+        steps = (planned_steps(config, len(index.train)) +
+                 planned_steps(config, len(index.train), tuning_runs, short_budget(config)))
+        config, report = autotune_scenario(config, args, index, steps)
+        if report is not None:
+            extra["autotune"] = report
     if name == "resolution":
-        config, extra = tune_resolution(config, args, index, output_dir, device)
+        config, tuning = tune_resolution(config, args, index, output_dir, device)
         tuned["image_size"] = config.image_size
+        extra.update(tuning)
     elif name == "hpo":
-        if args.image_size is None:
-            size = tuned.get("image_size") or _previous_resolution(output_dir, index.name)
-            config = dataclasses.replace(config, image_size=size or config.image_size)
-        config, extra = tune_hyperparameters(config, args, index, output_dir, device)
+        config, tuning = tune_hyperparameters(config, args, index, output_dir, device)
+        extra.update(tuning)
     tuning_s = time.perf_counter() - started
     log.info("== scenario %s: %s, %d px, batch %d, %d epochs on %s", name, config.model,
              config.image_size, config.batch_size, config.epochs, device)
@@ -249,7 +299,8 @@ def run_scenario(name: str, args: argparse.Namespace, index: DatasetIndex, outpu
                         amp_dtype=autocast_dtype(config.amp, device),
                         channels_last=config.channels_last, num_classes=len(index.classes))
     system = sampler.summary()
-    row = result_row(name, config, result, test, index, device, system)
+    row = result_row(name, config, result, test, index, device, system,
+                     data_path=getattr(train_loader, "data_path", "per-sample PIL decode"))
     row.update(extra, tuning_s=tuning_s, wall_s=tuning_s + result.wall_s)
     log.info("%s: test accuracy %.1f%% (val %.1f%% at epoch %d) in %.0f s", name,
              100 * row["test_acc"], 100 * row["val_acc"], row["best_epoch"], row["wall_s"])
@@ -307,8 +358,8 @@ def _cuda_index(device: torch.device) -> int | None:
 
 
 def result_row(name: str, config: TrainConfig, result: TrainResult, test: dict[str, Any],
-               index: DatasetIndex, device: torch.device, system: dict[str, Any]
-               ) -> dict[str, Any]:
+               index: DatasetIndex, device: torch.device, system: dict[str, Any],
+               data_path: str = "per-sample PIL decode") -> dict[str, Any]:
     """The scenario's results.json object: accuracy, timing, hardware figures, diagnosis."""
     best = next((r for r in result.history if r["epoch"] == result.best_epoch), {})
     t = result.timing
@@ -340,7 +391,7 @@ def result_row(name: str, config: TrainConfig, result: TrainResult, test: dict[s
         "wall_s": result.wall_s, "time_to_best_s": result.time_to_best_s,
         "skipped_files": index.skipped_files, "nonfinite_steps": result.nonfinite_steps,
         "stopped_early": result.stopped_early, "resumed_from_epoch": result.resumed_from_epoch,
-        "settings": {**config.to_dict(), **result.settings},
+        "settings": {**config.to_dict(), **result.settings, "data_path": data_path},
         "history": result.history,
     }
     row["diagnosis"] = diagnose({
@@ -351,7 +402,7 @@ def result_row(name: str, config: TrainConfig, result: TrainResult, test: dict[s
         "cpu_count": os.cpu_count(), "channels_last": config.channels_last,
         "amp_dtype": result.settings.get("amp_dtype"),
         "native_bf16": native_bf16_cpu() if device.type == "cpu" else None,
-        "cached_decode": False})
+        "cached_decode": data_path == "decoded cache"})
     return row
 
 

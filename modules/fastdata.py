@@ -92,12 +92,19 @@ def clear_cache() -> None:
 
 # ----------------------------------------------------------------------------- augmentation
 
+_NORMALISERS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
 def _normaliser(device: torch.device, mean, std) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, shift) per channel mapping 0..255 to (x / 255 - mean) / std."""
-    std_t = torch.tensor(std, dtype=torch.float32)
-    scale = 1.0 / (255.0 * std_t)
-    shift = -torch.tensor(mean, dtype=torch.float32) / std_t
-    return scale.to(device), shift.to(device)
+    """(scale, shift) per channel mapping 0..255 to (x / 255 - mean) / std; made once per
+    device (building a tensor on a GPU from Python numbers waits for the GPU's queue)."""
+    key = (str(device), tuple(mean), tuple(std))
+    if key not in _NORMALISERS:
+        std_t = torch.tensor(std, dtype=torch.float32)
+        scale = 1.0 / (255.0 * std_t)
+        shift = -torch.tensor(mean, dtype=torch.float32) / std_t
+        _NORMALISERS[key] = (scale.to(device), shift.to(device))
+    return _NORMALISERS[key]
 
 
 def normalise(x: torch.Tensor, mean=IMAGENET_MEAN, std=IMAGENET_STD) -> torch.Tensor:
@@ -113,43 +120,55 @@ def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def _augment_params(n: int, h: int, w: int, generator: torch.Generator, mean, std
+                    ) -> torch.Tensor:
+    """Every per-image parameter of a batch, computed on the CPU in one go (NumPy on (n,)
+    arrays: a few microseconds each, where as many tiny tensor ops would cost a millisecond)
+    and packed into one (n, 9 + 3 + 3 + w + h) float32 tensor: colour matrix, contrast row
+    sums, normalise shift, then the sampling grid's x and y coordinates."""
+    u = torch.rand((n, 8), generator=generator, dtype=torch.float64).numpy()
+    # colour: brightness b, contrast c, saturation s, each in 1 +- JITTER as in ColorJitter
+    b, c, s = (1 + JITTER * (2 * u[:, k] - 1) for k in range(3))
+    luma = np.asarray(_LUMA)
+    sat = s[:, None, None] * np.eye(3) + (1 - s)[:, None, None] * luma  # blend toward grey
+    scale = 1.0 / (255.0 * np.asarray(std))
+    matrix = (b * c)[:, None, None] * sat * scale[None, :, None]   # brightness, then contrast
+    # contrast pulls toward the image's mean grey m: offset = b (1 - c) m * rowsum(sat) * scale
+    pivot = (b * (1 - c))[:, None] * sat.sum(2) * scale[None, :]
+    shift = np.broadcast_to(-np.asarray(mean) / np.asarray(std), (n, 3))
+    # geometry: a crop of CROP_SCALE of the area at an aspect ratio in CROP_RATIO, resized back,
+    # and a horizontal flip; as an axis-aligned sampling grid in [-1, 1] coordinates (built
+    # directly: affine_grid's general matmul costs about 4x more)
+    area = CROP_SCALE[0] + (CROP_SCALE[1] - CROP_SCALE[0]) * u[:, 3]
+    lo, hi = math.log(CROP_RATIO[0]), math.log(CROP_RATIO[1])
+    ratio = np.exp(lo + (hi - lo) * u[:, 4])
+    cw = np.minimum(np.sqrt(area * ratio), 1.0)
+    ch = np.minimum(np.sqrt(area / ratio), 1.0)
+    flip = np.where(u[:, 7] < 0.5, -1.0, 1.0)
+    gx = (cw * flip)[:, None] * ((np.arange(w) * 2 + 1) / w - 1) + ((1 - cw) * (2 * u[:, 5] - 1))[:, None]
+    gy = ch[:, None] * ((np.arange(h) * 2 + 1) / h - 1) + ((1 - ch) * (2 * u[:, 6] - 1))[:, None]
+    packed = np.concatenate([matrix.reshape(n, 9), pivot, shift, gx, gy], axis=1)
+    return torch.from_numpy(packed.astype(np.float32))
+
+
 def augment(x: torch.Tensor, generator: torch.Generator, mean=IMAGENET_MEAN, std=IMAGENET_STD
             ) -> torch.Tensor:
     """Random resized crop, horizontal flip and colour jitter of a uint8 batch, normalised.
 
     Brightness, contrast, saturation and normalisation are all affine in the pixel values, so
     they fold into one 3x3 matrix plus offset per image (one batched matmul); the crop and the
-    flip are one affine resampling (grid_sample). The random numbers come from `generator`
-    (CPU), so a batch depends only on the generator's state, on any device."""
+    flip are one resampling (grid_sample). The random numbers come from `generator` (CPU), so
+    a batch depends only on the generator's state, on any device."""
     n, _, h, w = x.shape
-    device = x.device
-    u = _to(torch.rand((n, 8), generator=generator), device)  # all the batch's random numbers
-    # colour: brightness b, contrast c, saturation s, each in 1 +- JITTER as in ColorJitter
-    b, c, s = (1 + JITTER * (2 * u[:, k] - 1) for k in range(3))
+    params = _to(_augment_params(n, h, w, generator, mean, std), x.device)
+    matrix = params[:, :9].view(n, 3, 3)
+    pivot, shift = params[:, 9:12], params[:, 12:15]
+    gx, gy = params[:, 15:15 + w], params[:, 15 + w:]
     xf = x.float()
-    luma = torch.tensor(_LUMA, device=device)
-    mean_grey = xf.mean(dim=(2, 3)) @ luma                         # (n,) contrast's pivot
-    sat = s.view(n, 1, 1) * torch.eye(3, device=device) + (1 - s).view(n, 1, 1) * luma  # to grey
-    matrix = (b * c).view(n, 1, 1) * sat                           # brightness, then contrast
-    offset = (b * (1 - c) * mean_grey).view(n, 1) * sat.sum(2)     # contrast pulls to mean grey
-    scale, shift = _normaliser(device, mean, std)
-    matrix = matrix * scale.view(1, 3, 1)
-    offset = offset * scale.view(1, 3) + shift.view(1, 3)
-    flat = xf.contiguous().view(n, 3, h * w)  # the matrix mixes channels: (N, 3, H*W) layout
-    xf = torch.baddbmm(offset.unsqueeze(2), matrix, flat).view(n, 3, h, w)
-    # geometry: a crop of CROP_SCALE of the area at an aspect ratio in CROP_RATIO, resized back
-    area = CROP_SCALE[0] + (CROP_SCALE[1] - CROP_SCALE[0]) * u[:, 3]
-    lo, hi = math.log(CROP_RATIO[0]), math.log(CROP_RATIO[1])
-    ratio = torch.exp(lo + (hi - lo) * u[:, 4])
-    cw = torch.sqrt(area * ratio).clamp(max=1.0)
-    ch = torch.sqrt(area / ratio).clamp(max=1.0)
-    flip = torch.where(u[:, 7] < 0.5, -1.0, 1.0)
-    # The sampling grid of an axis-aligned crop, built directly (affine_grid's general matmul
-    # costs about 4x more): x' = cw * flip * x + tx, y' = ch * y + ty in [-1, 1] coordinates.
-    base_x = (torch.arange(w, device=device) * 2 + 1) / w - 1
-    base_y = (torch.arange(h, device=device) * 2 + 1) / h - 1
-    gx = (cw * flip).view(n, 1) * base_x + ((1 - cw) * (2 * u[:, 5] - 1)).view(n, 1)
-    gy = ch.view(n, 1) * base_y + ((1 - ch) * (2 * u[:, 6] - 1)).view(n, 1)
+    rgb = xf.mean(dim=(2, 3))
+    mean_grey = rgb[:, 0] * _LUMA[0] + rgb[:, 1] * _LUMA[1] + rgb[:, 2] * _LUMA[2]  # contrast pivot
+    offset = torch.addcmul(shift, pivot, mean_grey.view(n, 1))
+    xf = torch.baddbmm(offset.unsqueeze(2), matrix, xf.view(n, 3, h * w)).view(n, 3, h, w)
     grid = torch.stack([gx.view(n, 1, w).expand(n, h, w), gy.view(n, h, 1).expand(n, h, w)], -1)
     return F.grid_sample(xf, grid, mode="bilinear", padding_mode="border", align_corners=False)
 
@@ -188,14 +207,14 @@ class CachedLoader:
 
     def __iter__(self):
         order = torch.tensor(list(self.sampler) if self.sampler is not None else range(self.n_local),
-                             dtype=torch.int64)
+                             dtype=torch.int64).to(self.images.device)  # one copy per epoch
         epoch = getattr(self.sampler, "epoch", 0)
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + 7919 * epoch + 1)
         for k in range(len(self)):
-            idx = order[k * self.batch_size:(k + 1) * self.batch_size].to(self.images.device)
+            idx = order[k * self.batch_size:(k + 1) * self.batch_size]
             x = self.images.index_select(0, idx)
             y = self.labels.index_select(0, idx)
-            if x.device != self.device:
+            if x.device.type != self.device.type:  # the cache stayed in RAM
                 pin = self.device.type == "cuda"
                 x = (x.pin_memory() if pin else x).to(self.device, non_blocking=pin)
                 y = (y.pin_memory() if pin else y).to(self.device, non_blocking=pin)

@@ -60,6 +60,19 @@ def plot_breakdown(rows: list[dict[str, Any]], out_dir: Path) -> Path | None:
     return path
 
 
+def autotune_lines(report: dict[str, Any] | None) -> list[str]:
+    """What the autotuner chose for each knob and the measurement behind it."""
+    if not report:
+        return []
+    lines = [f"Autotune ({report.get('seconds', '?')} s of measuring on {report.get('device')}, "
+             f"{report.get('compute_img_s')} img/s pure compute at the end):", ""]
+    for knob, entry in (report.get("knobs") or {}).items():
+        choice = entry.get("choice")
+        choice = str(choice).lower() if isinstance(choice, bool) else choice
+        lines.append(f"- `{knob}` = {choice}: {entry.get('reason', '')}")
+    return lines + [""]
+
+
 def render_report(rows: list[dict[str, Any]], charts: list[str]) -> str:
     """The markdown text of report.md."""
     lines = ["# Training report", "", table_markdown(results_table(rows)), "",
@@ -77,6 +90,7 @@ def render_report(rows: list[dict[str, Any]], charts: list[str]) -> str:
         lines.append(f"**{diag.get('bottleneck', 'not diagnosed')}**: {diag.get('summary', '')}")
         lines += [f"- {rec}" for rec in diag.get("recommendations", [])]
         lines.append("")
+        lines += autotune_lines(row.get("autotune"))
     lines += ["## Charts", ""] + [f"![{c}]({c})" for c in charts] + [""]
     lines += ["Open the scalars with `tensorboard --logdir runs` and, after a `--profile` run, the "
               "traces with `tensorboard --logdir profiler` (torch-tb-profiler plugin) or in "

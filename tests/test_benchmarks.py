@@ -15,3 +15,35 @@ def test_timing_overhead_benchmark_runs(tmp_path):
     result = json.loads(out.read_text())
     assert result["instrumentation_us_per_step"] > 0 and result["bare_step_ms"] > 0
     assert 0 < result["overhead_frac"] < 1
+
+
+def test_throughput_benchmark_runs_every_row_and_time_to_accuracy(tmp_path):
+    out = tmp_path / "tp.json"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/throughput.py", "--device", "cpu", "--image-size", "32",
+         "--batch-size", "8", "--images-per-class", "12", "--steps", "4", "--rounds", "1", "--no-compile",
+         "--data-dir", str(tmp_path / "data"), "--json", str(out), "--time-to-accuracy",
+         "--tta-epochs", "2", "--tta-per-class", "20", "--tta-image-size", "32"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    for row in ("pure_compute", "pipeline", "baseline", "lightning"):
+        assert result[f"{row}_img_s"] > 0, row
+        assert f"| {row} |" in proc.stdout
+    assert set(result["ratios"]) == {"pipeline_over_pure_compute", "pipeline_over_baseline",
+                                     "pipeline_over_lightning"}
+    assert (result["model"], result["image_size"], result["batch_size"], result["device"]) == \
+        ("squeezenet1_1", 32, 8, "cpu")
+    assert result["autotune"]["knobs"]["amp"]["reason"]
+    tta = result["time_to_accuracy"]
+    assert tta["baseline_s"] > 0 and tta["optimized_s"] > 0 and 0 <= tta["target_val_acc"] <= 1
+
+
+def test_throughput_benchmark_refuses_too_few_images_in_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "benchmarks/throughput.py", "--device", "cpu",
+                           "--image-size", "32", "--images-per-class", "2",
+                           "--data-dir", str(tmp_path / "data")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: ")
+    assert "Traceback" not in proc.stderr

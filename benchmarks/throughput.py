@@ -1,0 +1,313 @@
+"""Training throughput, side by side in one process on one machine:
+
+  pure_compute_img_s  forward + backward + optimizer step on in-memory tensors, with the best
+                      settings the autotuner finds: the limit for this model here
+  pipeline_img_s      our optimized end-to-end training on an image folder (decoded cache,
+                      batched augmentation, autotuned knobs), steady state
+  baseline_img_s      the seed-style loop: fp32, NCHW, per-sample PIL decode every epoch,
+                      num_workers=0
+  lightning_img_s     PyTorch Lightning's Trainer with a conventional setup: ImageFolder,
+                      torchvision transforms, DataLoader with workers and pin_memory, default
+                      precision (what a user would pick instead)
+
+Each figure is the median per-step throughput after warm-up (steps synchronised on a GPU).
+`--time-to-accuracy` also trains the baseline and the optimized setup on the synthetic data and
+reports how long each takes to reach the baseline's final validation accuracy.
+
+  python benchmarks/throughput.py --device cpu --json others/throughput.json
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from modules import fastdata  # noqa: E402
+from modules.autotune import ComputeProbe, autotune  # noqa: E402
+from modules.config import MODELS, TrainConfig, UserError  # noqa: E402
+from modules.dataset import index_dataset, make_loaders, subset  # noqa: E402
+from modules.models import build_model  # noqa: E402
+from modules.synthetic import ensure_synthetic  # noqa: E402
+from modules.trainer import resolve_device, set_seed, train  # noqa: E402
+
+log = logging.getLogger("throughput")
+
+WARMUP_STEPS = 3  # steps left out of every median: allocator growth, cuDNN autotuning, caches
+
+
+class StepClock:
+    """Passed to the trainer as its `profiler`: the trainer calls step() after every batch."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.stamps = device, []
+
+    def step(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.stamps.append(time.perf_counter())
+
+    def img_s(self, batch_size: int, warmup: int = WARMUP_STEPS) -> float:
+        gaps = [b - a for a, b in zip(self.stamps, self.stamps[1:])][warmup:]
+        if not gaps:
+            raise UserError("too few steps to measure; raise --images-per-class.")
+        return batch_size / statistics.median(gaps)
+
+
+def machine(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} logical cores"
+
+
+def dataset(args, cache_dir: Path):
+    root = ensure_synthetic(cache_dir / "synthetic", args.images_per_class + 10, 10)
+    index = index_dataset(root, "synthetic", seed=0)
+    return subset(index, {"train": args.images_per_class, "val": 10, "test": 10})
+
+
+def base_config(args, device: torch.device) -> TrainConfig:
+    """The seed's setup at the benchmark's size and batch."""
+    return TrainConfig(model=args.model, weights="none", image_size=args.image_size,
+                       batch_size=args.batch_size, epochs=1, lr=1e-3, optimizer="adam",
+                       scheduler="cosine", amp="off", channels_last=False, num_workers=0,
+                       device=device.type, progress=False, seed=0)
+
+
+def optimized_config(args, device: torch.device, planned_steps: int | None):
+    start = dataclasses.replace(base_config(args, device), cache_decoded=True, channels_last=True,
+                                amp="auto", pin_memory=device.type == "cuda")
+    fixed = frozenset({"compile"}) if args.no_compile else frozenset()
+    # The batch stays the benchmark's: every row is measured at the same batch size.
+    return autotune(start, 6, planned_steps=planned_steps, fixed=fixed, tune_batch=False)
+
+
+def trainer_img_s(index, config: TrainConfig, device: torch.device) -> float:
+    set_seed(config.seed)
+    model = build_model(config.model, len(index.classes), "none")
+    train_loader, val_loader, _ = make_loaders(index, config)
+    clock = StepClock(device)
+    train(model, train_loader, val_loader, config, profiler=clock)
+    return clock.img_s(config.batch_size)
+
+
+def pure_compute_img_s(config: TrainConfig, steps: int) -> float:
+    probe = ComputeProbe(config, 6)
+    return probe.measure(warmup=WARMUP_STEPS, min_steps=steps, max_steps=steps, min_s=0)["img_s"]
+
+
+def lightning_img_s(index, args, device: torch.device) -> float:
+    """Lightning's Trainer as a user would set it up: ImageFolder and torchvision transforms."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+    from torchvision import datasets, transforms as T
+
+    from modules.config import IMAGENET_MEAN, IMAGENET_STD
+
+    class Classifier(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = build_model(args.model, len(index.classes), "none")
+
+        def training_step(self, batch, _):
+            x, y = batch
+            return torch.nn.functional.cross_entropy(self.model(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    class Clock(L.Callback):
+        def __init__(self):
+            self.clock = StepClock(device)
+
+        def on_train_batch_end(self, *_):
+            self.clock.step()
+
+    folder = Path(index.train[0][0]).parents[1]
+    transform = T.Compose([T.RandomResizedCrop(args.image_size, scale=(0.6, 1.0)),
+                           T.RandomHorizontalFlip(), T.ToTensor(),
+                           T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+    images = datasets.ImageFolder(str(folder), transform=transform)
+    train_paths = {str(Path(p).resolve()) for p, _ in index.train}  # the same images as ours
+    images.samples = [s for s in images.samples if str(Path(s[0]).resolve()) in train_paths]
+    images.targets = [label for _, label in images.samples]
+    workers = min(4, os.cpu_count() or 1)
+    loader = DataLoader(images, batch_size=args.batch_size, shuffle=True, drop_last=True,
+                        num_workers=workers, pin_memory=device.type == "cuda",
+                        persistent_workers=True)
+    clock = Clock()
+    torch.manual_seed(0)
+    trainer = L.Trainer(max_epochs=1, accelerator="gpu" if device.type == "cuda" else "cpu",
+                        devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[clock], num_sanity_val_steps=0)
+    trainer.fit(Classifier(), train_dataloaders=loader)
+    return clock.clock.img_s(args.batch_size)
+
+
+def time_to_accuracy(args, device: torch.device, cache_dir: Path) -> dict:
+    """Wall time of baseline and optimized training to the baseline's final val accuracy."""
+    root = ensure_synthetic(cache_dir / "synthetic", args.tta_per_class + 20, 40)
+    index = subset(index_dataset(root, "synthetic", seed=0),
+                   {"train": args.tta_per_class, "val": 20, "test": 40})
+    base = dataclasses.replace(base_config(args, device), image_size=args.tta_image_size,
+                               batch_size=32, epochs=args.tta_epochs)
+    set_seed(base.seed)
+    started = time.perf_counter()
+    model = build_model(base.model, len(index.classes), "none")
+    loaders = make_loaders(index, base)
+    result = train(model, loaders[0], loaders[1], base)
+    baseline_s = time.perf_counter() - started
+    target = result.history[-1]["val_acc"]
+
+    class Reached(Exception):
+        pass
+
+    reached: dict = {}
+
+    def stop_when_reached(epoch: int, row: dict) -> None:
+        if row["val_acc"] >= target:
+            reached.update(epoch=epoch, val_acc=row["val_acc"],
+                           wall_s=time.perf_counter() - started)
+            raise Reached
+
+    started = time.perf_counter()  # the optimized clock includes autotune and decoding
+    start = dataclasses.replace(base, cache_decoded=True, channels_last=True, amp="auto",
+                                batch_size=64, pin_memory=device.type == "cuda")
+    steps = base.epochs * max(1, len(index.train) // start.batch_size)
+    opt, report = autotune(start, len(index.classes), planned_steps=steps)
+    set_seed(opt.seed)
+    model = build_model(opt.model, len(index.classes), "none")
+    loaders = make_loaders(index, opt)
+    try:
+        result = train(model, loaders[0], loaders[1], opt, report=stop_when_reached)
+        final = result.history[-1]
+    except Reached:
+        final = None
+    optimized_s = reached.get("wall_s", time.perf_counter() - started)
+    return {"target_val_acc": target, "baseline_s": round(baseline_s, 1),
+            "baseline_epochs": base.epochs, "optimized_s": round(optimized_s, 1),
+            "optimized_epochs": reached.get("epoch"), "reached": bool(reached),
+            "optimized_final_val_acc": reached.get("val_acc", final and final["val_acc"]),
+            "ratio": round(optimized_s / baseline_s, 3), "image_size": base.image_size,
+            "autotune_s": report["seconds"], "optimized_settings": {
+                k: getattr(opt, k) for k in ("amp", "channels_last", "batch_size",
+                                             "optimizer_impl", "cpu_threads", "compile")}}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--model", choices=MODELS, default="squeezenet1_1")
+    p.add_argument("--image-size", type=int, default=150)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--images-per-class", type=int, default=100,
+                   help="training images per class (6 classes); one epoch is measured")
+    p.add_argument("--steps", type=int, default=20, help="timed pure-compute steps")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="every row is measured once per round; medians over rounds")
+    p.add_argument("--no-compile", action="store_true",
+                   help="do not let the autotuner try torch.compile (its warm-up is minutes on a CPU)")
+    p.add_argument("--skip", default="", help="comma-separated rows to leave out: "
+                   "pure_compute,pipeline,baseline,lightning")
+    p.add_argument("--time-to-accuracy", action="store_true",
+                   help="also run baseline and optimized training to the baseline's accuracy")
+    p.add_argument("--tta-epochs", type=int, default=15)
+    p.add_argument("--tta-per-class", type=int, default=200)
+    p.add_argument("--tta-image-size", type=int, default=64)
+    p.add_argument("--data-dir", default="others/bench_data",
+                   help="where the synthetic images are generated (once)")
+    p.add_argument("--json", metavar="PATH", help="write the figures here")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
+    try:
+        device = resolve_device(args.device)
+        TrainConfig(model=args.model, image_size=args.image_size, batch_size=args.batch_size)
+        skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+        cache_dir = Path(args.data_dir)
+        index = dataset(args, cache_dir)
+        steps = len(index.train) // args.batch_size
+        if steps <= WARMUP_STEPS + 2:
+            raise UserError(f"{len(index.train)} images make only {steps} steps of "
+                            f"{args.batch_size}; raise --images-per-class.")
+        results = {"model": args.model, "image_size": args.image_size,
+                   "batch_size": args.batch_size, "device": device.type,
+                   "machine": machine(device), "torch": torch.__version__}
+        optimized, report = optimized_config(args, device, None)
+        results["autotune"] = report
+        rows = {
+            "pure_compute": lambda: pure_compute_img_s(optimized, args.steps),
+            "pipeline": lambda: trainer_img_s(index, optimized, device),
+            "baseline": lambda: trainer_img_s(index, base_config(args, device), device),
+            "lightning": lambda: lightning_img_s(index, args, device),
+        }
+        # Rounds, each measuring every row in a rotated order: a shared machine's speed drifts
+        # over minutes, so each ratio is taken within a round and the median over rounds kept.
+        names = [n for n in rows if n not in skip]
+        per_round: dict[str, list[float]] = {n: [] for n in names}
+        for r in range(args.rounds):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                log.info("round %d/%d: measuring %s", r + 1, args.rounds, name)
+                per_round[name].append(round(rows[name](), 2))
+        for name in names:
+            results[f"{name}_img_s"] = round(statistics.median(per_round[name]), 2)
+        results["rounds"] = per_round
+        if args.time_to_accuracy:
+            log.info("time to accuracy")
+            results["time_to_accuracy"] = time_to_accuracy(args, device, cache_dir)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        fastdata.clear_cache()
+    ratios = {}
+    pipe = results.get("rounds", {}).get("pipeline")
+    for other in ("pure_compute", "baseline", "lightning"):
+        theirs = results.get("rounds", {}).get(other)
+        if pipe and theirs:
+            ratios[f"pipeline_over_{other}"] = round(statistics.median(
+                a / b for a, b in zip(pipe, theirs)), 3)
+    results["ratios"] = ratios
+    print(f"\n{args.model} at {args.image_size} px, batch {args.batch_size}, on "
+          f"{results['machine']} (torch {torch.__version__})\n")
+    print(f"medians of {args.rounds} rounds; ratios are medians of per-round ratios\n")
+    print("| measurement | img/s | pipeline / this |\n| --- | ---: | ---: |")
+    for name in rows:
+        value = results.get(f"{name}_img_s")
+        if value is not None:
+            ratio = ratios.get(f"pipeline_over_{name}", 1.0 if name == "pipeline" else None)
+            print(f"| {name} | {value:.1f} | {'' if ratio is None else f'{ratio:.2f}x'} |")
+    chosen = {k: v["choice"] for k, v in report["knobs"].items()}
+    print(f"\nautotuned: {chosen}")
+    tta = results.get("time_to_accuracy")
+    if tta:
+        print(f"\ntime to {100 * tta['target_val_acc']:.1f}% val accuracy at {tta['image_size']} "
+              f"px: baseline {tta['baseline_s']} s ({tta['baseline_epochs']} epochs), optimized "
+              f"{tta['optimized_s']} s ({tta['optimized_epochs']} epochs): {tta['ratio']:.2f}x "
+              f"the time" + ("" if tta["reached"] else " (target not reached)"))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,336 @@
+"""Measure the machine and pick the speed knobs: every candidate runs a few real training steps
+(forward, backward, optimizer step on in-memory tensors) on the actual device, and a setting is
+kept only when it measured faster. Nothing here assumes a knob helps: on a CPU without native
+bf16, for example, bf16 autocast measures several times slower and is rejected by that figure."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import statistics
+import time
+from typing import Any, Callable
+
+import psutil
+import torch
+import torch.nn.functional as F
+
+from modules.config import TrainConfig, UserError
+from modules.hardware import max_batch_size
+from modules.models import build_model
+from modules.trainer import autocast_dtype, make_optimizer, resolve_device
+
+log = logging.getLogger(__name__)
+
+# A candidate is measured for at least MIN_STEPS steps and MIN_S seconds, at most MAX_STEPS.
+MIN_STEPS, MAX_STEPS, MIN_S = 3, 12, 1.5
+# A candidate whose first two timed steps are both this much slower than the best so far is
+# dropped after them (bf16 on a CPU without bf16 units: two steps are proof enough).
+ABORT_FACTOR = 1.5
+# Keep a setting only when it is at least this much faster (timings wobble by a few percent).
+MIN_GAIN = 1.03
+# torch.compile's warm-up for these models is at least this long (measured: 70-105 s on a
+# 2-core CPU, about 40 s on an H200); a run too short to repay it even if compiling halved
+# every step does not try it.
+COMPILE_WARMUP_FLOOR_S = 20.0
+COMPILE_BEST_GAIN = 0.5
+# A DataLoader keeps up when it delivers this much more than the model consumes.
+LOADER_HEADROOM = 1.1
+
+_RESULTS: dict[tuple, tuple[TrainConfig, dict[str, Any]]] = {}
+
+
+class ComputeProbe:
+    """A model, optimizer and one in-memory batch for `config`: times pure training steps."""
+
+    def __init__(self, config: TrainConfig, num_classes: int, batch_size: int | None = None):
+        self.device = resolve_device(config.device)
+        self.config = config
+        self.batch = batch_size or config.batch_size
+        if config.cpu_threads:
+            torch.set_num_threads(config.cpu_threads)
+        if self.device.type == "cuda":
+            torch.backends.cudnn.benchmark = config.cudnn_benchmark
+        fmt = torch.channels_last if config.channels_last else torch.contiguous_format
+        self.model = build_model(config.model, num_classes, "none").to(self.device, memory_format=fmt)
+        self.optimizer = make_optimizer(self.model, config, self.device)
+        self.dtype = autocast_dtype(config.amp, self.device)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == torch.float16)
+        self.forward = torch.compile(self.model) if config.compile else self.model
+        g = torch.Generator().manual_seed(0)
+        size = config.image_size
+        self.x = torch.randn(self.batch, 3, size, size, generator=g).to(self.device, memory_format=fmt)
+        self.y = torch.randint(0, num_classes, (self.batch,), generator=g).to(self.device)
+
+    def step(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(self.device.type, dtype=self.dtype or torch.float32,
+                            enabled=self.dtype is not None):
+            loss = F.cross_entropy(self.forward(self.x), self.y)
+        self.scaler.scale(loss).backward()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def timed_step(self) -> float:
+        t0 = time.perf_counter()
+        self.step()
+        self.sync()
+        return time.perf_counter() - t0
+
+    def measure(self, *, warmup: int = 1, min_steps: int = MIN_STEPS, max_steps: int = MAX_STEPS,
+                min_s: float = MIN_S, abort_above_s: float | None = None
+                ) -> dict[str, float]:
+        """{"img_s": median throughput, "warmup_s": time of the warm-up steps, "steps": n}."""
+        warm = sum(self.timed_step() for _ in range(warmup))
+        times: list[float] = []
+        started = time.perf_counter()
+        while len(times) < max_steps and (len(times) < min_steps
+                                          or time.perf_counter() - started < min_s):
+            times.append(self.timed_step())
+            # two slow steps in a row, not one hiccup, drop a candidate early
+            if abort_above_s is not None and len(times) == 2 and min(times) > abort_above_s:
+                break
+        return {"img_s": self.batch / statistics.median(times), "warmup_s": warm,
+                "steps": len(times)}
+
+
+def _measure(config: TrainConfig, num_classes: int, best_img_s: float | None,
+             warmup: int = 2) -> dict[str, Any]:
+    """One candidate's figures; {"error": ...} when it cannot run here (unsupported, OOM)."""
+    try:
+        probe = ComputeProbe(config, num_classes)
+        abort = None if not best_img_s else ABORT_FACTOR * probe.batch / best_img_s
+        return probe.measure(warmup=warmup, abort_above_s=abort)
+    except Exception as exc:  # unsupported here, out of memory, a compiler failure ...
+        first = (str(exc).splitlines() or [type(exc).__name__])[0][:120]
+        return {"error": f"{type(exc).__name__}: {first}"}
+    finally:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _label(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _pick(knob: str, candidates: list[Any], config: TrainConfig, num_classes: int,
+          current: dict[str, Any], extra_reason: str = "") -> tuple[TrainConfig, dict[str, Any]]:
+    """Measure each candidate value of `knob` with the other knobs as chosen so far; keep the
+    first candidate (the default) unless another is at least MIN_GAIN faster."""
+    figures: dict[str, Any] = {}
+    if current.get("config") == config and current.get("img_s"):
+        figures[_label(candidates[0])] = round(current["img_s"], 2)
+        best_value, best_img_s = candidates[0], current["img_s"]
+        rest = candidates[1:]
+    else:
+        best_value, best_img_s, rest = None, None, candidates
+    for value in rest:
+        result = _measure(dataclasses.replace(config, **{knob: value}), num_classes, best_img_s)
+        if "error" in result:
+            figures[_label(value)] = result["error"]
+            continue
+        figures[_label(value)] = round(result["img_s"], 2)
+        if best_img_s is None or result["img_s"] > MIN_GAIN * best_img_s:
+            best_value, best_img_s = value, result["img_s"]
+    if best_value is None:
+        raise UserError(f"no {knob} setting could train on this device: {figures}")
+    chosen = dataclasses.replace(config, **{knob: best_value})
+    speeds = {k: v for k, v in figures.items() if isinstance(v, float)}
+    if len(speeds) > 1:
+        slowest = min(speeds, key=speeds.get)
+        reason = (f"{_label(best_value)} measured {best_img_s:.1f} img/s; "
+                  + ", ".join(f"{k}: {v:.1f}" for k, v in speeds.items() if k != _label(best_value)))
+        if speeds[slowest] > 0 and _label(best_value) != slowest:
+            reason += f" ({speeds[_label(best_value)] / speeds[slowest]:.1f}x the slowest)"
+    else:
+        reason = f"only {_label(best_value)} runs here ({best_img_s:.1f} img/s)"
+    errors = {k: v for k, v in figures.items() if not isinstance(v, float)}
+    if errors:
+        reason += "; " + "; ".join(f"{k} unavailable ({v})" for k, v in errors.items())
+    current.update(config=chosen, img_s=best_img_s)
+    return chosen, {"choice": best_value, "reason": reason + extra_reason, "img_s": figures}
+
+
+def thread_candidates() -> list[int]:
+    logical = os.cpu_count() or 1
+    physical = psutil.cpu_count(logical=False) or logical
+    return sorted({torch.get_num_threads(), physical, logical, max(1, logical // 2)},
+                  key=lambda n: (n != torch.get_num_threads(), n))
+
+
+def amp_candidates(device: torch.device) -> list[str]:
+    if device.type == "cuda":
+        modes = ["off", "fp16"]
+        if torch.cuda.is_bf16_supported():
+            modes.insert(1, "bf16")
+        return modes
+    return ["off", "bf16"]
+
+
+def optimizer_candidates(device: torch.device) -> list[str]:
+    return ["fused", "foreach"] if device.type == "cuda" else ["forloop", "foreach", "fused"]
+
+
+def _tune_compile(config: TrainConfig, num_classes: int, current: dict[str, Any],
+                  planned_steps: int | None) -> tuple[TrainConfig, dict[str, Any]]:
+    eager_img_s = current["img_s"]
+    step_s = config.batch_size / eager_img_s
+    if planned_steps is not None:
+        best_saving = planned_steps * step_s * COMPILE_BEST_GAIN
+        if best_saving < COMPILE_WARMUP_FLOOR_S:
+            return config, {"choice": False, "img_s": {"false": round(eager_img_s, 2)}, "reason": (
+                f"not tried: the planned {planned_steps} steps take about {planned_steps * step_s:.0f} "
+                f"s eager; even halving every step saves at most {best_saving:.0f} s, less than "
+                f"compile's warm-up (at least {COMPILE_WARMUP_FLOOR_S:.0f} s)")}
+    result = _measure(dataclasses.replace(config, compile=True), num_classes, None, warmup=2)
+    figures = {"false": round(eager_img_s, 2)}
+    if "error" in result:
+        figures["true"] = result["error"]
+        return config, {"choice": False, "img_s": figures,
+                        "reason": f"torch.compile failed here ({result['error']})"}
+    figures["true"] = round(result["img_s"], 2)
+    warmup_extra = result["warmup_s"] - 2 * step_s
+    compiled_step_s = config.batch_size / result["img_s"]
+    saving_per_step = step_s - compiled_step_s
+    horizon = "the planned run" if planned_steps is not None else "a long run"
+    if saving_per_step <= 0 or result["img_s"] < MIN_GAIN * eager_img_s:
+        reason = (f"compiled {result['img_s']:.1f} img/s is not faster than eager "
+                  f"{eager_img_s:.1f} (after {result['warmup_s']:.0f} s of warm-up)")
+        return config, {"choice": False, "img_s": figures, "reason": reason}
+    payback_steps = math.ceil(max(0.0, warmup_extra) / saving_per_step)
+    if planned_steps is not None and payback_steps > planned_steps:
+        reason = (f"compiled {result['img_s']:.1f} vs eager {eager_img_s:.1f} img/s, but its "
+                  f"{result['warmup_s']:.0f} s warm-up pays back only after {payback_steps} steps, "
+                  f"more than the {planned_steps} planned")
+        return config, {"choice": False, "img_s": figures, "reason": reason}
+    current["img_s"] = result["img_s"]
+    reason = (f"compiled {result['img_s']:.1f} vs eager {eager_img_s:.1f} img/s; the "
+              f"{result['warmup_s']:.0f} s warm-up pays back after {payback_steps} steps of {horizon}")
+    return dataclasses.replace(config, compile=True), {"choice": True, "img_s": figures,
+                                                        "reason": reason}
+
+
+def tune_workers(make_loader: Callable[[int], Any], compute_img_s: float,
+                 candidates: list[int], batches: int = 6) -> tuple[int, dict[str, Any]]:
+    """The fewest DataLoader workers whose loader outpaces the model; else the fastest count.
+    make_loader(num_workers) returns a fresh loader over the training data."""
+    figures: dict[str, float] = {}
+    for n in candidates:
+        loader = make_loader(n)
+        it = iter(loader)
+        next(it)  # worker start-up and the first decode are not steady state
+        count, started = 0, time.perf_counter()
+        for _ in range(batches):
+            try:
+                x, _ = next(it)
+            except StopIteration:
+                break
+            count += len(x)
+        figures[str(n)] = round(count / max(1e-9, time.perf_counter() - started), 1)
+        del it, loader
+    enough = [n for n in candidates if figures[str(n)] >= LOADER_HEADROOM * compute_img_s]
+    choice = min(enough) if enough else max(candidates, key=lambda n: figures[str(n)])
+    rates = ", ".join(f"{k} workers: {v:.0f} img/s" for k, v in figures.items())
+    reason = (f"{choice} workers deliver {figures[str(choice)]:.0f} img/s against the model's "
+              f"{compute_img_s:.0f} ({rates})")
+    return choice, {"choice": choice, "reason": reason, "img_s": figures}
+
+
+def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None = None,
+             fixed: frozenset[str] = frozenset(), tune_batch: bool = True,
+             loader_factory: Callable[[TrainConfig], Callable[[int], Any]] | None = None
+             ) -> tuple[TrainConfig, dict[str, Any]]:
+    """The fastest measured settings for `config` on its device, and why.
+
+    planned_steps: optimizer steps the run will take (compile must pay back within them).
+    fixed: knob names the user set explicitly; they are kept and not measured.
+    loader_factory: for the streaming data path, config -> (num_workers -> loader).
+    Returns (config with the chosen knobs, {"knobs": {name: {choice, reason, img_s}}, ...})."""
+    key = (config, num_classes, planned_steps, fixed, tune_batch, loader_factory is None)
+    if key in _RESULTS:
+        return _RESULTS[key]
+    started = time.perf_counter()
+    device = resolve_device(config.device)
+    knobs: dict[str, dict[str, Any]] = {}
+    current: dict[str, Any] = {}
+    log.info("autotune: measuring the speed knobs on %s at %d px, batch %d", device,
+             config.image_size, config.batch_size)
+    plan: list[tuple[str, list[Any]]] = []
+    if device.type == "cpu":
+        plan.append(("cpu_threads", thread_candidates()))
+    plan += [("channels_last", [config.channels_last, not config.channels_last]),
+             ("amp", amp_candidates(device)),
+             ("optimizer_impl", optimizer_candidates(device))]
+    if device.type == "cpu" and "cpu_threads" not in fixed:
+        config = dataclasses.replace(config, cpu_threads=torch.get_num_threads())
+    # A process's first steps are slow (kernel selection, first-touch memory, oneDNN's JIT):
+    # warm up once so that cost is not charged to whichever candidate happens to go first.
+    _measure(config, num_classes, None)
+    for knob, candidates in plan:
+        if knob in fixed:
+            knobs[knob] = {"choice": getattr(config, knob), "reason": "set by the user",
+                           "img_s": {}}
+            continue
+        config = dataclasses.replace(config, **{knob: candidates[0]})
+        config, knobs[knob] = _pick(knob, candidates, config, num_classes, current)
+        log.info("autotune: %s = %s (%s)", knob, _label(knobs[knob]["choice"]),
+                 knobs[knob]["reason"])
+    if not current:  # every knob fixed: still measure, for the figures below
+        current.update(config=config, img_s=_measure(config, num_classes, None).get("img_s", 0.0))
+    if "compile" in fixed:
+        knobs["compile"] = {"choice": config.compile, "reason": "set by the user", "img_s": {}}
+    else:
+        config, knobs["compile"] = _tune_compile(dataclasses.replace(config, compile=False),
+                                                 num_classes, current, planned_steps)
+        log.info("autotune: compile = %s (%s)", _label(config.compile), knobs["compile"]["reason"])
+    compute_img_s = current["img_s"]
+    if "num_workers" in fixed:
+        knobs["num_workers"] = {"choice": config.num_workers, "reason": "set by the user",
+                                "img_s": {}}
+    elif config.cache_decoded and loader_factory is None:
+        config = dataclasses.replace(config, num_workers=0, persistent_workers=False,
+                                     prefetch_factor=None)
+        knobs["num_workers"] = {"choice": 0, "img_s": {}, "reason": (
+            "the decoded-image cache gathers and augments batches in the training process; "
+            "worker processes would only copy them")}
+    elif loader_factory is not None:
+        cores = os.cpu_count() or 1
+        candidates = sorted({0, *[n for n in (2, 4, 8) if n <= cores]})
+        n, knobs["num_workers"] = tune_workers(loader_factory(config), compute_img_s, candidates)
+        config = dataclasses.replace(config, num_workers=n, persistent_workers=n > 0,
+                                     prefetch_factor=None)
+        log.info("autotune: num_workers = %d (%s)", n, knobs["num_workers"]["reason"])
+    if tune_batch and "batch_size" not in fixed:
+        config, knobs["batch_size"] = _fit_batch(config, num_classes, device)
+        log.info("autotune: batch = %d x %d accumulation (%s)", config.batch_size,
+                 config.grad_accum_steps, knobs["batch_size"]["reason"])
+    report = {"device": str(device), "image_size": config.image_size,
+              "compute_img_s": round(compute_img_s, 2), "seconds": round(time.perf_counter() - started, 1),
+              "knobs": knobs}
+    log.info("autotune: %.1f img/s pure compute after %.0f s of measuring", compute_img_s,
+             report["seconds"])
+    _RESULTS[key] = (config, report)
+    return config, report
+
+
+def _fit_batch(config: TrainConfig, num_classes: int, device: torch.device
+               ) -> tuple[TrainConfig, dict[str, Any]]:
+    """Micro-batch and accumulation that hold the effective batch within the device's memory."""
+    effective = config.effective_batch_size
+    fits = max_batch_size(config, num_classes, device, upto=effective)
+    if fits is None:
+        return config, {"choice": config.batch_size, "img_s": {}, "reason": (
+            "CPU: RAM, not device memory, bounds the batch here, and "
+            f"{config.batch_size} samples take a small share of it; effective batch {effective}")}
+    accum = math.ceil(effective / max(1, fits))
+    micro = math.ceil(effective / accum)
+    chosen = dataclasses.replace(config, batch_size=micro, grad_accum_steps=accum)
+    reason = (f"the memory probe fits up to {fits} samples per step at {config.image_size} px; "
+              f"effective batch {effective} = {micro} x {accum}")
+    return chosen, {"choice": micro, "grad_accum_steps": accum, "fits": fits, "reason": reason,
+                    "img_s": {}}

@@ -1,0 +1,129 @@
+"""The autotuner: every knob decided by a measurement on this device, with the reason kept."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from modules import autotune as at
+from modules.config import TrainConfig
+
+
+@pytest.fixture(autouse=True)
+def quick_measurements(monkeypatch):
+    monkeypatch.setattr(at, "MIN_STEPS", 2)
+    monkeypatch.setattr(at, "MAX_STEPS", 3)
+    monkeypatch.setattr(at, "MIN_S", 0.0)
+    at._RESULTS.clear()
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+    at._RESULTS.clear()
+
+
+def _config(**kw):
+    base = dict(image_size=24, batch_size=4, device="cpu", weights="none", cache_decoded=True)
+    return TrainConfig(**{**base, **kw})
+
+
+def test_every_knob_is_measured_and_explained_on_cpu():
+    config, report = at.autotune(_config(), 3, planned_steps=10)
+    knobs = report["knobs"]
+    assert set(knobs) == {"cpu_threads", "channels_last", "amp", "optimizer_impl", "compile",
+                          "num_workers", "batch_size"}
+    for name in ("channels_last", "amp", "optimizer_impl"):
+        figures = knobs[name]["img_s"]
+        assert len(figures) >= 2, name   # at least two candidates actually ran
+        assert "img/s" in knobs[name]["reason"]
+    assert config.amp == knobs["amp"]["choice"] and config.amp in ("off", "bf16")
+    assert config.channels_last == knobs["channels_last"]["choice"]
+    assert config.cpu_threads == torch.get_num_threads()
+    assert knobs["compile"]["choice"] is False and "not tried" in knobs["compile"]["reason"]
+    assert knobs["num_workers"]["choice"] == 0  # the decoded cache needs no workers
+    assert report["compute_img_s"] > 0
+
+
+def test_a_slower_dtype_is_rejected_by_its_measurement(monkeypatch):
+    """bf16 on a CPU without bf16 units: the figure, not a rule, turns it down."""
+    def fake(config, num_classes, best, warmup=1):
+        speed = {"off": 200.0, "bf16": 31.0}[config.amp]
+        return {"img_s": speed * (2.0 if config.channels_last else 1.0), "warmup_s": 0.1,
+                "steps": 1}
+    monkeypatch.setattr(at, "_measure", fake)
+    config, report = at.autotune(_config(), 3, planned_steps=10)
+    assert config.amp == "off" and config.channels_last
+    amp = report["knobs"]["amp"]
+    assert amp["img_s"] == {"off": 400.0, "bf16": 62.0}
+    assert "off measured 400.0 img/s; bf16: 62.0" in amp["reason"]
+
+
+def test_a_faster_candidate_is_kept_and_a_marginal_one_is_not(monkeypatch):
+    speeds = {"auto": 100.0, "forloop": 100.0, "foreach": 101.0, "fused": 150.0}
+    monkeypatch.setattr(at, "_measure", lambda c, n, b, warmup=1: {
+        "img_s": speeds[c.optimizer_impl], "warmup_s": 0.0, "steps": 1})
+    config, report = at.autotune(_config(), 3, planned_steps=10)
+    assert config.optimizer_impl == "fused"
+    speeds["fused"] = 102.0  # within MIN_GAIN of the default: not worth a change
+    at._RESULTS.clear()
+    config, _ = at.autotune(_config(), 3, planned_steps=10)
+    assert config.optimizer_impl == "forloop"
+
+
+def test_a_slow_candidate_stops_after_two_timed_steps():
+    probe = at.ComputeProbe(_config(), 3)
+    result = probe.measure(warmup=1, min_steps=5, max_steps=5, abort_above_s=0.0)
+    assert result["steps"] == 2
+
+
+def test_user_set_knobs_are_kept_unmeasured():
+    config, report = at.autotune(_config(amp="off", channels_last=False), 3, planned_steps=10,
+                                 fixed=frozenset({"amp", "channels_last"}))
+    assert report["knobs"]["amp"] == {"choice": "off", "reason": "set by the user", "img_s": {}}
+    assert config.amp == "off" and config.channels_last is False
+
+
+def test_compile_is_kept_only_when_it_pays_back(monkeypatch):
+    def fake(config, num_classes, best, warmup=1):
+        if config.compile:
+            return {"img_s": 200.0, "warmup_s": 30.0, "steps": 3}
+        return {"img_s": 100.0, "warmup_s": 0.0, "steps": 3}
+    monkeypatch.setattr(at, "_measure", fake)
+    # batch 4 at 100 img/s: 0.04 s per step eager, 0.02 compiled; 30 s warm-up needs ~1500 steps
+    config, report = at.autotune(_config(), 3, planned_steps=1000)
+    assert config.compile is False and "pays back only after" in report["knobs"]["compile"]["reason"]
+    at._RESULTS.clear()
+    config, report = at.autotune(_config(), 3, planned_steps=100_000)
+    assert config.compile is True and "pays back after" in report["knobs"]["compile"]["reason"]
+
+
+def test_worker_count_is_the_fewest_that_keep_up():
+    import time
+
+    class Slow:
+        def __init__(self, per_batch_s):
+            self.per_batch_s = per_batch_s
+
+        def __iter__(self):
+            while True:
+                time.sleep(self.per_batch_s)
+                yield torch.zeros(10, 1), torch.zeros(10)
+
+    delays = {0: 0.05, 2: 0.01, 4: 0.005}   # 200, 1000, 2000 img/s
+    n, entry = at.tune_workers(lambda k: Slow(delays[k]), compute_img_s=500.0,
+                               candidates=[0, 2, 4], batches=3)
+    assert n == 2 and "2 workers deliver" in entry["reason"]
+
+
+def test_cpu_batch_is_kept_and_said_why():
+    config, entry = at._fit_batch(_config(batch_size=8, grad_accum_steps=2), 3,
+                                  torch.device("cpu"))
+    assert (config.batch_size, config.grad_accum_steps) == (8, 2)
+    assert "effective batch 16" in entry["reason"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_batch_holds_the_effective_batch_within_memory(monkeypatch):
+    import modules.autotune
+    monkeypatch.setattr(modules.autotune, "max_batch_size", lambda *a, **k: 24)
+    config, entry = at._fit_batch(_config(device="cuda", batch_size=64), 3, torch.device("cuda"))
+    assert config.batch_size * config.grad_accum_steps >= 64
+    assert config.batch_size <= 24 and config.grad_accum_steps == 3
