@@ -305,7 +305,10 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
         config = dataclasses.replace(config, num_workers=n, persistent_workers=n > 0,
                                      prefetch_factor=None)
         log.info("autotune: num_workers = %d (%s)", n, knobs["num_workers"]["reason"])
-    if tune_batch and "batch_size" not in fixed:
+    if "batch_size" in fixed:
+        knobs["batch_size"] = {"choice": config.batch_size, "reason": "set by the user",
+                               "img_s": {}}
+    elif tune_batch:
         config, knobs["batch_size"] = _fit_batch(config, num_classes, device)
         log.info("autotune: batch = %d x %d accumulation (%s)", config.batch_size,
                  config.grad_accum_steps, knobs["batch_size"]["reason"])

@@ -1,7 +1,9 @@
 """The project's torch files: written atomically, read with one clear error when unreadable."""
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -26,17 +28,43 @@ def _atomic_write(path: Path, write, mode: str) -> None:
         raise UserError(f"{str(path)!r} is a directory; give a file name.")
     path.parent.mkdir(parents=True, exist_ok=True)
     # Same directory: os.replace is only atomic within one filesystem.
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise write_error(path, exc) from None
     try:
         with os.fdopen(fd, mode) as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+    except BaseException as exc:
+        Path(tmp).unlink(missing_ok=True)  # the previous file, if any, is untouched
+        if isinstance(exc, (OSError, RuntimeError)) and \
+                (isinstance(exc, OSError) or disk_full(path.parent)):
+            raise write_error(path, exc) from None
         raise
     _fsync_dir(path.parent)
+
+
+def disk_full(folder: Path) -> bool:
+    """Whether the filesystem holding `folder` is (nearly) out of space. torch.save reports a
+    full disk as a RuntimeError ("file write failed") without the errno, hence the check."""
+    try:
+        usage = shutil.disk_usage(folder)
+    except OSError:
+        return False
+    return usage.free < min(64 * 2**20, 0.01 * usage.total) or usage.free < 2**20
+
+
+def write_error(path: Path, exc: BaseException) -> UserError:
+    """One line for a write that failed: a full disk, a read-only or forbidden folder."""
+    code = getattr(exc, "errno", None)
+    if code in (errno.ENOSPC, errno.EDQUOT) or disk_full(Path(path).parent):
+        return UserError(f"no space left on the device holding {str(path)!r}; free some space or "
+                         "pass --output-dir on another disk (earlier files there are intact).")
+    reason = getattr(exc, "strerror", None) or (str(exc).splitlines() or [type(exc).__name__])[0]
+    return UserError(f"cannot write {str(path)!r} ({reason}); pass a writable --output-dir.")
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -457,14 +457,18 @@ def _input_bound(f: _Figures) -> dict[str, Any] | None:
         if cores is not None:
             setup += f" on {cores:.0f} core{'s' if cores != 1 else ''}"
     waits = f"{_pct(wait)} of each{_step(f)} step waits for data{setup}"
+    if f.get("cached_decode"):  # no decoding left: the wait is the batched augmentation
+        return _result("input-bound", f"Input-bound: {waits}.", [
+            f"The decoded cache already skips decoding; the wait is batched augmentation on the "
+            f"{'GPU' if f.cuda else 'CPU'}: {waits}. A smaller --image-size shrinks it with the "
+            f"model's own work; on a CPU a GPU run moves it off the cores."])
     recs = []
     if workers is None or cores is None or workers < cores:
         target = f" toward {cores:.0f} (one per core)" if cores else " (up to one per core)"
         start = f" from {workers:.0f}" if workers is not None else ""
         recs.append(f"Raise num_workers{start}{target}: {waits}.")
-    if not f.get("cached_decode"):
-        recs.append(f"Cache the decoded images in memory so later epochs skip JPEG decoding: "
-                    f"{waits}.")
+    recs.append(f"Cache the decoded images in memory so later epochs skip JPEG decoding: "
+                f"{waits}.")
     recs.append(f"Lower the decode cost: decode JPEGs at reduced size (PIL draft mode) or store "
                 f"images pre-resized to the input size ({_pct(wait)} of step time is input).")
     if f.cuda:

@@ -123,6 +123,19 @@ def test_quick_run_does_all_three_scenarios_on_synthetic_data(tmp_path):
     for name in ("synthetic_model.pt", "optuna.db", "resolution_tradeoff.png", "report.md",
                  "training_accuracy_comparison.png"):
         assert (out / name).exists(), name
+    # the baseline keeps the seed's data path; the optimized scenarios are autotuned
+    assert rows["baseline"]["settings"]["data_path"] == "per-sample PIL decode"
+    assert "autotune" not in rows["baseline"]
+    for name in ("resolution", "hpo"):
+        row = rows[name]
+        assert row["settings"]["data_path"] == "decoded cache"
+        knobs = row["autotune"]["knobs"]
+        for knob in ("cpu_threads", "channels_last", "amp", "optimizer_impl", "compile",
+                     "num_workers", "batch_size"):
+            assert knobs[knob]["reason"], (name, knob)
+        assert row["settings"]["amp"] == knobs["amp"]["choice"]
+        assert row["settings"]["channels_last"] == knobs["channels_last"]["choice"]
+    assert "`amp` = " in (out / "report.md").read_text()
 
 
 REGIONS = ("data_wait", "h2d", "forward", "backward", "optimizer_step")
@@ -176,3 +189,20 @@ def test_tensorboard_profiler_plugin_reads_the_trace(small, tmp_path):
     data.process()
     views = [v.display_name for v in RunGenerator("worker0", None, data).generate_run_profile().views]
     assert {"Overview", "Operator", "Trace"} <= set(views)
+
+
+def test_no_autotune_and_user_knobs_skip_the_measurements(small, tmp_path):
+    out = tmp_path / "out"
+    assert run_main("--data-dir", str(small), "--scenarios", "resolution", "--resolutions", "32",
+                    "--epochs", "2", "--batch-size", "4", "--weights", "none", "--no-progress",
+                    "--no-autotune", "--output-dir", str(out)) == 0
+    row = json.loads((out / "results.json").read_text())[0]
+    assert "autotune" not in row and row["settings"]["data_path"] == "decoded cache"
+    out2 = tmp_path / "out2"
+    assert run_main("--data-dir", str(small), "--scenarios", "resolution", "--resolutions", "32",
+                    "--epochs", "2", "--batch-size", "4", "--weights", "none", "--no-progress",
+                    "--amp", "off", "--output-dir", str(out2)) == 0
+    row = json.loads((out2 / "results.json").read_text())[0]
+    assert row["autotune"]["knobs"]["amp"]["reason"] == "set by the user"
+    assert row["autotune"]["knobs"]["batch_size"]["reason"] == "set by the user"
+    assert row["settings"]["amp"] == "off"

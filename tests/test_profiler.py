@@ -145,6 +145,15 @@ def test_input_bound_quotes_the_wait_and_the_workers():
     assert 1 <= len(d["recommendations"]) <= 3
 
 
+def test_input_bound_on_the_decoded_cache_points_at_augmentation_not_workers():
+    d = diagnose({"data_wait_frac": 0.4, "num_workers": 0, "cpu_count": 2, "avg_step_ms": 50,
+                  "device": "cpu", "cached_decode": True})
+    assert d["bottleneck"] == "input-bound"
+    assert len(d["recommendations"]) == 1
+    assert "augmentation" in d["recommendations"][0] and "40%" in d["recommendations"][0]
+    assert not any("num_workers" in r or "JPEG" in r for r in d["recommendations"])
+
+
 def test_compute_bound_cpu_mentions_channels_last_and_bf16():
     d = diagnose({"data_wait_frac": 0.02, "h2d_frac": 0.01, "avg_step_ms": 85,
                   "samples_per_s": 376, "device": "cpu", "channels_last": False,

@@ -136,3 +136,110 @@ def test_bad_input_matrix(tmp_path, monkeypatch):
         "huge.png": "too large (decompression bomb guard)", "zero.jpg": "empty file",
         "half.jpg": "truncated"}
     assert "teal" in index.classes
+
+
+# ----------------------------------------------------------------------------- output faults
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A real 400 KB filesystem (tmpfs): writes there hit ENOSPC like a full disk."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(mount)],
+                          capture_output=True)
+    if proc.returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root: " + proc.stderr.decode().strip()[:80])
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_a_full_disk_is_one_clear_line_and_leaves_earlier_files_intact(data, tiny_disk):
+    out = tiny_disk / "out"
+    out.mkdir()
+    earlier = '[{"scenario": "baseline", "dataset": "colours", "test_acc": 0.5}]'
+    (out / "results.json").write_text(earlier)
+    proc = subprocess.run(command(data, out), cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: no space left on the device holding ") and "--output-dir" in last
+    assert (out / "results.json").read_text() == earlier          # untouched
+    assert not list(out.rglob("*.tmp"))                            # no half-written temp files
+
+
+def test_an_unreadable_image_is_skipped_and_counted(tmp_path):
+    """chmod 000 stops everyone but root; as root the check runs with the nobody user's rights."""
+    import tempfile
+    root = Path(tempfile.mkdtemp(dir="/tmp", prefix="perm-"))
+    try:
+        os.chmod(root, 0o755)
+        make_folder(root / "d", n_train=4, n_test=2)
+        secret = root / "d" / "train" / "red" / "0.jpg"
+        os.chmod(secret, 0)
+        as_nobody = os.geteuid() == 0
+        if as_nobody:
+            os.seteuid(65534)
+        try:
+            index = index_dataset(root / "d")
+        finally:
+            if as_nobody:
+                os.seteuid(0)
+        assert [(Path(p).name, r) for p, r in index.skipped] == \
+            [("0.jpg", "unreadable (permission denied)")]
+        assert index.skipped_files == 1
+    finally:
+        subprocess.run(["rm", "-rf", str(root)], check=False)
+
+
+# ----------------------------------------------------------------------------- a killed study
+
+def _study_states(db: Path) -> list[tuple[int, str]]:
+    import sqlite3
+    try:
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5) as con:
+            return con.execute("SELECT number, state FROM trials ORDER BY number").fetchall()
+    except sqlite3.Error:
+        return []
+
+
+def test_kill_9_mid_study_then_resume_loses_no_trial_and_counts_none_twice(data, tmp_path):
+    import optuna
+    out = tmp_path / "out"
+    env = {**os.environ, "HWTRAIN_TRIAL_GRACE_S": "3"}
+    hpo = [sys.executable, "pipeline.py", "--data-dir", str(data), "--output-dir", str(out),
+           "--scenarios", "hpo", "--epochs", "6", "--image-size", "32", "--batch-size", "4",
+           "--weights", "none", "--no-progress", "--no-autotune"]
+    child = subprocess.Popen(hpo + ["--n-trials", "4"], cwd=ROOT, env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    try:  # kill while a trial is running, after at least one finished
+        while time.time() < deadline:
+            states = _study_states(out / "optuna.db")
+            if any(s != "RUNNING" for _, s in states) and states and states[-1][1] == "RUNNING":
+                break
+            assert child.poll() is None, "the study ended before it could be killed"
+            time.sleep(0.2)
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.wait(timeout=60)
+    before = _study_states(out / "optuna.db")
+    killed = [n for n, s in before if s == "RUNNING"]
+    assert len(killed) == 1
+    time.sleep(4.5)  # past the grace period: the killed trial's heartbeat has gone stale
+    subprocess.run(hpo + ["--n-trials", "2", "--resume"], cwd=ROOT, env=env, check=True,
+                   capture_output=True, timeout=600)
+    study = optuna.load_study(study_name=optuna.get_all_study_names(
+        f"sqlite:///{out / 'optuna.db'}")[0], storage=f"sqlite:///{out / 'optuna.db'}")
+    trials = {t.number: t for t in study.trials}
+    assert len(trials) == len(study.trials)                      # no number twice
+    assert trials[killed[0]].state == optuna.trial.TrialState.FAIL
+    retries = [t for t in study.trials if t.system_attrs.get("failed_trial") == killed[0]]
+    assert len(retries) == 1                                     # retried once, same params
+    assert retries[0].params == trials[killed[0]].params
+    done = [t for t in study.trials if t.state.is_finished() and t.state.name != "FAIL"]
+    finished_before = [n for n, s in before if s in ("COMPLETE", "PRUNED")]
+    assert {n for n in finished_before} <= {t.number for t in done}  # none lost
+    assert len(done) == len(finished_before) + 2                  # the resumed run's two
