@@ -222,7 +222,7 @@ def main(argv=None) -> int:
     p.add_argument("--images-per-class", type=int, default=100,
                    help="training images per class (6 classes); one epoch is measured")
     p.add_argument("--steps", type=int, default=20, help="timed pure-compute steps")
-    p.add_argument("--rounds", type=int, default=3,
+    p.add_argument("--rounds", type=int, default=5,
                    help="every row is measured once per round; medians over rounds")
     p.add_argument("--no-compile", action="store_true",
                    help="do not let the autotuner try torch.compile (its warm-up is minutes on a CPU)")
@@ -259,12 +259,15 @@ def main(argv=None) -> int:
             "baseline": lambda: trainer_img_s(index, base_config(args, device), device),
             "lightning": lambda: lightning_img_s(index, args, device),
         }
-        # Rounds, each measuring every row in a rotated order: a shared machine's speed drifts
-        # over minutes, so each ratio is taken within a round and the median over rounds kept.
+        # Rounds: a shared machine's speed drifts within seconds, so each ratio is taken within
+        # a round, pure compute and pipeline back to back (their order alternating), and the
+        # median over rounds is kept.
         names = [n for n in rows if n not in skip]
         per_round: dict[str, list[float]] = {n: [] for n in names}
         for r in range(args.rounds):
-            for name in names[r % len(names):] + names[:r % len(names)]:
+            order = names if r % 2 == 0 else [names[i ^ 1] for i in range(len(names) & ~1)] + \
+                names[len(names) & ~1:]
+            for name in order:
                 log.info("round %d/%d: measuring %s", r + 1, args.rounds, name)
                 per_round[name].append(round(rows[name](), 2))
         for name in names:
