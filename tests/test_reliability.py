@@ -243,3 +243,21 @@ def test_kill_9_mid_study_then_resume_loses_no_trial_and_counts_none_twice(data,
     finished_before = [n for n, s in before if s in ("COMPLETE", "PRUNED")]
     assert {n for n in finished_before} <= {t.number for t in done}  # none lost
     assert len(done) == len(finished_before) + 2                  # the resumed run's two
+
+
+def test_a_read_only_filesystem_is_one_clear_line(data, tmp_path):
+    """Root ignores chmod, so a real read-only mount stands in for a read-only folder."""
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(mount)],
+                          capture_output=True)
+    if proc.returncode != 0:
+        pytest.skip("mounting a read-only tmpfs needs root")
+    try:
+        run = subprocess.run(command(data, mount / "out"), cwd=ROOT, capture_output=True,
+                             text=True, timeout=300)
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert run.stderr.strip().splitlines()[-1] == (
+        f"error: cannot write to output dir {str(mount / 'out')!r} (Read-only file system).")
