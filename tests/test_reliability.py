@@ -238,7 +238,9 @@ def test_kill_9_mid_study_then_resume_loses_no_trial_and_counts_none_twice(data,
     assert trials[killed[0]].state == optuna.trial.TrialState.FAIL
     retries = [t for t in study.trials if t.system_attrs.get("failed_trial") == killed[0]]
     assert len(retries) == 1                                     # retried once, same params
-    assert retries[0].params == trials[killed[0]].params
+    # the killed trial may have died before suggesting every parameter; those it had, the
+    # retry repeats
+    assert trials[killed[0]].params.items() <= retries[0].params.items()
     done = [t for t in study.trials if t.state.is_finished() and t.state.name != "FAIL"]
     finished_before = [n for n, s in before if s in ("COMPLETE", "PRUNED")]
     assert {n for n in finished_before} <= {t.number for t in done}  # none lost
