@@ -137,3 +137,14 @@ def test_training_on_the_cached_path_learns(folder):
     index = index_dataset(folder)
     result = fit(index, _config(image_size=32, epochs=4, lr=3e-3, batch_size=6, progress=False))
     assert result.best_val_acc >= 0.6  # three colour classes; chance is 1/3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cached_loader_on_the_gpu_keeps_the_cache_there_and_matches_the_cpu(folder):
+    index = index_dataset(folder)
+    gpu = make_loaders(index, _config(device="cuda", channels_last=True))
+    cpu = make_loaders(index, _config(device="cpu", channels_last=True))
+    assert gpu[0].images.device.type == "cuda"      # small: the cache lives in GPU memory
+    for (xg, yg), (xc, yc) in zip(gpu[0], cpu[0]):  # same order, same augmentation numbers
+        assert xg.device.type == "cuda" and torch.equal(yg.cpu(), yc)
+        assert torch.allclose(xg.cpu(), xc, atol=1e-3)
