@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -206,3 +207,21 @@ def test_no_autotune_and_user_knobs_skip_the_measurements(small, tmp_path):
     assert row["autotune"]["knobs"]["amp"]["reason"] == "set by the user"
     assert row["autotune"]["knobs"]["batch_size"]["reason"] == "set by the user"
     assert row["settings"]["amp"] == "off"
+
+
+def test_streaming_fallback_measures_loader_workers(small, tmp_path, monkeypatch):
+    """When the decoded images would not fit, batches stream from disk and the autotuner
+    times real DataLoaders to pick how many decoding workers keep up with the model."""
+    from modules import fastdata
+    monkeypatch.setattr(fastdata, "CACHE_RAM_FRACTION", 1e-12)
+    out = tmp_path / "out"
+    assert run_main("--data-dir", str(small), "--scenarios", "resolution", "--resolutions", "32",
+                    "--epochs", "2", "--weights", "none", "--no-progress",
+                    "--output-dir", str(out)) == 0
+    row = json.loads((out / "results.json").read_text())[0]
+    assert row["settings"]["data_path"] == "per-sample PIL decode"
+    workers = row["autotune"]["knobs"]["num_workers"]
+    assert "0" in workers["img_s"]
+    assert len(workers["img_s"]) >= (2 if (os.cpu_count() or 1) >= 2 else 1)  # 0 and 2 timed
+    assert workers["choice"] == row["settings"]["num_workers"]
+    assert "workers deliver" in workers["reason"]
