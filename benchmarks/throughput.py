@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import logging
 import os
@@ -242,6 +243,9 @@ def main(argv=None) -> int:
         device = resolve_device(args.device)
         TrainConfig(model=args.model, image_size=args.image_size, batch_size=args.batch_size)
         skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+        if "lightning" not in skip and importlib.util.find_spec("lightning") is None:
+            raise UserError("the lightning row needs PyTorch Lightning: pip install -r "
+                            "benchmarks/requirements.txt, or pass --skip lightning.")
         cache_dir = Path(args.data_dir)
         index = dataset(args, cache_dir)
         steps = len(index.train) // args.batch_size

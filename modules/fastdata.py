@@ -51,7 +51,7 @@ def decode_resized(path: str, size: int) -> np.ndarray:
             rgb = to_rgb(img)
             if rgb.size != (size, size):
                 rgb = rgb.resize((size, size), Image.BILINEAR)
-            return np.asarray(rgb, dtype=np.uint8)
+            return np.array(rgb, dtype=np.uint8)  # a writable copy, owned by the array
     except Exception as exc:
         raise UserError(f"image {path!r} became unreadable while caching ({type(exc).__name__}); "
                         "re-run to re-index the folder.") from None
@@ -74,7 +74,7 @@ def decoded_images(samples: list[Sample], size: int) -> torch.Tensor:
     images = torch.empty((len(samples), size, size, 3), dtype=torch.uint8)
 
     def fill(i: int) -> None:  # PIL decodes with the GIL released: threads run in parallel
-        images[i] = torch.from_numpy(decode_resized(samples[i][0], size).copy())
+        images[i] = torch.from_numpy(decode_resized(samples[i][0], size))
 
     started = time.perf_counter()
     with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
