@@ -119,7 +119,7 @@ def _label(value: Any) -> str:
 
 
 def _pick(knob: str, candidates: list[Any], config: TrainConfig, num_classes: int,
-          current: dict[str, Any], extra_reason: str = "") -> tuple[TrainConfig, dict[str, Any]]:
+          current: dict[str, Any]) -> tuple[TrainConfig, dict[str, Any]]:
     """Measure each candidate value of `knob` with the other knobs as chosen so far; keep the
     first candidate (the default) unless another is at least MIN_GAIN faster."""
     figures: dict[str, Any] = {}
@@ -153,7 +153,7 @@ def _pick(knob: str, candidates: list[Any], config: TrainConfig, num_classes: in
     if errors:
         reason += "; " + "; ".join(f"{k} unavailable ({v})" for k, v in errors.items())
     current.update(config=chosen, img_s=best_img_s)
-    return chosen, {"choice": best_value, "reason": reason + extra_reason, "img_s": figures}
+    return chosen, {"choice": best_value, "reason": reason, "img_s": figures}
 
 
 def thread_candidates() -> list[int]:
@@ -256,6 +256,7 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
         return _RESULTS[key]
     started = time.perf_counter()
     device = resolve_device(config.device)
+    effective = config.effective_batch_size  # what the batch fitting must hold
     knobs: dict[str, dict[str, Any]] = {}
     current: dict[str, Any] = {}
     log.info("autotune: measuring the speed knobs on %s at %d px, batch %d", device,
@@ -268,6 +269,9 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
              ("optimizer_impl", optimizer_candidates(device))]
     if device.type == "cpu" and "cpu_threads" not in fixed:
         config = dataclasses.replace(config, cpu_threads=torch.get_num_threads())
+    if device.type == "cuda" and tune_batch and "batch_size" not in fixed:
+        # Measure at a batch that fits with the starting knobs; refitted for the final ones below.
+        config, _ = _fit_batch(config, num_classes, device, effective)
     # A process's first steps are slow (kernel selection, first-touch memory, oneDNN's JIT):
     # warm up once so that cost is not charged to whichever candidate happens to go first.
     _measure(config, num_classes, None)
@@ -309,7 +313,7 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
         knobs["batch_size"] = {"choice": config.batch_size, "reason": "set by the user",
                                "img_s": {}}
     elif tune_batch:
-        config, knobs["batch_size"] = _fit_batch(config, num_classes, device)
+        config, knobs["batch_size"] = _fit_batch(config, num_classes, device, effective)
         log.info("autotune: batch = %d x %d accumulation (%s)", config.batch_size,
                  config.grad_accum_steps, knobs["batch_size"]["reason"])
     report = {"device": str(device), "image_size": config.image_size,
@@ -321,10 +325,11 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
     return config, report
 
 
-def _fit_batch(config: TrainConfig, num_classes: int, device: torch.device
-               ) -> tuple[TrainConfig, dict[str, Any]]:
-    """Micro-batch and accumulation that hold the effective batch within the device's memory."""
-    effective = config.effective_batch_size
+def _fit_batch(config: TrainConfig, num_classes: int, device: torch.device,
+               effective: int | None = None) -> tuple[TrainConfig, dict[str, Any]]:
+    """Micro-batch and accumulation that hold the effective batch within the device's memory
+    (micro x accumulation may round it up by less than one sample per micro-batch)."""
+    effective = effective or config.effective_batch_size
     fits = max_batch_size(config, num_classes, device, upto=effective)
     if fits is None:
         return config, {"choice": config.batch_size, "img_s": {}, "reason": (
@@ -334,6 +339,7 @@ def _fit_batch(config: TrainConfig, num_classes: int, device: torch.device
     micro = math.ceil(effective / accum)
     chosen = dataclasses.replace(config, batch_size=micro, grad_accum_steps=accum)
     reason = (f"the memory probe fits up to {fits} samples per step at {config.image_size} px; "
-              f"effective batch {effective} = {micro} x {accum}")
+              f"effective batch {micro * accum} = {micro} x {accum}"
+              + (f" (asked for {effective})" if micro * accum != effective else ""))
     return chosen, {"choice": micro, "grad_accum_steps": accum, "fits": fits, "reason": reason,
                     "img_s": {}}
