@@ -334,19 +334,25 @@ def make_loader(samples: list[Sample], transform, config: TrainConfig, *, train:
         if config.prefetch_factor is not None:
             workers["prefetch_factor"] = config.prefetch_factor
     dataset = ImageListDataset(samples, transform)
-    sampler = None
-    if train and distributed.world_size() > 1:
-        # One equal shard per process (DDP needs the same step count on every rank), shuffled
-        # as a function of (seed, epoch) like EpochSampler. Evaluation is not sharded.
-        sampler = DistributedSampler(dataset, num_replicas=distributed.world_size(),
-                                     rank=distributed.rank(), shuffle=True, seed=config.seed,
-                                     drop_last=True)
-    elif train:
-        sampler = EpochSampler(len(dataset), config.seed)
-    n_local = len(sampler) if sampler is not None else len(dataset)
+    sampler = train_sampler(len(dataset), config.seed) if train else None
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler,
-                      # a lone last sample would break BatchNorm in train mode
-                      drop_last=train and n_local > batch_size, **workers)
+                      drop_last=drops_last(sampler, batch_size), **workers)
+
+
+def train_sampler(n: int, seed: int) -> Sampler[int]:
+    """The training order over n samples, a function of (seed, epoch) only. Under torchrun one
+    equal shard per process (DDP needs the same step count on every rank); evaluation is not
+    sharded."""
+    if distributed.world_size() > 1:
+        return DistributedSampler(range(n), num_replicas=distributed.world_size(),
+                                  rank=distributed.rank(), shuffle=True, seed=seed, drop_last=True)
+    return EpochSampler(n, seed)
+
+
+def drops_last(sampler: Sampler[int] | None, batch_size: int) -> bool:
+    """Training drops a short last batch when there is more than one: a lone last sample would
+    break BatchNorm in train mode. Evaluation (no sampler) keeps every sample."""
+    return sampler is not None and len(sampler) > batch_size
 
 
 def make_loaders(index: DatasetIndex, config: TrainConfig

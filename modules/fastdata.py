@@ -20,11 +20,10 @@ import psutil
 import torch
 import torch.nn.functional as F
 from PIL import Image
-from torch.utils.data import DistributedSampler
 
-from modules import distributed
 from modules.config import IMAGENET_MEAN, IMAGENET_STD, TrainConfig, UserError
-from modules.dataset import EpochSampler, Sample, to_rgb
+from modules.dataset import Sample, drops_last, to_rgb, train_sampler
+from modules.trainer import resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -188,18 +187,9 @@ class CachedLoader:
         self.images, self.labels = images, labels.to(images.device)
         self.batch_size, self.train, self.device, self.seed = batch_size, train, device, seed
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
-        n = len(labels)
-        self.sampler = None
-        if train and distributed.world_size() > 1:
-            self.sampler = DistributedSampler(range(n), num_replicas=distributed.world_size(),
-                                              rank=distributed.rank(), shuffle=True, seed=seed,
-                                              drop_last=True)
-        elif train:
-            self.sampler = EpochSampler(n, seed)
-        n_local = len(self.sampler) if self.sampler is not None else n
-        # as make_loader: a lone last sample would break BatchNorm in train mode
-        self.drop_last = train and n_local > batch_size
-        self.n_local = n_local
+        self.sampler = train_sampler(len(labels), seed) if train else None
+        self.n_local = len(self.sampler) if self.sampler is not None else len(labels)
+        self.drop_last = drops_last(self.sampler, batch_size)
 
     def __len__(self) -> int:
         full, rest = divmod(self.n_local, self.batch_size)
@@ -222,16 +212,17 @@ class CachedLoader:
             yield x.contiguous(memory_format=self.memory_format), y
 
 
-def _device(config: TrainConfig) -> torch.device:
-    wants_cuda = config.device in ("auto", "cuda") and torch.cuda.is_available()
-    return torch.device("cuda" if wants_cuda else "cpu")
+def _budget(index, size: int) -> tuple[int, int, int]:
+    """(bytes the index's decoded images need at `size`, bytes cached now, the RAM budget)."""
+    needed = sum(cache_bytes(len(s), size) for s in (index.train, index.val, index.test))
+    held = sum(t.numel() for t in _MEMO.values())
+    return needed, held, int(CACHE_RAM_FRACTION * (psutil.virtual_memory().available + held))
 
 
 def cache_fits(index, size: int) -> bool:
     """Whether the index's decoded images at `size` fit in the cache's RAM budget."""
-    needed = sum(cache_bytes(len(s), size) for s in (index.train, index.val, index.test))
-    held = sum(t.numel() for t in _MEMO.values())
-    return needed <= CACHE_RAM_FRACTION * (psutil.virtual_memory().available + held)
+    needed, _, budget = _budget(index, size)
+    return needed <= budget
 
 
 def cached_loaders(index, config: TrainConfig) -> tuple[CachedLoader, ...] | None:
@@ -239,10 +230,8 @@ def cached_loaders(index, config: TrainConfig) -> tuple[CachedLoader, ...] | Non
     RAM budget (the caller then streams from disk)."""
     size = config.image_size
     splits = (index.train, index.val, index.test)
-    needed = sum(cache_bytes(len(s), size) for s in splits)
-    held = sum(t.numel() for t in _MEMO.values())
-    budget = int(CACHE_RAM_FRACTION * (psutil.virtual_memory().available + held))
-    if not cache_fits(index, size):
+    needed, held, budget = _budget(index, size)
+    if needed > budget:
         log.info("decoded-image cache would need %.1f GB at %d px, over its budget of %.1f GB "
                  "(%.0f%% of available RAM): streaming images from disk instead.",
                  needed / 1e9, size, budget / 1e9, 100 * CACHE_RAM_FRACTION)
@@ -253,7 +242,7 @@ def cached_loaders(index, config: TrainConfig) -> tuple[CachedLoader, ...] | Non
         if held + new_bytes <= budget:
             break
         held -= _MEMO.pop(key).numel()
-    device = _device(config)
+    device = resolve_device(config.device)
     on_gpu = False
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
