@@ -36,10 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from modules import fastdata  # noqa: E402
 from modules.autotune import ComputeProbe, autotune  # noqa: E402
 from modules.config import MODELS, TrainConfig, UserError  # noqa: E402
-from modules.dataset import index_dataset, make_loaders, subset  # noqa: E402
+from modules.dataset import index_dataset, subset  # noqa: E402
 from modules.models import build_model  # noqa: E402
 from modules.synthetic import ensure_synthetic  # noqa: E402
-from modules.trainer import resolve_device, set_seed, train  # noqa: E402
+from modules.trainer import fit, resolve_device  # noqa: E402
 
 log = logging.getLogger("throughput")
 
@@ -101,11 +101,8 @@ def optimized_config(args, device: torch.device, planned_steps: int | None):
 
 
 def trainer_img_s(index, config: TrainConfig, device: torch.device) -> float:
-    set_seed(config.seed)
-    model = build_model(config.model, len(index.classes), "none")
-    train_loader, val_loader, _ = make_loaders(index, config)
     clock = StepClock(device)
-    train(model, train_loader, val_loader, config, profiler=clock)
+    fit(index, config, profiler=clock)  # every config here has weights="none"
     return clock.img_s(config.batch_size)
 
 
@@ -170,11 +167,8 @@ def time_to_accuracy(args, device: torch.device, cache_dir: Path) -> dict:
                    {"train": args.tta_per_class, "val": 20, "test": 40})
     base = dataclasses.replace(base_config(args, device), image_size=args.tta_image_size,
                                batch_size=32, epochs=args.tta_epochs)
-    set_seed(base.seed)
     started = time.perf_counter()
-    model = build_model(base.model, len(index.classes), "none")
-    loaders = make_loaders(index, base)
-    result = train(model, loaders[0], loaders[1], base)
+    result = fit(index, base)
     baseline_s = time.perf_counter() - started
     target = result.history[-1]["val_acc"]
 
@@ -194,11 +188,8 @@ def time_to_accuracy(args, device: torch.device, cache_dir: Path) -> dict:
                                 batch_size=64, pin_memory=device.type == "cuda")
     steps = base.epochs * max(1, len(index.train) // start.batch_size)
     opt, report = autotune(start, len(index.classes), planned_steps=steps)
-    set_seed(opt.seed)
-    model = build_model(opt.model, len(index.classes), "none")
-    loaders = make_loaders(index, opt)
     try:
-        result = train(model, loaders[0], loaders[1], opt, report=stop_when_reached)
+        result = fit(index, opt, report=stop_when_reached)
         final = result.history[-1]
     except Reached:
         final = None
