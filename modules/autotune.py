@@ -114,6 +114,11 @@ def _measure(config: TrainConfig, num_classes: int, best_img_s: float | None,
             torch.cuda.empty_cache()
 
 
+def _set_by_user(config: TrainConfig, knob: str) -> dict[str, Any]:
+    """The report entry of a knob the user fixed: kept as given, not measured."""
+    return {"choice": getattr(config, knob), "reason": "set by the user", "img_s": {}}
+
+
 def _label(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
@@ -277,8 +282,7 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
     _measure(config, num_classes, None)
     for knob, candidates in plan:
         if knob in fixed:
-            knobs[knob] = {"choice": getattr(config, knob), "reason": "set by the user",
-                           "img_s": {}}
+            knobs[knob] = _set_by_user(config, knob)
             continue
         config = dataclasses.replace(config, **{knob: candidates[0]})
         config, knobs[knob] = _pick(knob, candidates, config, num_classes, current)
@@ -287,15 +291,14 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
     if not current:  # every knob fixed: still measure, for the figures below
         current.update(config=config, img_s=_measure(config, num_classes, None).get("img_s", 0.0))
     if "compile" in fixed:
-        knobs["compile"] = {"choice": config.compile, "reason": "set by the user", "img_s": {}}
+        knobs["compile"] = _set_by_user(config, "compile")
     else:
         config, knobs["compile"] = _tune_compile(dataclasses.replace(config, compile=False),
                                                  num_classes, current, planned_steps)
         log.info("autotune: compile = %s (%s)", _label(config.compile), knobs["compile"]["reason"])
     compute_img_s = current["img_s"]
     if "num_workers" in fixed:
-        knobs["num_workers"] = {"choice": config.num_workers, "reason": "set by the user",
-                                "img_s": {}}
+        knobs["num_workers"] = _set_by_user(config, "num_workers")
     elif config.cache_decoded and loader_factory is None:
         config = dataclasses.replace(config, num_workers=0, persistent_workers=False,
                                      prefetch_factor=None)
@@ -310,8 +313,7 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
                                      prefetch_factor=None)
         log.info("autotune: num_workers = %d (%s)", n, knobs["num_workers"]["reason"])
     if "batch_size" in fixed:
-        knobs["batch_size"] = {"choice": config.batch_size, "reason": "set by the user",
-                               "img_s": {}}
+        knobs["batch_size"] = _set_by_user(config, "batch_size")
     elif tune_batch:
         config, knobs["batch_size"] = _fit_batch(config, num_classes, device, effective)
         log.info("autotune: batch = %d x %d accumulation (%s)", config.batch_size,
