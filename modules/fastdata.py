@@ -36,6 +36,7 @@ CROP_SCALE = (0.6, 1.0)
 CROP_RATIO = (3 / 4, 4 / 3)
 JITTER = 0.2
 _LUMA = (0.299, 0.587, 0.114)  # ITU-R 601 grey, as torchvision's rgb_to_grayscale
+PARAM_BATCHES = 64  # training batches whose augmentation parameters are drawn together
 
 _MEMO: OrderedDict[tuple[str, int], torch.Tensor] = OrderedDict()  # (image list, size) -> cache
 
@@ -159,7 +160,13 @@ def augment(x: torch.Tensor, generator: torch.Generator, mean=IMAGENET_MEAN, std
     flip are one resampling (grid_sample). The random numbers come from `generator` (CPU), so
     a batch depends only on the generator's state, on any device."""
     n, _, h, w = x.shape
-    params = _to(_augment_params(n, h, w, generator, mean, std), x.device)
+    return augment_with(x, _to(_augment_params(n, h, w, generator, mean, std), x.device))
+
+
+def augment_with(x: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """augment() with its per-image parameters already drawn (rows of _augment_params, on x's
+    device): the loader draws them for many batches at once."""
+    n, _, h, w = x.shape
     matrix = params[:, :9].view(n, 3, 3)
     pivot, shift = params[:, 9:12], params[:, 12:15]
     gx, gy = params[:, 15:15 + w], params[:, 15 + w:]
@@ -200,6 +207,7 @@ class CachedLoader:
                              dtype=torch.int64).to(self.images.device)  # one copy per epoch
         epoch = getattr(self.sampler, "epoch", 0)
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + 7919 * epoch + 1)
+        params, used = None, 0
         for k in range(len(self)):
             idx = order[k * self.batch_size:(k + 1) * self.batch_size]
             x = self.images.index_select(0, idx)
@@ -208,7 +216,18 @@ class CachedLoader:
                 pin = self.device.type == "cuda"
                 x = (x.pin_memory() if pin else x).to(self.device, non_blocking=pin)
                 y = (y.pin_memory() if pin else y).to(self.device, non_blocking=pin)
-            x = augment(x, generator) if self.train else normalise(x)
+            if self.train:
+                n, _, h, w = x.shape
+                if params is None or used + n > len(params):
+                    # Drawn PARAM_BATCHES batches at a time: one NumPy pass and (on a GPU) one
+                    # copy instead of one per batch; the draws follow the same generator.
+                    rows = min(PARAM_BATCHES * self.batch_size, self.n_local - k * self.batch_size)
+                    params, used = _to(_augment_params(rows, h, w, generator, IMAGENET_MEAN,
+                                                       IMAGENET_STD), self.device), 0
+                x = augment_with(x, params[used:used + n])
+                used += n
+            else:
+                x = normalise(x)
             yield x.contiguous(memory_format=self.memory_format), y
 
 
