@@ -18,7 +18,7 @@ import psutil
 import torch
 
 from modules import distributed
-from modules.config import MODELS, TrainConfig, UserError
+from modules.config import CPU_ALLOCATORS, MODELS, TrainConfig, UserError
 from modules.autotune import autotune
 from modules.dataset import (DatasetIndex, index_dataset, make_loader, make_loaders,
                              resolve_source, subset, train_transform)
@@ -141,10 +141,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="NHWC memory format for the model and inputs")
     train_.add_argument("--compile", action="store_true", help="torch.compile the model")
     train_.add_argument("--num-workers", type=_bounded(int, 0, 256))
+    train_.add_argument("--cpu-allocator", choices=CPU_ALLOCATORS,
+                        help="retain: freed CPU memory stays in the process for reuse instead of "
+                             "being returned to the system and faulted back in every step")
     train_.add_argument("--pin-memory", action="store_true",
                         help="page-locked batches for faster, asynchronous copies to the GPU")
     train_.add_argument("--autotune", action=argparse.BooleanOptionalAction, default=True,
-                        help="measure the speed knobs (threads, channels_last, AMP dtype, "
+                        help="measure the speed knobs (threads, CPU allocator, channels_last, AMP dtype, "
                              "optimizer kernels, compile, workers) and the batch that fits, and "
                              "keep what is faster; for the resolution and hpo scenarios "
                              "(default: on)")
@@ -186,7 +189,8 @@ def scenario_config(name: str, args: argparse.Namespace, device: torch.device) -
                  "grad_accum_steps": args.grad_accum_steps, "max_grad_norm": args.max_grad_norm,
                  "early_stopping_patience": args.early_stopping, "amp": args.amp,
                  "compile": args.compile or None, "channels_last": args.channels_last or None,
-                 "num_workers": args.num_workers, "pin_memory": args.pin_memory or None}
+                 "num_workers": args.num_workers, "pin_memory": args.pin_memory or None,
+                 "cpu_allocator": args.cpu_allocator}
     return dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
 
 
@@ -207,7 +211,7 @@ def optimized_settings(device: torch.device) -> dict[str, Any]:
 
 USER_KNOBS = {"amp": "amp", "channels_last": "channels_last", "compile": "compile",
               "num_workers": "num_workers", "batch_size": "batch_size",
-              "grad_accum_steps": "batch_size"}
+              "grad_accum_steps": "batch_size", "cpu_allocator": "cpu_allocator"}
 
 
 def autotune_scenario(config: TrainConfig, args: argparse.Namespace, index: DatasetIndex,

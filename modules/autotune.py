@@ -16,10 +16,11 @@ import psutil
 import torch
 import torch.nn.functional as F
 
+from modules import hostmem
 from modules.config import TrainConfig, UserError
 from modules.hardware import max_batch_size
 from modules.models import build_model
-from modules.trainer import autocast_dtype, make_optimizer, resolve_device
+from modules.trainer import apply_allocator, autocast_dtype, make_optimizer, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class ComputeProbe:
         self.batch = batch_size or config.batch_size
         if config.cpu_threads:
             torch.set_num_threads(config.cpu_threads)
+        apply_allocator(config.cpu_allocator)
         if self.device.type == "cuda":
             torch.backends.cudnn.benchmark = config.cudnn_benchmark
         fmt = torch.channels_last if config.channels_last else torch.contiguous_format
@@ -272,6 +274,8 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
     plan += [("channels_last", [config.channels_last, not config.channels_last]),
              ("amp", amp_candidates(device)),
              ("optimizer_impl", optimizer_candidates(device))]
+    if device.type == "cpu":  # last: whether freed memory is worth keeping depends on the others
+        plan.append(("cpu_allocator", hostmem.candidates()))
     if device.type == "cpu" and "cpu_threads" not in fixed:
         config = dataclasses.replace(config, cpu_threads=torch.get_num_threads())
     if device.type == "cuda" and tune_batch and "batch_size" not in fixed:
@@ -288,6 +292,10 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
         config, knobs[knob] = _pick(knob, candidates, config, num_classes, current)
         log.info("autotune: %s = %s (%s)", knob, _label(knobs[knob]["choice"]),
                  knobs[knob]["reason"])
+    if device.type == "cpu":  # process-wide: leave the process as chosen, not as last measured
+        if config.cpu_threads:
+            torch.set_num_threads(config.cpu_threads)
+        apply_allocator(config.cpu_allocator)
     if not current:  # every knob fixed: still measure, for the figures below
         current.update(config=config, img_s=_measure(config, num_classes, None).get("img_s", 0.0))
     if "compile" in fixed:

@@ -19,7 +19,7 @@ from torch import nn
 from torch.profiler import record_function
 from tqdm.auto import tqdm
 
-from modules import distributed
+from modules import distributed, hostmem
 from modules.config import TrainConfig, UserError
 from modules.dataset import make_loaders
 from modules.models import build_model
@@ -90,6 +90,14 @@ def resolve_device(name: str) -> torch.device:
         raise UserError("--device cuda was asked for, but PyTorch sees no CUDA GPU here "
                         "(use --device auto or cpu).")
     return torch.device(name)
+
+
+def apply_allocator(mode: str) -> None:
+    """Switch the process's CPU allocator (modules.hostmem); process-wide, like the threads."""
+    try:
+        hostmem.apply(mode)
+    except RuntimeError as exc:
+        raise UserError(str(exc)) from None
 
 
 def autocast_dtype(amp: str, device: torch.device) -> torch.dtype | None:
@@ -217,6 +225,7 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
     started = time.perf_counter()
     if config.cpu_threads is not None:
         torch.set_num_threads(config.cpu_threads)  # process-wide, on purpose
+    apply_allocator(config.cpu_allocator)
     device = resolve_device(config.device)
     dtype = autocast_dtype(config.amp, device)
     memory_format = torch.channels_last if config.channels_last else torch.contiguous_format
@@ -454,6 +463,7 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
                   "micro_batch_size": math.ceil(config.batch_size / splits),
                   "oom_recoveries": oom_recoveries, "steps_per_epoch": steps_per_epoch,
                   "world_size": world, "cpu_threads": torch.get_num_threads(),
+                  "cpu_allocator": hostmem.current(),
                   "torch": torch.__version__})
 
 

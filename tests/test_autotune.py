@@ -1,11 +1,20 @@
 """The autotuner: every knob decided by a measurement on this device, with the reason kept."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 
-from modules import autotune as at
+from modules import autotune as at, hostmem
 from modules.config import TrainConfig
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -17,6 +26,7 @@ def quick_measurements(monkeypatch):
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
+    hostmem.apply("system")
     at._RESULTS.clear()
 
 
@@ -28,15 +38,19 @@ def _config(**kw):
 def test_every_knob_is_measured_and_explained_on_cpu():
     config, report = at.autotune(_config(), 3, planned_steps=10)
     knobs = report["knobs"]
-    assert set(knobs) == {"cpu_threads", "channels_last", "amp", "optimizer_impl", "compile",
-                          "num_workers", "batch_size"}
-    for name in ("channels_last", "amp", "optimizer_impl"):
+    assert set(knobs) == {"cpu_threads", "cpu_allocator", "channels_last", "amp",
+                          "optimizer_impl", "compile", "num_workers", "batch_size"}
+    measured = ["channels_last", "amp", "optimizer_impl"]
+    if hostmem.candidates() != ["system"]:  # glibc: both allocator settings ran
+        measured.append("cpu_allocator")
+    for name in measured:
         figures = knobs[name]["img_s"]
         assert len(figures) >= 2, name   # at least two candidates actually ran
         assert "img/s" in knobs[name]["reason"]
     assert config.amp == knobs["amp"]["choice"] and config.amp in ("off", "bf16")
     assert config.channels_last == knobs["channels_last"]["choice"]
     assert config.cpu_threads == torch.get_num_threads()
+    assert config.cpu_allocator == knobs["cpu_allocator"]["choice"] == hostmem.current()
     assert knobs["compile"]["choice"] is False and "not tried" in knobs["compile"]["reason"]
     assert knobs["num_workers"]["choice"] == 0  # the decoded cache needs no workers
     assert report["compute_img_s"] > 0
@@ -127,3 +141,36 @@ def test_gpu_batch_holds_the_effective_batch_within_memory(monkeypatch):
     config, entry = at._fit_batch(_config(device="cuda", batch_size=64), 3, torch.device("cuda"))
     assert config.batch_size * config.grad_accum_steps >= 64
     assert config.batch_size <= 24 and config.grad_accum_steps == 3
+
+
+AVX2_ONLY = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+                    reason="needs an x86 CPU with AVX2")
+def test_bf16_is_rejected_by_measurement_on_an_avx2_cpu(tmp_path):
+    """A real rejection, not an injected one: with oneDNN and ATen capped at AVX2 (a CPU without
+    bf16 units, like the one the speed targets were set on) bf16 autocast runs several times
+    slower, and the autotuner turns it down by its own figures."""
+    script = tmp_path / "tune.py"
+    script.write_text(textwrap.dedent("""
+        import json, sys, torch
+        from modules import autotune as at
+        from modules.config import TrainConfig
+        print(json.dumps({"isa": torch.backends.cpu.get_cpu_capability()}))
+        config = TrainConfig(image_size=64, batch_size=16, device="cpu", weights="none",
+                             cache_decoded=True)
+        fixed = frozenset({"cpu_threads", "cpu_allocator", "channels_last", "optimizer_impl",
+                           "compile", "num_workers", "batch_size"})
+        tuned, report = at.autotune(config, 6, planned_steps=10, fixed=fixed)
+        print(json.dumps(report["knobs"]["amp"]))
+    """))
+    env = {**os.environ, **AVX2_ONLY, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                         timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    isa, amp = (json.loads(line) for line in out.stdout.strip().splitlines()[-2:])
+    assert isa["isa"] == "AVX2"
+    assert amp["choice"] == "off", amp
+    assert amp["img_s"]["bf16"] < 0.5 * amp["img_s"]["off"], amp
+    assert "off measured" in amp["reason"]

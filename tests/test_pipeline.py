@@ -11,6 +11,7 @@ import pytest
 
 import pipeline
 from conftest import COLOURS, make_folder, write_image
+from modules import hostmem
 from modules.utility import load_model, predict
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -131,8 +132,8 @@ def test_quick_run_does_all_three_scenarios_on_synthetic_data(tmp_path):
         row = rows[name]
         assert row["settings"]["data_path"] == "decoded cache"
         knobs = row["autotune"]["knobs"]
-        for knob in ("cpu_threads", "channels_last", "amp", "optimizer_impl", "compile",
-                     "num_workers", "batch_size"):
+        for knob in ("cpu_threads", "cpu_allocator", "channels_last", "amp", "optimizer_impl",
+                     "compile", "num_workers", "batch_size"):
             assert knobs[knob]["reason"], (name, knob)
         assert row["settings"]["amp"] == knobs["amp"]["choice"]
         assert row["settings"]["channels_last"] == knobs["channels_last"]["choice"]
@@ -202,11 +203,12 @@ def test_no_autotune_and_user_knobs_skip_the_measurements(small, tmp_path):
     out2 = tmp_path / "out2"
     assert run_main("--data-dir", str(small), "--scenarios", "resolution", "--resolutions", "32",
                     "--epochs", "2", "--batch-size", "4", "--weights", "none", "--no-progress",
-                    "--amp", "off", "--output-dir", str(out2)) == 0
+                    "--amp", "off", "--cpu-allocator", "retain", "--output-dir", str(out2)) == 0
     row = json.loads((out2 / "results.json").read_text())[0]
-    assert row["autotune"]["knobs"]["amp"]["reason"] == "set by the user"
-    assert row["autotune"]["knobs"]["batch_size"]["reason"] == "set by the user"
-    assert row["settings"]["amp"] == "off"
+    for knob in ("amp", "batch_size", "cpu_allocator"):
+        assert row["autotune"]["knobs"][knob]["reason"] == "set by the user", knob
+    assert row["settings"]["amp"] == "off" and row["settings"]["cpu_allocator"] == "retain"
+    hostmem.apply("system")
 
 
 def test_streaming_fallback_measures_loader_workers(small, tmp_path, monkeypatch):
