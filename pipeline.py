@@ -147,10 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
     train_.add_argument("--pin-memory", action="store_true",
                         help="page-locked batches for faster, asynchronous copies to the GPU")
     train_.add_argument("--autotune", action=argparse.BooleanOptionalAction, default=True,
-                        help="measure the speed knobs (threads, CPU allocator, channels_last, AMP dtype, "
-                             "optimizer kernels, compile, workers) and the batch that fits, and "
-                             "keep what is faster; for the resolution and hpo scenarios "
-                             "(default: on)")
+                        help="measure the speed knobs (threads, channels_last, AMP dtype, "
+                             "optimizer kernels, CPU allocator, compile, workers) and the batch "
+                             "that fits, and keep what is faster; for the resolution and hpo "
+                             "scenarios (default: on)")
     return p
 
 

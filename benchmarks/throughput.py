@@ -33,16 +33,18 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from modules import fastdata  # noqa: E402
+from modules import fastdata, hostmem  # noqa: E402
 from modules.autotune import ComputeProbe, autotune  # noqa: E402
 from modules.config import MODELS, TrainConfig, UserError  # noqa: E402
 from modules.dataset import index_dataset, subset  # noqa: E402
 from modules.models import build_model  # noqa: E402
+from modules.profiler import TorchProfiler  # noqa: E402
 from modules.synthetic import ensure_synthetic  # noqa: E402
 from modules.trainer import fit, resolve_device  # noqa: E402
 
 log = logging.getLogger("throughput")
 
+DEFAULT_THREADS = torch.get_num_threads()  # PyTorch's own choice, before anything tunes it
 WARMUP_STEPS = 3  # steps left out of every median: allocator growth, cuDNN autotuning, caches
 
 
@@ -89,7 +91,7 @@ def base_config(args, device: torch.device) -> TrainConfig:
     return TrainConfig(model=args.model, weights="none", image_size=args.image_size,
                        batch_size=args.batch_size, epochs=1, lr=1e-3, optimizer="adam",
                        scheduler="cosine", amp="off", channels_last=False, num_workers=0,
-                       device=device.type, progress=False, seed=0)
+                       device=device.type, progress=False, seed=0, cpu_threads=DEFAULT_THREADS)
 
 
 def optimized_config(args, device: torch.device, planned_steps: int | None):
@@ -109,6 +111,95 @@ def trainer_img_s(index, config: TrainConfig, device: torch.device) -> float:
 def pure_compute_img_s(config: TrainConfig, steps: int) -> float:
     probe = ComputeProbe(config, 6)
     return probe.measure(warmup=WARMUP_STEPS, min_steps=steps, max_steps=steps, min_s=0)["img_s"]
+
+
+class _SyncedProfiler:
+    """The trainer's `profiler`: waits for the device each step, as StepClock does, so a traced
+    step is timed under the same conditions as a measured one."""
+
+    def __init__(self, prof: TorchProfiler, device: torch.device):
+        self.prof, self.device = prof, device
+
+    def step(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.prof.step()
+
+
+def _step_figures(averages, steps: int, cuda: bool) -> tuple[dict[str, float | None], dict, dict]:
+    """(wall / host-op / device milliseconds per step, {op: host us/step}, {kernel: device us/step})
+    from one trace's key_averages. Host ops are ATen operators' own time; the rest of the wall
+    is Python and dispatch between them (and, on a GPU, waiting for it)."""
+    host, device, wall = {}, {}, 0.0
+    for e in averages:
+        if e.key.startswith("ProfilerStep"):
+            wall = e.cpu_time_total / max(1, e.count)
+        elif e.key.startswith("aten::"):
+            host[e.key] = e.self_cpu_time_total / steps
+        own = getattr(e, "self_device_time_total", None)
+        if own is None:
+            own = getattr(e, "self_cuda_time_total", 0.0)
+        if cuda and own and not e.key.startswith(("aten::", "ProfilerStep")) \
+                and e.key not in REGIONS:
+            device[e.key] = own / steps  # kernels and memcpys
+    figures = {"wall_ms": wall / 1000, "host_ops_ms": sum(host.values()) / 1000,
+               "device_ms": sum(device.values()) / 1000 if cuda else None}
+    return figures, host, device
+
+
+REGIONS = ("data_wait", "h2d", "forward", "backward", "optimizer_step")
+
+
+def trace_gap(index, config: TrainConfig, device: torch.device, trace_dir: Path,
+              steps_per_epoch: int) -> dict:
+    """One traced pass of pure compute and of the pipeline (torch.profiler, TensorBoard traces
+    under trace_dir) and where the pipeline's extra time per step goes."""
+    active = max(1, min(10, steps_per_epoch - WARMUP_STEPS))
+    cuda = device.type == "cuda"
+    with TorchProfiler(trace_dir / "pure_compute", wait=0, warmup=WARMUP_STEPS,
+                       active=active) as prof:
+        probe = ComputeProbe(config, 6)
+        for _ in range(WARMUP_STEPS + active):
+            probe.step()
+            probe.sync()
+            prof.step()
+    pure = _step_figures(prof.averages, active, cuda)
+    with TorchProfiler(trace_dir / "pipeline", wait=0, warmup=WARMUP_STEPS,
+                       active=active) as prof:
+        fit(index, config, profiler=_SyncedProfiler(prof, device))
+    pipe = _step_figures(prof.averages, active, cuda)
+    if prof.averages is None:
+        raise UserError("the pipeline's trace recorded no steps; raise --images-per-class.")
+
+    def extra(ours: dict, theirs: dict) -> dict[str, float]:
+        gaps = {k: round(v - theirs.get(k, 0.0), 1) for k, v in ours.items()}
+        return dict(sorted(((k, v) for k, v in gaps.items() if v > 0), key=lambda kv: -kv[1])[:8])
+
+    result = {"steps": active, "trace_dir": str(trace_dir)}
+    for key in ("wall_ms", "host_ops_ms", "device_ms"):
+        a, b = pure[0][key], pipe[0][key]
+        result[key] = {"pure_compute": None if a is None else round(a, 3),
+                       "pipeline": None if b is None else round(b, 3)}
+    result["extra_host_us"] = extra(pipe[1], pure[1])
+    if cuda:
+        result["extra_device_us"] = extra(pipe[2], pure[2])
+    return result
+
+
+def print_trace(trace: dict) -> None:
+    print(f"\ntraced steps ({trace['steps']} each; TensorBoard: tensorboard --logdir "
+          f"{trace['trace_dir']}), milliseconds per step:\n")
+    print("| | pure_compute | pipeline | extra |\n| --- | ---: | ---: | ---: |")
+    labels = {"wall_ms": "wall", "host_ops_ms": "host: ATen ops",
+              "device_ms": "device: kernels and copies"}
+    for key, label in labels.items():
+        a, b = trace[key]["pure_compute"], trace[key]["pipeline"]
+        if a is not None and b is not None:
+            print(f"| {label} | {a:.2f} | {b:.2f} | {b - a:+.2f} |")
+    for key, label in (("extra_host_us", "host"), ("extra_device_us", "device")):
+        if trace.get(key):
+            print(f"\nthe pipeline's extra {label} time per step, microseconds: " + ", ".join(
+                f"{name} +{us:.0f}" for name, us in trace[key].items()))
 
 
 def lightning_img_s(index, args, device: torch.device) -> float:
@@ -156,6 +247,11 @@ def lightning_img_s(index, args, device: torch.device) -> float:
                         devices=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[clock], num_sanity_val_steps=0)
+    # The process-wide knobs as the seed's setup has them (our trainer does this for the
+    # baseline from its config): a Lightning user's process has not had them tuned.
+    seed = base_config(args, device)
+    torch.set_num_threads(seed.cpu_threads)
+    hostmem.apply(seed.cpu_allocator)
     trainer.fit(Classifier(), train_dataloaders=loader)
     return clock.clock.img_s(args.batch_size)
 
@@ -227,6 +323,10 @@ def main(argv=None) -> int:
     p.add_argument("--tta-image-size", type=int, default=64)
     p.add_argument("--data-dir", default="others/bench_data",
                    help="where the synthetic images are generated (once)")
+    p.add_argument("--trace", metavar="DIR",
+                   help="also trace one pass of pure compute and of the pipeline with "
+                        "torch.profiler (TensorBoard traces in DIR) and print where the "
+                        "pipeline's extra time per step goes")
     p.add_argument("--json", metavar="PATH", help="write the figures here")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
@@ -268,6 +368,9 @@ def main(argv=None) -> int:
         for name in names:
             results[f"{name}_img_s"] = round(statistics.median(per_round[name]), 2)
         results["rounds"] = per_round
+        if args.trace:
+            log.info("tracing pure compute and the pipeline")
+            results["trace"] = trace_gap(index, optimized, device, Path(args.trace), steps)
         if args.time_to_accuracy:
             log.info("time to accuracy")
             results["time_to_accuracy"] = time_to_accuracy(args, device, cache_dir)
@@ -295,6 +398,8 @@ def main(argv=None) -> int:
             print(f"| {name} | {value:.1f} | {'' if ratio is None else f'{ratio:.2f}x'} |")
     chosen = {k: v["choice"] for k, v in report["knobs"].items()}
     print(f"\nautotuned: {chosen}")
+    if results.get("trace"):
+        print_trace(results["trace"])
     tta = results.get("time_to_accuracy")
     if tta:
         print(f"\ntime to {100 * tta['target_val_acc']:.1f}% val accuracy at {tta['image_size']} "

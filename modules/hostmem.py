@@ -3,7 +3,9 @@
 PyTorch's CPU tensors come straight from malloc. glibc hands large blocks back to the kernel
 when they are freed (mmap/munmap, and trimming the heap's top), so a training step that frees
 and re-allocates the same activations every step takes every page back through a page fault
-and a zero-fill: about 6,000 faults per SqueezeNet step at 64 px, 25,000 at 150 px (batch 32).
+and a zero-fill: in a fresh process here, 5,000-8,000 faults per SqueezeNet training step at
+64 px and 20,000-30,000 at 150 px (batch 32). glibc's sliding threshold adapts to some of
+this over time, and not at all to blocks over 32 MiB (150 px activations at batch 32).
 "retain" keeps freed blocks in the process for reuse, as PyTorch's CUDA caching allocator does
 on a GPU and as Intel's CPU launcher does by preloading jemalloc. The cost: the process keeps
 its peak heap (plus up to RETAIN_TRIM_BYTES of free top) instead of returning it to the system.

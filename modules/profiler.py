@@ -61,6 +61,7 @@ class TorchProfiler:
         self.enabled = enabled
         self.wait, self.warmup, self.active, self.repeat = wait, warmup, active, repeat
         self.traces_written = 0
+        self.averages = None  # key_averages() of the latest trace, for callers that compare
         self._prof: torch.profiler.profile | None = None
         self._steps = 0
 
@@ -113,7 +114,8 @@ class TorchProfiler:
             self._handler(prof)
             self.traces_written += 1
             sort_by = "self_cuda_time_total" if self._cuda else "self_cpu_time_total"
-            table = prof.key_averages().table(sort_by=sort_by, row_limit=40)
+            self.averages = prof.key_averages()
+            table = self.averages.table(sort_by=sort_by, row_limit=40)
             (self.trace_dir / KEY_AVERAGES_TXT).write_text(table + "\n")
             log.info("profiler: trace of steps up to %d written to %s", self._steps,
                      self.trace_dir)

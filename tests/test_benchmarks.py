@@ -17,13 +17,14 @@ def test_timing_overhead_benchmark_runs(tmp_path):
     assert 0 < result["overhead_frac"] < 1
 
 
-def test_throughput_benchmark_runs_every_row_and_time_to_accuracy(tmp_path):
+def test_throughput_benchmark_runs_every_row_trace_and_time_to_accuracy(tmp_path):
     out = tmp_path / "tp.json"
     proc = subprocess.run(
         [sys.executable, "benchmarks/throughput.py", "--device", "cpu", "--image-size", "32",
          "--batch-size", "8", "--images-per-class", "12", "--steps", "4", "--rounds", "1", "--no-compile",
          "--data-dir", str(tmp_path / "data"), "--json", str(out), "--time-to-accuracy",
-         "--tta-epochs", "2", "--tta-per-class", "20", "--tta-image-size", "32"],
+         "--tta-epochs", "2", "--tta-per-class", "20", "--tta-image-size", "32",
+         "--trace", str(tmp_path / "trace")],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
@@ -35,6 +36,13 @@ def test_throughput_benchmark_runs_every_row_and_time_to_accuracy(tmp_path):
     assert (result["model"], result["image_size"], result["batch_size"], result["device"]) == \
         ("squeezenet1_1", 32, 8, "cpu")
     assert result["autotune"]["knobs"]["amp"]["reason"]
+    trace = result["trace"]  # one traced pass of each, and the pipeline's extra per step
+    for row in ("pure_compute", "pipeline"):
+        assert list((tmp_path / "trace" / row).glob("*.pt.trace.json")), row
+        assert trace["wall_ms"][row] > 0 and trace["host_ops_ms"][row] > 0
+        assert trace["device_ms"][row] is None  # no GPU
+    assert trace["extra_host_us"] and all(v > 0 for v in trace["extra_host_us"].values())
+    assert "the pipeline's extra host time per step" in proc.stdout
     tta = result["time_to_accuracy"]
     assert tta["baseline_s"] > 0 and tta["optimized_s"] > 0 and 0 <= tta["target_val_acc"] <= 1
 
