@@ -124,8 +124,9 @@ def _augment_params(n: int, h: int, w: int, generator: torch.Generator, mean, st
                     ) -> torch.Tensor:
     """Every per-image parameter of a batch, computed on the CPU in one go (NumPy on (n,)
     arrays: a few microseconds each, where as many tiny tensor ops would cost a millisecond)
-    and packed into one (n, 9 + 3 + 3 + w + h) float32 tensor: colour matrix, contrast row
-    sums, normalise shift, then the sampling grid's x and y coordinates."""
+    and packed into one (n, 9 + 9 + 3 + w + h) float32 tensor: colour matrix, contrast matrix
+    (row sums times the grey weights), normalise shift, then the sampling grid's x and y
+    coordinates."""
     u = torch.rand((n, 8), generator=generator, dtype=torch.float64).numpy()
     # colour: brightness b, contrast c, saturation s, each in 1 +- JITTER as in ColorJitter
     b, c, s = (1 + JITTER * (2 * u[:, k] - 1) for k in range(3))
@@ -133,8 +134,10 @@ def _augment_params(n: int, h: int, w: int, generator: torch.Generator, mean, st
     sat = s[:, None, None] * np.eye(3) + (1 - s)[:, None, None] * luma  # blend toward grey
     scale = 1.0 / (255.0 * np.asarray(std))
     matrix = (b * c)[:, None, None] * sat * scale[None, :, None]   # brightness, then contrast
-    # contrast pulls toward the image's mean grey m: offset = b (1 - c) m * rowsum(sat) * scale
-    pivot = (b * (1 - c))[:, None] * sat.sum(2) * scale[None, :]
+    # contrast pulls toward the image's mean grey m = luma . mean rgb:
+    # offset = b (1 - c) m * rowsum(sat) * scale = pivot @ mean rgb, with pivot's rows
+    # b (1 - c) rowsum(sat) scale times luma (one batched matmul on the device, not six ops)
+    pivot = ((b * (1 - c))[:, None] * sat.sum(2) * scale[None, :])[:, :, None] * luma[None, None, :]
     shift = np.broadcast_to(-np.asarray(mean) / np.asarray(std), (n, 3))
     # geometry: a crop of CROP_SCALE of the area at an aspect ratio in CROP_RATIO, resized back,
     # and a horizontal flip; as an axis-aligned sampling grid in [-1, 1] coordinates (built
@@ -147,7 +150,7 @@ def _augment_params(n: int, h: int, w: int, generator: torch.Generator, mean, st
     flip = np.where(u[:, 7] < 0.5, -1.0, 1.0)
     gx = (cw * flip)[:, None] * ((np.arange(w) * 2 + 1) / w - 1) + ((1 - cw) * (2 * u[:, 5] - 1))[:, None]
     gy = ch[:, None] * ((np.arange(h) * 2 + 1) / h - 1) + ((1 - ch) * (2 * u[:, 6] - 1))[:, None]
-    packed = np.concatenate([matrix.reshape(n, 9), pivot, shift, gx, gy], axis=1)
+    packed = np.concatenate([matrix.reshape(n, 9), pivot.reshape(n, 9), shift, gx, gy], axis=1)
     return torch.from_numpy(packed.astype(np.float32))
 
 
@@ -167,14 +170,12 @@ def augment_with(x: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     """augment() with its per-image parameters already drawn (rows of _augment_params, on x's
     device): the loader draws them for many batches at once."""
     n, _, h, w = x.shape
-    matrix = params[:, :9].view(n, 3, 3)
-    pivot, shift = params[:, 9:12], params[:, 12:15]
-    gx, gy = params[:, 15:15 + w], params[:, 15 + w:]
+    matrix, pivot = params[:, :9].view(n, 3, 3), params[:, 9:18].view(n, 3, 3)
+    shift = params[:, 18:21]
+    gx, gy = params[:, 21:21 + w], params[:, 21 + w:]
     xf = x.float()
-    rgb = xf.mean(dim=(2, 3))
-    mean_grey = rgb[:, 0] * _LUMA[0] + rgb[:, 1] * _LUMA[1] + rgb[:, 2] * _LUMA[2]  # contrast pivot
-    offset = torch.addcmul(shift, pivot, mean_grey.view(n, 1))
-    xf = torch.baddbmm(offset.unsqueeze(2), matrix, xf.view(n, 3, h * w)).view(n, 3, h, w)
+    offset = torch.baddbmm(shift.unsqueeze(2), pivot, xf.mean(dim=(2, 3)).unsqueeze(2))
+    xf = torch.baddbmm(offset, matrix, xf.view(n, 3, h * w)).view(n, 3, h, w)
     grid = torch.stack([gx.view(n, 1, w).expand(n, h, w), gy.view(n, h, 1).expand(n, h, w)], -1)
     return F.grid_sample(xf, grid, mode="bilinear", padding_mode="border", align_corners=False)
 
