@@ -215,10 +215,18 @@ USER_KNOBS = {"amp": "amp", "channels_last": "channels_last", "compile": "compil
 
 
 def autotune_scenario(config: TrainConfig, args: argparse.Namespace, index: DatasetIndex,
-                      planned_steps: int) -> tuple[TrainConfig, dict[str, Any] | None]:
-    """The measured speed settings for an optimized scenario (options the user gave stay)."""
+                      planned_steps: int, saved: Path) -> tuple[TrainConfig, dict[str, Any] | None]:
+    """The measured speed settings for an optimized scenario (options the user gave stay).
+
+    The choice is kept in `saved`; --resume takes it from there instead of measuring again, so
+    a resumed run continues with the settings it started with (a fresh measurement can differ
+    by noise: another optimizer kernel, an AMP dtype, on a GPU another batch that fits)."""
     if not args.autotune:
         return config, None
+    if args.resume:
+        reused = _saved_autotune(saved, config)
+        if reused is not None:
+            return reused
     fixed = frozenset(knob for option, knob in USER_KNOBS.items()
                       if getattr(args, option, None) not in (None, False))
     factory = None
@@ -228,8 +236,32 @@ def autotune_scenario(config: TrainConfig, args: argparse.Namespace, index: Data
                 index.train, train_transform(cfg.image_size),
                 dataclasses.replace(cfg, num_workers=n, persistent_workers=False,
                                     prefetch_factor=None), train=True)
-    return autotune(config, len(index.classes), planned_steps=planned_steps, fixed=fixed,
-                    loader_factory=factory)
+    tuned, report = autotune(config, len(index.classes), planned_steps=planned_steps,
+                             fixed=fixed, loader_factory=factory)
+    if distributed.is_main():
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(json.dumps({"start": config.to_dict(), "config": tuned.to_dict(),
+                                      "report": report}, indent=2), saved)
+    return tuned, report
+
+
+def _saved_autotune(path: Path, start: TrainConfig) -> tuple[TrainConfig, dict[str, Any]] | None:
+    """The autotune result saved for the same starting settings, or None (none saved, another
+    start, or a file this version cannot read: then it is measured again)."""
+    try:
+        saved = json.loads(path.read_text())
+        if saved["start"] != json.loads(json.dumps(start.to_dict())):
+            log.info("autotune: the settings changed since %s; measuring again", path)
+            return None
+        tuned = TrainConfig(**saved["config"])
+        report = dict(saved["report"], reused_from=str(path))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError, UserError) as exc:
+        log.info("autotune: cannot reuse %s (%s); measuring again", path, exc)
+        return None
+    log.info("autotune: resuming with the settings measured before (%s)", path)
+    return tuned, report
 
 
 def planned_steps(config: TrainConfig, n_train: int, runs: int = 1, epochs: int | None = None
@@ -276,7 +308,8 @@ def run_scenario(name: str, args: argparse.Namespace, index: DatasetIndex, outpu
                        else args.n_trials or (QUICK_N_TRIALS if args.quick else N_TRIALS))
         steps = (planned_steps(config, len(index.train)) +
                  planned_steps(config, len(index.train), tuning_runs, short_budget(config)))
-        config, report = autotune_scenario(config, args, index, steps)
+        config, report = autotune_scenario(config, args, index, steps,
+                                           output_dir / "checkpoints" / f"{name}.autotune.json")
         if report is not None:
             extra["autotune"] = report
     if name == "resolution":

@@ -227,3 +227,46 @@ def test_streaming_fallback_measures_loader_workers(small, tmp_path, monkeypatch
     assert len(workers["img_s"]) >= (2 if (os.cpu_count() or 1) >= 2 else 1)  # 0 and 2 timed
     assert workers["choice"] == row["settings"]["num_workers"]
     assert "workers deliver" in workers["reason"]
+
+
+def test_resume_keeps_the_autotuned_settings_instead_of_measuring_again(small, tmp_path,
+                                                                           monkeypatch):
+    """A fresh measurement can differ by noise (another optimizer kernel, an AMP dtype, on a GPU
+    another batch); a resumed run continues with the settings it started with."""
+    out = tmp_path / "out"
+    argv = ("--data-dir", str(small), "--scenarios", "resolution", "--resolutions", "32",
+            "--epochs", "2", "--weights", "none", "--no-progress", "--output-dir", str(out))
+    assert run_main(*argv) == 0
+    first = json.loads((out / "results.json").read_text())[-1]
+    saved = out / "checkpoints" / "resolution.autotune.json"
+    assert json.loads(saved.read_text())["report"]["knobs"] == first["autotune"]["knobs"]
+
+    def measure_again(*_, **__):
+        raise AssertionError("--resume measured the knobs again")
+    monkeypatch.setattr(pipeline, "autotune", measure_again)
+    assert run_main(*argv, "--resume") == 0
+    resumed = json.loads((out / "results.json").read_text())[-1]
+    assert resumed["autotune"]["knobs"] == first["autotune"]["knobs"]
+    assert resumed["autotune"]["reused_from"] == str(saved)
+    for knob in ("amp", "channels_last", "optimizer_impl", "cpu_threads", "cpu_allocator",
+                 "batch_size"):
+        assert resumed["settings"][knob] == first["settings"][knob], knob
+    assert "reused on resume" in (out / "report.md").read_text()
+
+
+def test_a_saved_autotune_is_reused_only_for_the_same_start(tmp_path):
+    start = pipeline.TrainConfig(image_size=32, device="cpu")
+    tuned = pipeline.dataclasses.replace(start, amp="bf16", channels_last=True)
+    path = tmp_path / "resolution.autotune.json"
+    assert pipeline._saved_autotune(path, start) is None  # nothing saved
+    path.write_text(json.dumps({"start": start.to_dict(), "config": tuned.to_dict(),
+                                "report": {"knobs": {}}}))
+    config, report = pipeline._saved_autotune(path, start)
+    assert config == tuned and report["reused_from"] == str(path)
+    other = pipeline.dataclasses.replace(start, lr=0.002)  # the user changed an option
+    assert pipeline._saved_autotune(path, other) is None
+    path.write_text("{not json")  # torn or edited: measured again, no traceback
+    assert pipeline._saved_autotune(path, start) is None
+    path.write_text(json.dumps({"start": start.to_dict(), "config": {"amp": "fp8"},
+                                "report": {}}))  # a value this version rejects
+    assert pipeline._saved_autotune(path, start) is None
