@@ -167,9 +167,9 @@ def trace_gap(index, config: TrainConfig, device: torch.device, trace_dir: Path,
     with TorchProfiler(trace_dir / "pipeline", wait=0, warmup=WARMUP_STEPS,
                        active=active) as prof:
         fit(index, config, profiler=_SyncedProfiler(prof, device))
-    pipe = _step_figures(prof.averages, active, cuda)
     if prof.averages is None:
         raise UserError("the pipeline's trace recorded no steps; raise --images-per-class.")
+    pipe = _step_figures(prof.averages, active, cuda)
 
     def extra(ours: dict, theirs: dict) -> dict[str, float]:
         gaps = {k: round(v - theirs.get(k, 0.0), 1) for k, v in ours.items()}

@@ -12,8 +12,8 @@ its peak heap (plus up to RETAIN_TRIM_BYTES of free top) instead of returning it
 
 The setting is process-wide, like torch.set_num_threads. glibc has no way back to its
 start-up behaviour (its sliding mmap threshold stops sliding once set), so "system" after
-"retain" sets glibc's documented fixed values: blocks over 32 MiB mmapped, heap top trimmed
-past 64 MiB free. Elsewhere than glibc (macOS, Windows, musl) only "system" exists."""
+"retain" fixes the values that sliding threshold tops out at: blocks over 32 MiB mmapped, the
+heap's top trimmed past 64 MiB free. Elsewhere than glibc (macOS, Windows, musl) only "system" exists."""
 from __future__ import annotations
 
 import ctypes
