@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +41,7 @@ def make_folder(root: Path, layout: str = "train/test", n_train: int = 12, n_tes
     for split, n in splits.items():
         for c in classes:
             for i in range(n):
-                write_image(root / split / c / f"{i}.jpg", COLOURS[c], seed=hash((split, c, i)) % 1000)
+                write_image(root / split / c / f"{i}.jpg", COLOURS[c], seed=zlib.crc32(f"{split}/{c}/{i}".encode()) % 1000)
     return root
 
 
