@@ -33,14 +33,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from modules import fastdata, hostmem  # noqa: E402
+from modules import fastdata  # noqa: E402
 from modules.autotune import ComputeProbe, autotune  # noqa: E402
 from modules.config import MODELS, TrainConfig, UserError  # noqa: E402
 from modules.dataset import index_dataset, subset  # noqa: E402
 from modules.models import build_model  # noqa: E402
 from modules.profiler import TorchProfiler  # noqa: E402
 from modules.synthetic import ensure_synthetic  # noqa: E402
-from modules.trainer import fit, resolve_device  # noqa: E402
+from modules.trainer import apply_process_settings, fit, resolve_device  # noqa: E402
 
 log = logging.getLogger("throughput")
 
@@ -249,9 +249,7 @@ def lightning_img_s(index, args, device: torch.device) -> float:
                         callbacks=[clock], num_sanity_val_steps=0)
     # The process-wide knobs as the seed's setup has them (our trainer does this for the
     # baseline from its config): a Lightning user's process has not had them tuned.
-    seed = base_config(args, device)
-    torch.set_num_threads(seed.cpu_threads)
-    hostmem.apply(seed.cpu_allocator)
+    apply_process_settings(base_config(args, device), device)
     trainer.fit(Classifier(), train_dataloaders=loader)
     return clock.clock.img_s(args.batch_size)
 

@@ -20,7 +20,8 @@ from modules import hostmem
 from modules.config import TrainConfig, UserError
 from modules.hardware import max_batch_size
 from modules.models import build_model
-from modules.trainer import apply_allocator, autocast_dtype, make_optimizer, resolve_device
+from modules.trainer import (apply_process_settings, autocast_dtype, make_optimizer,
+                             resolve_device)
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +50,7 @@ class ComputeProbe:
         self.device = resolve_device(config.device)
         self.config = config
         self.batch = batch_size or config.batch_size
-        if config.cpu_threads:
-            torch.set_num_threads(config.cpu_threads)
-        apply_allocator(config.cpu_allocator)
-        if self.device.type == "cuda":
-            torch.backends.cudnn.benchmark = config.cudnn_benchmark
+        apply_process_settings(config, self.device)
         fmt = torch.channels_last if config.channels_last else torch.contiguous_format
         self.model = build_model(config.model, num_classes, "none").to(self.device, memory_format=fmt)
         self.optimizer = make_optimizer(self.model, config, self.device)
@@ -292,10 +289,7 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
         config, knobs[knob] = _pick(knob, candidates, config, num_classes, current)
         log.info("autotune: %s = %s (%s)", knob, _label(knobs[knob]["choice"]),
                  knobs[knob]["reason"])
-    if device.type == "cpu":  # process-wide: leave the process as chosen, not as last measured
-        if config.cpu_threads:
-            torch.set_num_threads(config.cpu_threads)
-        apply_allocator(config.cpu_allocator)
+    apply_process_settings(config, device)  # leave the process as chosen, not as last measured
     if not current:  # every knob fixed: still measure, for the figures below
         current.update(config=config, img_s=_measure(config, num_classes, None).get("img_s", 0.0))
     if "compile" in fixed:

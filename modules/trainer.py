@@ -100,12 +100,17 @@ def _region(name: str):
     return record_function(name) if torch.autograd._profiler_enabled() else nullcontext()
 
 
-def apply_allocator(mode: str) -> None:
-    """Switch the process's CPU allocator (modules.hostmem); process-wide, like the threads."""
+def apply_process_settings(config: TrainConfig, device: torch.device) -> None:
+    """The process-wide knobs of `config`, on purpose: CPU threads, the CPU allocator
+    (modules.hostmem) and, on a GPU, cuDNN's algorithm search."""
+    if config.cpu_threads is not None:
+        torch.set_num_threads(config.cpu_threads)
     try:
-        hostmem.apply(mode)
+        hostmem.apply(config.cpu_allocator)
     except RuntimeError as exc:
         raise UserError(str(exc)) from None
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = config.cudnn_benchmark
 
 
 def autocast_dtype(amp: str, device: torch.device) -> torch.dtype | None:
@@ -231,14 +236,10 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
     profiler: anything with step() (modules.profiler.TorchProfiler), stepped once per batch.
     """
     started = time.perf_counter()
-    if config.cpu_threads is not None:
-        torch.set_num_threads(config.cpu_threads)  # process-wide, on purpose
-    apply_allocator(config.cpu_allocator)
     device = resolve_device(config.device)
+    apply_process_settings(config, device)
     dtype = autocast_dtype(config.amp, device)
     memory_format = torch.channels_last if config.channels_last else torch.contiguous_format
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = config.cudnn_benchmark
     model.to(device, memory_format=memory_format)
     num_classes = _num_classes(model)
 

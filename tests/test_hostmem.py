@@ -10,10 +10,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from modules import hostmem
 from modules.config import TrainConfig, UserError
-from modules.trainer import apply_allocator
+from modules.trainer import apply_process_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 glibc = pytest.mark.skipif(hostmem.candidates() == ["system"], reason="needs glibc malloc")
@@ -75,6 +76,7 @@ def test_a_bad_setting_is_a_one_line_error():
 def test_retain_without_glibc_is_a_one_line_error(monkeypatch):
     monkeypatch.setattr(hostmem, "_libc", False)
     assert hostmem.candidates() == ["system"]
+    cpu = torch.device("cpu")
     with pytest.raises(UserError, match="needs glibc"):
-        apply_allocator("retain")
-    apply_allocator("system")  # nothing to change: fine everywhere
+        apply_process_settings(TrainConfig(cpu_allocator="retain"), cpu)
+    apply_process_settings(TrainConfig(cpu_allocator="system"), cpu)  # nothing to change
