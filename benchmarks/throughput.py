@@ -41,6 +41,7 @@ from modules.models import build_model  # noqa: E402
 from modules.profiler import TorchProfiler  # noqa: E402
 from modules.synthetic import ensure_synthetic  # noqa: E402
 from modules.trainer import apply_process_settings, fit, resolve_device  # noqa: E402
+from pipeline import optimized_settings  # noqa: E402
 
 log = logging.getLogger("throughput")
 
@@ -94,9 +95,14 @@ def base_config(args, device: torch.device) -> TrainConfig:
                        device=device.type, progress=False, seed=0, cpu_threads=DEFAULT_THREADS)
 
 
+def optimized_start(args, device: torch.device, **overrides) -> TrainConfig:
+    """The tuned scenarios' starting setup (pipeline.optimized_settings) on the seed's config."""
+    return dataclasses.replace(base_config(args, device),
+                               **{**optimized_settings(device), **overrides})
+
+
 def optimized_config(args, device: torch.device, planned_steps: int | None):
-    start = dataclasses.replace(base_config(args, device), cache_decoded=True, channels_last=True,
-                                amp="auto", pin_memory=device.type == "cuda")
+    start = optimized_start(args, device, batch_size=args.batch_size)
     fixed = frozenset({"compile"}) if args.no_compile else frozenset()
     # The batch stays the benchmark's: every row is measured at the same batch size.
     return autotune(start, 6, planned_steps=planned_steps, fixed=fixed, tune_batch=False)
@@ -278,8 +284,7 @@ def time_to_accuracy(args, device: torch.device, cache_dir: Path) -> dict:
             raise Reached
 
     started = time.perf_counter()  # the optimized clock includes autotune and decoding
-    start = dataclasses.replace(base, cache_decoded=True, channels_last=True, amp="auto",
-                                batch_size=64, pin_memory=device.type == "cuda")
+    start = optimized_start(args, device, image_size=base.image_size, epochs=base.epochs)
     steps = base.epochs * max(1, len(index.train) // start.batch_size)
     opt, report = autotune(start, len(index.classes), planned_steps=steps)
     try:
