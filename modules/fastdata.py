@@ -114,8 +114,9 @@ def normalise(x: torch.Tensor, mean=IMAGENET_MEAN, std=IMAGENET_STD) -> torch.Te
 
 
 def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small CPU tensor on `device` without waiting for the GPU's queue (pinned, async)."""
-    if device.type != "cuda":
+    """A CPU tensor on `device` without waiting for the GPU's queue (pinned, async); a tensor
+    already on the GPU as it is."""
+    if device.type != "cuda" or t.device.type == "cuda":
         return t
     return t.pin_memory().to(device, non_blocking=True)
 
@@ -213,10 +214,7 @@ class CachedLoader:
             idx = order[k * self.batch_size:(k + 1) * self.batch_size]
             x = self.images.index_select(0, idx)
             y = self.labels.index_select(0, idx)
-            if x.device.type != self.device.type:  # the cache stayed in RAM
-                pin = self.device.type == "cuda"
-                x = (x.pin_memory() if pin else x).to(self.device, non_blocking=pin)
-                y = (y.pin_memory() if pin else y).to(self.device, non_blocking=pin)
+            x, y = _to(x, self.device), _to(y, self.device)  # when the cache stayed in RAM
             if self.train:
                 n, _, h, w = x.shape
                 if params is None or used + n > len(params):
