@@ -20,9 +20,9 @@ import torch
 from modules import distributed
 from modules.config import CPU_ALLOCATORS, MODELS, TrainConfig, UserError
 from modules.autotune import autotune
-from modules.dataset import (DatasetIndex, index_dataset, make_loader, make_loaders,
-                             resolve_source, subset, train_transform)
-from modules.fastdata import cache_fits
+from modules.dataset import (DatasetIndex, data_path_of, index_dataset, make_loader,
+                             make_loaders, resolve_source, subset, train_transform)
+from modules.fastdata import CachedLoader, cache_fits
 from modules.files import atomic_write_text
 from modules.hardware import max_batch_size
 from modules.models import build_model
@@ -337,7 +337,7 @@ def run_scenario(name: str, args: argparse.Namespace, index: DatasetIndex, outpu
                         channels_last=config.channels_last, num_classes=len(index.classes))
     system = sampler.summary()
     row = result_row(name, config, result, test, index, device, system,
-                     data_path=getattr(train_loader, "data_path", "per-sample PIL decode"))
+                     data_path_of(train_loader))
     row.update(extra, tuning_s=tuning_s, wall_s=tuning_s + result.wall_s)
     log.info("%s: test accuracy %.1f%% (val %.1f%% at epoch %d) in %.0f s", name,
              100 * row["test_acc"], 100 * row["val_acc"], row["best_epoch"], row["wall_s"])
@@ -396,7 +396,7 @@ def _cuda_index(device: torch.device) -> int | None:
 
 def result_row(name: str, config: TrainConfig, result: TrainResult, test: dict[str, Any],
                index: DatasetIndex, device: torch.device, system: dict[str, Any],
-               data_path: str = "per-sample PIL decode") -> dict[str, Any]:
+               data_path: str) -> dict[str, Any]:
     """The scenario's results.json object: accuracy, timing, hardware figures, diagnosis."""
     best = next((r for r in result.history if r["epoch"] == result.best_epoch), {})
     t = result.timing
@@ -439,7 +439,7 @@ def result_row(name: str, config: TrainConfig, result: TrainResult, test: dict[s
         "cpu_count": os.cpu_count(), "channels_last": config.channels_last,
         "amp_dtype": result.settings.get("amp_dtype"),
         "native_bf16": native_bf16_cpu() if device.type == "cpu" else None,
-        "cached_decode": data_path == "decoded cache"})
+        "cached_decode": data_path == CachedLoader.data_path})
     return row
 
 

@@ -355,6 +355,14 @@ def drops_last(sampler: Sampler[int] | None, batch_size: int) -> bool:
     return sampler is not None and len(sampler) > batch_size
 
 
+STREAMED = "per-sample PIL decode"  # how make_loader's batches are made
+
+
+def data_path_of(loader) -> str:
+    """How a loader makes its batches: its `data_path` (fastdata.CachedLoader's), else STREAMED."""
+    return getattr(loader, "data_path", STREAMED)
+
+
 def make_loaders(index: DatasetIndex, config: TrainConfig
                  ) -> tuple[DataLoader, DataLoader, DataLoader]:
     """(train, val, test) loaders at config.image_size: from the decoded-image cache with batched
