@@ -40,7 +40,7 @@ from modules.dataset import index_dataset, subset  # noqa: E402
 from modules.models import build_model  # noqa: E402
 from modules.profiler import TorchProfiler  # noqa: E402
 from modules.synthetic import ensure_synthetic  # noqa: E402
-from modules.trainer import apply_process_settings, fit, resolve_device  # noqa: E402
+from modules.trainer import REGIONS, apply_process_settings, fit, resolve_device  # noqa: E402
 from pipeline import optimized_settings  # noqa: E402
 
 log = logging.getLogger("throughput")
@@ -151,9 +151,6 @@ def _step_figures(averages, steps: int, cuda: bool) -> tuple[dict[str, float | N
     figures = {"wall_ms": wall / 1000, "host_ops_ms": sum(host.values()) / 1000,
                "device_ms": sum(device.values()) / 1000 if cuda else None}
     return figures, host, device
-
-
-REGIONS = ("data_wait", "h2d", "forward", "backward", "optimizer_step")
 
 
 def trace_gap(index, config: TrainConfig, device: torch.device, trace_dir: Path,

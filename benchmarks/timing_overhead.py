@@ -11,19 +11,17 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.profiler import record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from modules.models import build_model  # noqa: E402
-
-REGIONS = ("data_wait", "h2d", "forward", "backward", "optimizer_step")
+from modules.trainer import REGIONS, region  # noqa: E402
 
 
 def instrumentation(timing: dict) -> None:
     """Exactly the per-step bookkeeping modules/trainer.py adds around a step."""
     t0, c0 = time.perf_counter(), time.process_time()
     for name in REGIONS:
-        with record_function(name):
+        with region(name):
             pass
     t1 = t2 = t3 = time.perf_counter()
     timing["data_wait_s"] += t1 - t0

@@ -93,7 +93,11 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _region(name: str):
+# The record_function regions each training step is split into (in a trace, and in TensorBoard).
+REGIONS = ("data_wait", "h2d", "forward", "backward", "optimizer_step")
+
+
+def region(name: str):
     """A named profiler region (record_function) while a profiler records, else nothing:
     one costs about 5 us of host time even when nothing records it (0.3 us this way), 25 us
     per step for the five, a share a launch-bound GPU step of a few milliseconds feels."""
@@ -310,10 +314,10 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
         pending: list[tuple[Any, list]] = []  # (finite flag, metrics) per window batch
         for i in range(n_batches):
             t0, c0 = time.perf_counter(), time.process_time()
-            with _region("data_wait"):
+            with region("data_wait"):
                 x, y = next(batches)
             t1 = time.perf_counter()
-            with _region("h2d"):
+            with region("h2d"):
                 x = x.to(device, non_blocking=True, memory_format=memory_format)
                 y = y.to(device, non_blocking=True)
             t2 = time.perf_counter()
@@ -367,7 +371,7 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
                             f"training diverged: the loss was NaN/inf for {consecutive_bad} "
                             f"batches in a row in epoch {epoch + 1} (lr={config.lr:g}); lower --lr"
                             + ("" if config.max_grad_norm else " or set --max-grad-norm 1.0") + ".")
-                with _region("optimizer_step"):
+                with region("optimizer_step"):
                     if step_ok:  # a NaN/inf anywhere in the window skips its whole update
                         if config.max_grad_norm is not None:
                             scaler.unscale_(optimizer)  # clip the true gradients, not scaled ones
@@ -492,7 +496,7 @@ def _forward_backward(forward, x: torch.Tensor, y: torch.Tensor, splits: int, wi
     chunks = [(x, y)] if size >= n else list(zip(x.split(size), y.split(size)))
     finite, parts = None, []
     for k, (cx, cy) in enumerate(chunks):
-        with _region("forward"), \
+        with region("forward"), \
                 torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
             logits = forward(cx)
             loss = F.cross_entropy(logits, cy)
@@ -506,7 +510,7 @@ def _forward_backward(forward, x: torch.Tensor, y: torch.Tensor, splits: int, wi
             ready = torch.cuda.Event()
             ready.record()
             finite = _Flag(host, ready)
-        with _region("backward"):
+        with region("backward"):
             # A whole batch keeps the plain loss / window (bit for bit as before chunking).
             share = loss if cy.shape[0] == n else loss * (cy.shape[0] / n)
             scaler.scale(share / window).backward()
