@@ -55,3 +55,36 @@ def test_throughput_benchmark_refuses_too_few_images_in_one_line(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("error: ")
     assert "Traceback" not in proc.stderr
+
+
+def _throughput_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("throughput", ROOT / "benchmarks" / "throughput.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_step_clock_waits_for_a_gpu_once_per_window_and_a_cpu_step_is_one_sample(monkeypatch):
+    import torch
+    tp = _throughput_module()
+    now, syncs = [0.0], []
+    monkeypatch.setattr(tp.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: syncs.append(device))
+
+    gpu = tp.StepClock(torch.device("cuda"), window=4, warmup=3)
+    for k in range(3 + 12 + 2):  # warm-up, three whole windows, two steps of a partial one
+        now[0] += 5.0 if k < 3 else 0.5  # slow warm-up steps are left out
+        gpu.step()
+    assert len(syncs) == 4  # after the warm-up, then at the end of each whole window
+    assert gpu.img_s(16) == 16 * 4 / 2.0
+
+    cpu = tp.StepClock(torch.device("cpu"), window=4, warmup=3)
+    for k in range(3 + 5):
+        now[0] += 5.0 if k < 3 else 0.25
+        cpu.step()
+    assert len(syncs) == 4 and cpu.window == 1  # nothing to wait for on a CPU
+    assert cpu.img_s(8) == 8 / 0.25
+
+    assert tp.gpu_window(75) == tp.GPU_WINDOW  # 2400 images of 32
+    assert tp.gpu_window(18) == 5 and tp.gpu_window(4) == 1  # three windows after warm-up
