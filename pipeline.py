@@ -352,8 +352,10 @@ def tune_resolution(config: TrainConfig, args: argparse.Namespace, index: Datase
     sizes = tuned_resolutions(args, device)
     log.info("== resolution tuning: %s px, %d epochs each", ",".join(map(str, sizes)),
              short_budget(config))
+    # Each finished size is journaled: --resume trains only the sizes not yet done.
     tuner = ResolutionTuner(index, dataclasses.replace(config, progress=False), sizes,
-                            epochs=short_budget(config))
+                            epochs=short_budget(config), resume=args.resume,
+                            journal=output_dir / "checkpoints" / "resolution.tuning.json")
     size = tuner.run()
     tuner.save_plot(output_dir / "resolution_tradeoff.png")
     return dataclasses.replace(config, image_size=size), {"resolution_trials": tuner.tradeoff()}

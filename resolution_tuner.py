@@ -1,16 +1,21 @@
 """ResolutionTuner: trains the same short budget at each candidate input size, picks the size with
 the best validation accuracy (a tie within noise goes to the cheaper size) and reports what each
-size costs in time."""
+size costs in time. With a journal, every finished size is written down, and a resumed run
+trains only the sizes it has no result for."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from modules import distributed
 from modules.config import TrainConfig, UserError
 from modules.dataset import DatasetIndex
+from modules.files import atomic_write_text
 from modules.trainer import fit
 
 log = logging.getLogger(__name__)
@@ -34,7 +39,10 @@ class ResolutionTuner:
     """Which input size buys the most accuracy for the time: one short run per candidate."""
 
     def __init__(self, index: DatasetIndex, base: TrainConfig, resolutions=GPU_RESOLUTIONS, *,
-                 epochs: int | None = None, tolerance: float = 0.01):
+                 epochs: int | None = None, tolerance: float = 0.01,
+                 journal: str | Path | None = None, resume: bool = False):
+        """journal: a JSON file where each finished size's result is kept; with resume=True the
+        sizes it holds for the same settings and data are taken from it, not trained again."""
         sizes = sorted(set(int(r) for r in resolutions))
         if not sizes:
             raise UserError("resolutions must name at least one input size.")
@@ -44,27 +52,64 @@ class ResolutionTuner:
         self.epochs = epochs or base.epochs
         # One validation image more or less is noise, whatever the tolerance says.
         self.tolerance = max(tolerance, 1.0 / max(1, len(index.val)))
+        self.journal, self.resume = (Path(journal) if journal else None), resume
         self.trials: list[ResolutionTrial] = []
+        self.reused: list[int] = []  # sizes taken from the journal on resume
 
     def run(self) -> int:
-        """Train every candidate; return the picked size."""
-        self.trials = []
+        """Train every candidate (on resume, those the journal has no result for); return the
+        picked size."""
+        self.trials, self.reused = [], []
+        data = _data_fingerprint(self.index)
+        done = self._journaled(data) if self.resume else {}
+        entries = []
         for size in self.resolutions:
             config = dataclasses.replace(self.base, image_size=size, epochs=self.epochs,
                                          early_stopping_patience=None)
-            result = fit(self.index, config)
-            trial = ResolutionTrial(
-                image_size=size, val_acc=result.best_val_acc,
-                samples_per_s=result.timing.get("samples_per_s") or 0.0,
-                epoch_s=sum(r["epoch_s"] for r in result.history) / max(1, len(result.history)),
-                wall_s=result.wall_s)
+            key = _config_key(config)
+            trial = done.get(key)
+            if trial is not None:
+                self.reused.append(size)
+                log.info("resolution %d px: val accuracy %.1f%% (from %s, not trained again)",
+                         size, 100 * trial.val_acc, self.journal)
+            else:
+                result = fit(self.index, config)
+                trial = ResolutionTrial(
+                    image_size=size, val_acc=result.best_val_acc,
+                    samples_per_s=result.timing.get("samples_per_s") or 0.0,
+                    epoch_s=sum(r["epoch_s"] for r in result.history) / max(1, len(result.history)),
+                    wall_s=result.wall_s)
+                log.info("resolution %d px: val accuracy %.1f%%, %.0f img/s, %.1f s per epoch",
+                         size, 100 * trial.val_acc, trial.samples_per_s, trial.epoch_s)
             self.trials.append(trial)
-            log.info("resolution %d px: val accuracy %.1f%%, %.0f img/s, %.1f s per epoch", size,
-                     100 * trial.val_acc, trial.samples_per_s, trial.epoch_s)
+            entries.append({"config": key, "trial": dataclasses.asdict(trial)})
+            self._write_journal(data, entries)
         best = self.pick(self.trials, self.tolerance)
         log.info("resolution pick: %d px (ties within %.1f points go to the smaller size)", best,
                  100 * self.tolerance)
         return best
+
+    def _journaled(self, data: str) -> dict[str, ResolutionTrial]:
+        """{config key: trial} from the journal, for the same data; {} when there is none or it
+        cannot be read (then every size is trained)."""
+        if self.journal is None or not self.journal.exists():
+            return {}
+        try:
+            saved = json.loads(self.journal.read_text())
+            if saved["data"] != data:
+                log.info("resolution tuning: the data changed since %s; training every size",
+                         self.journal)
+                return {}
+            return {e["config"]: ResolutionTrial(**e["trial"]) for e in saved["trials"]}
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.info("resolution tuning: cannot reuse %s (%s); training every size",
+                     self.journal, exc)
+            return {}
+
+    def _write_journal(self, data: str, entries: list[dict[str, Any]]) -> None:
+        if self.journal is not None and distributed.is_main():
+            atomic_write_text(json.dumps({"data": data, "trials": entries}, indent=2),
+                              self.journal)
 
     @staticmethod
     def pick(trials: list[ResolutionTrial], tolerance: float) -> int:
@@ -109,3 +154,18 @@ class ResolutionTuner:
         path = Path(path)
         fig.savefig(path)
         return path
+
+
+def _config_key(config: TrainConfig) -> str:
+    """One trial's settings as a string: a journaled result is reused only for equal ones."""
+    return json.dumps(config.to_dict(), sort_keys=True)
+
+
+def _data_fingerprint(index: DatasetIndex) -> str:
+    """The training and validation images and labels a trial's result depends on."""
+    digest = hashlib.sha1()
+    for split in (index.train, index.val):
+        for path, label in split:
+            digest.update(f"{path}\t{label}\n".encode())
+        digest.update(b"\0")
+    return digest.hexdigest()

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import pipeline
+import resolution_tuner
 from conftest import COLOURS, make_folder, write_image
 from modules import hostmem
 from modules.utility import load_model, predict
@@ -243,7 +244,11 @@ def test_resume_keeps_the_autotuned_settings_instead_of_measuring_again(small, t
 
     def measure_again(*_, **__):
         raise AssertionError("--resume measured the knobs again")
+
+    def tune_again(*_, **__):
+        raise AssertionError("--resume trained a tuned resolution again")
     monkeypatch.setattr(pipeline, "autotune", measure_again)
+    monkeypatch.setattr(resolution_tuner, "fit", tune_again)
     assert run_main(*argv, "--resume") == 0
     resumed = json.loads((out / "results.json").read_text())[-1]
     assert resumed["autotune"]["knobs"] == first["autotune"]["knobs"]

@@ -42,3 +42,47 @@ def test_sizes_below_the_models_minimum_are_refused(tmp_path):
     index = index_dataset(make_folder(tmp_path / "d", n_train=4, n_test=2))
     with pytest.raises(UserError, match="image_size"):
         ResolutionTuner(index, TrainConfig(model="squeezenet1_1"), [16, 64])
+
+
+def test_a_resumed_tuning_trains_only_the_sizes_its_journal_does_not_hold(tmp_path, monkeypatch):
+    import json
+
+    import resolution_tuner
+    index = index_dataset(make_folder(tmp_path / "d", n_train=10, n_test=3))
+    journal = tmp_path / "checkpoints" / "resolution.tuning.json"
+    first = ResolutionTuner(index, BASE, [24, 32], journal=journal)
+    first.run()
+    saved = json.loads(journal.read_text())
+    assert [e["trial"]["image_size"] for e in saved["trials"]] == [24, 32]
+
+    # interrupted after 24 px: the journal holds that size only
+    saved["trials"] = saved["trials"][:1]
+    journal.write_text(json.dumps(saved))
+    trained = []
+    real_fit = resolution_tuner.fit
+    monkeypatch.setattr(resolution_tuner, "fit",
+                        lambda idx, cfg: trained.append(cfg.image_size) or real_fit(idx, cfg))
+    resumed = ResolutionTuner(index, BASE, [24, 32], journal=journal, resume=True)
+    resumed.run()
+    assert trained == [32] and resumed.reused == [24]
+    assert resumed.trials[0] == first.trials[0]  # the journaled result, as it was
+    assert len(json.loads(journal.read_text())["trials"]) == 2
+
+    # without --resume, or with other settings, every size is trained again
+    trained.clear()
+    ResolutionTuner(index, BASE, [24, 32], journal=journal).run()
+    assert trained == [24, 32]
+    trained.clear()
+    ResolutionTuner(index, BASE.__class__(**{**BASE.to_dict(), "lr": 0.5}), [24, 32],
+                    journal=journal, resume=True).run()
+    assert trained == [24, 32]
+
+    # other data, or a journal it cannot read: trained again, said in the log, no error
+    trained.clear()
+    other = index_dataset(make_folder(tmp_path / "e", n_train=10, n_test=3))
+    ResolutionTuner(other, BASE, [24], journal=journal, resume=True).run()
+    assert trained == [24]
+    journal.write_text("{not json")
+    trained.clear()
+    ResolutionTuner(index, BASE, [24], journal=journal, resume=True).run()
+    assert trained == [24]
