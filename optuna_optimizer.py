@@ -10,10 +10,10 @@ import warnings
 from pathlib import Path
 
 import optuna
-import torch
 
 from modules.config import TrainConfig, UserError
-from modules.trainer import DivergedError, fit
+from modules.oom import is_out_of_memory, release
+from modules.trainer import DivergedError, fit, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -98,10 +98,9 @@ class OptunaTuner:
             trial.set_user_attr("pruned_reason", str(exc))
             raise optuna.TrialPruned(str(exc)) from None
         except RuntimeError as exc:  # torch.cuda.OutOfMemoryError is a RuntimeError too
-            if "out of memory" not in str(exc).lower():
+            if not is_out_of_memory(exc):
                 raise
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()  # so the next trial starts with the memory back
+            release(resolve_device(config.device))  # so the next trial starts with the memory back
             reason = f"out of memory at batch_size={config.batch_size}"
             trial.set_user_attr("pruned_reason", reason)
             raise optuna.TrialPruned(reason) from None

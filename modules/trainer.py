@@ -25,6 +25,7 @@ from modules.config import TrainConfig, UserError
 from modules.dataset import make_loaders
 from modules.models import build_model
 from modules.files import atomic_torch_save, read_torch_file
+from modules.oom import OutOfMemoryError, is_out_of_memory, release
 from modules.utility import evaluate
 
 log = logging.getLogger(__name__)
@@ -42,23 +43,6 @@ Report = Callable[[int, dict[str, float]], None]
 
 class DivergedError(UserError):
     """The loss stayed NaN/inf for too many steps in a row."""
-
-
-# torch.OutOfMemoryError arrived in torch 2.5; torch.cuda.OutOfMemoryError is the same class
-# there (an alias) and the only one before it.
-_TORCH_OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
-
-
-class OutOfMemoryError(UserError, _TORCH_OOM):
-    """Out of memory even with one sample per forward/backward pass. A UserError, so the command
-    prints one line; also a torch OutOfMemoryError (a RuntimeError saying "out of memory"), so
-    code that skips candidates which do not fit (the Optuna tuner) still recognises it."""
-
-
-def _is_out_of_memory(exc: BaseException) -> bool:
-    """CUDA (or any device's) allocator failure; older torch raised a plain RuntimeError."""
-    return isinstance(exc, _TORCH_OOM) or (isinstance(exc, RuntimeError)
-                                           and "out of memory" in str(exc))
 
 
 @dataclass
@@ -338,13 +322,12 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
                     break
                 except RuntimeError as exc:  # torch's OutOfMemoryError is a RuntimeError
                     # Under DDP the other ranks are already inside this step's collectives.
-                    if world > 1 or not _is_out_of_memory(exc):
+                    if world > 1 or not is_out_of_memory(exc):
                         raise
                 # Recover outside the except block: its traceback holds the failed pass's
                 # frames and with them its activations; by now they are released.
                 optimizer.zero_grad(set_to_none=True)  # the window's partial gradient
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+                release(device)
                 splits = _more_splits(splits, window_batches[-1][1], config)
                 oom_recoveries += 1
                 first = 0  # the whole window again, from its first batch

@@ -3,6 +3,7 @@ plots (PNG and offline plotly HTML) that compare scenarios."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from pathlib import Path
@@ -17,6 +18,9 @@ from modules.config import IMAGENET_MEAN, IMAGENET_STD, MODELS, UserError
 from modules.dataset import eval_transform, load_rgb
 from modules.files import atomic_torch_save, read_torch_file
 from modules.models import build_model
+from modules.oom import OutOfMemoryError, is_out_of_memory, release
+
+log = logging.getLogger(__name__)
 
 FORMAT_NAME = "imgcls-model"
 FORMAT_VERSION = 1
@@ -187,7 +191,10 @@ def _read_payload(path: Path) -> dict:
 def evaluate(model: nn.Module, loader, *, device: torch.device | str | None = None,
              amp_dtype: torch.dtype | None = None, channels_last: bool = False,
              num_classes: int | None = None) -> dict[str, Any]:
-    """Loss, accuracy, per-class accuracy and confusion matrix of `model` over `loader`."""
+    """Loss, accuracy, per-class accuracy and confusion matrix of `model` over `loader`.
+
+    A batch that runs out of memory is run again in halves (then quarters ...) for the rest of
+    the call, each halving said in the log; the figures do not depend on the pieces."""
     device = torch.device(device) if device is not None else next(model.parameters()).device
     num_classes = int(num_classes or getattr(model, "num_classes"))
     memory_format = torch.channels_last if channels_last else torch.contiguous_format
@@ -195,15 +202,25 @@ def evaluate(model: nn.Module, loader, *, device: torch.device | str | None = No
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     was_training = model.training
     model.eval()
-    for x, y in loader:
-        x = x.to(device, non_blocking=True, memory_format=memory_format)
-        y = y.to(device, non_blocking=True)
-        with torch.autocast(device.type, dtype=amp_dtype or torch.float32,
-                            enabled=amp_dtype is not None):
-            logits = model(x)
-        loss_sum += F.cross_entropy(logits.float(), y, reduction="sum")
-        confusion.update(logits, y)
-    model.train(was_training)
+    splits = 1
+    try:
+        for x, y in loader:
+            x = x.to(device, non_blocking=True, memory_format=memory_format)
+            y = y.to(device, non_blocking=True)
+            while True:
+                try:
+                    logits = _logits(model, x, splits, device, amp_dtype)
+                    break
+                except RuntimeError as exc:
+                    if not is_out_of_memory(exc):
+                        raise
+                # outside the except block, whose traceback holds the failed pass's tensors
+                release(device)
+                splits = _smaller_pieces(splits, x.shape[0], tuple(x.shape[2:]))
+            loss_sum += F.cross_entropy(logits.float(), y, reduction="sum")
+            confusion.update(logits, y)
+    finally:
+        model.train(was_training)
     matrix = confusion.compute().cpu()
     total = int(matrix.sum())
     if total == 0:
@@ -212,6 +229,28 @@ def evaluate(model: nn.Module, loader, *, device: torch.device | str | None = No
     per_class = matrix.diag() / matrix.sum(dim=1).clamp(min=1)
     return {"loss": loss_sum.item() / total, "acc": matrix.diag().sum().item() / total,
             "per_class_acc": per_class.tolist(), "confusion": matrix.tolist(), "n": total}
+
+
+def _logits(model: nn.Module, x: torch.Tensor, splits: int, device: torch.device,
+            amp_dtype: torch.dtype | None) -> torch.Tensor:
+    """model(x) in `splits` pieces, concatenated."""
+    size = math.ceil(x.shape[0] / splits)
+    with torch.autocast(device.type, dtype=amp_dtype or torch.float32,
+                        enabled=amp_dtype is not None):
+        if size >= x.shape[0]:
+            return model(x)
+        return torch.cat([model(piece) for piece in x.split(size)])
+
+
+def _smaller_pieces(splits: int, n: int, image_shape: tuple[int, ...]) -> int:
+    """Twice the pieces per evaluation batch after running out of memory, or OutOfMemoryError
+    when a piece already held a single image."""
+    if math.ceil(n / splits) <= 1:
+        raise OutOfMemoryError(f"out of memory evaluating even one {image_shape[-1]} px image at "
+                               "a time; lower --image-size or use a smaller --model.")
+    log.warning("out of memory evaluating batches of %d; continuing in pieces of %d",
+                math.ceil(n / splits), math.ceil(n / (2 * splits)))
+    return 2 * splits
 
 
 def predict(model: nn.Module, image_paths, *, batch_size: int = 32, device=None) -> list[dict]:

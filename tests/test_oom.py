@@ -18,6 +18,7 @@ from modules.config import TrainConfig, UserError
 from modules.dataset import EpochSampler
 from modules.models import build_model
 from modules.trainer import make_optimizer, set_seed, train
+from modules.utility import evaluate
 from test_trainer import TinyNet
 
 BASE = TrainConfig(model="squeezenet1_1", weights="none", image_size=32, epochs=2, batch_size=16,
@@ -31,9 +32,11 @@ class RunsOutAbove(nn.Module):
     error CUDA raises, once `after` training forwards have gone through."""
 
     def __init__(self, inner: nn.Module, limit: float, after: int = 0,
-                 error=lambda: torch.OutOfMemoryError("CUDA out of memory (simulated)")):
+                 error=lambda: torch.OutOfMemoryError("CUDA out of memory (simulated)"),
+                 eval_limit: float = math.inf):
         super().__init__()
         self.inner, self.limit, self.after, self.error = inner, limit, after, error
+        self.eval_limit = eval_limit  # the same for an evaluation forward
         self.num_classes = inner.num_classes
         self.calls = 0
 
@@ -42,6 +45,8 @@ class RunsOutAbove(nn.Module):
             self.calls += 1
             if x.shape[0] > self.limit and self.calls > self.after:
                 raise self.error()
+        elif x.shape[0] > self.eval_limit:
+            raise self.error()
         return self.inner(x)
 
 
@@ -122,6 +127,28 @@ def test_oom_with_one_sample_per_pass_is_a_one_line_user_error(caplog):
     # still an OOM to code that skips candidates which do not fit (the Optuna tuner)
     assert isinstance(err.value, torch.OutOfMemoryError)
     assert len(oom_warnings(caplog)) == 2  # 4 -> 2 -> 1, then nothing smaller
+
+
+def test_evaluation_out_of_memory_goes_on_in_smaller_pieces_with_the_same_figures(
+        reference, caplog):
+    caplog.set_level(logging.WARNING, logger="modules.utility")
+    result = run(eval_limit=4)  # validation batches of 12: 12 -> 6 -> 3 images per piece
+    for got, want in zip(result.history, reference.history):
+        assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-5)
+        assert got["val_acc"] == want["val_acc"]
+        assert got["train_loss"] == pytest.approx(want["train_loss"], rel=1e-5)
+    halvings = [r.getMessage() for r in caplog.records if r.name == "modules.utility"]
+    assert halvings[:2] == ["out of memory evaluating batches of 12; continuing in pieces of 6",
+                            "out of memory evaluating batches of 6; continuing in pieces of 3"]
+    assert len(halvings) == 2 * BASE.epochs  # once per halving, in each evaluate() call
+
+    model = RunsOutAbove(squeezenet(), math.inf, eval_limit=0)
+    model.train()
+    with pytest.raises(UserError) as err:
+        evaluate(model, DataLoader(data(4, 32), batch_size=4), device="cpu")
+    message = str(err.value)
+    assert "\n" not in message and "out of memory" in message and "32 px" in message
+    assert isinstance(err.value, torch.OutOfMemoryError) and model.training  # mode restored
 
 
 def test_an_older_torch_oom_runtime_error_is_recovered_and_other_errors_are_not():

@@ -1,0 +1,29 @@
+"""Out of memory: recognising it, and the error raised when nothing smaller is left to try.
+Shared by the training loop (smaller micro-batches) and evaluation (smaller chunks)."""
+from __future__ import annotations
+
+import torch
+
+from modules.config import UserError
+
+# torch.OutOfMemoryError arrived in torch 2.5; torch.cuda.OutOfMemoryError is the same class
+# there (an alias) and the only one before it.
+TORCH_OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+
+
+class OutOfMemoryError(UserError, TORCH_OOM):
+    """Out of memory even with one sample per pass. A UserError, so the command prints one
+    line; also a torch OutOfMemoryError (a RuntimeError saying "out of memory"), so code that
+    skips candidates which do not fit (the Optuna tuner) still recognises it."""
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """CUDA (or any device's) allocator failure; older torch raised a plain RuntimeError."""
+    return isinstance(exc, TORCH_OOM) or (isinstance(exc, RuntimeError)
+                                          and "out of memory" in str(exc).lower())
+
+
+def release(device: torch.device) -> None:
+    """Hand the failed pass's cached blocks back before trying smaller pieces."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
