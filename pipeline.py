@@ -21,14 +21,13 @@ from modules import distributed
 from modules.config import CPU_ALLOCATORS, MODELS, TrainConfig, UserError
 from modules.autotune import autotune
 from modules.dataset import (DatasetIndex, data_path_of, index_dataset, make_loader,
-                             make_loaders, resolve_source, subset, train_transform)
+                             resolve_source, subset, train_transform)
 from modules.fastdata import CachedLoader, cache_fits
 from modules.files import atomic_write_text
 from modules.hardware import max_batch_size
-from modules.models import build_model
 from modules.profiler import SystemSampler, TorchProfiler, diagnose, native_bf16_cpu
 from modules.report import write_report
-from modules.trainer import TrainResult, autocast_dtype, resolve_device, set_seed, train
+from modules.trainer import TrainResult, autocast_dtype, prepare, resolve_device, train
 from modules.utility import (evaluate, load_model, plot_comparison, results_table, save_model,
                              table_markdown)
 from optuna_optimizer import BATCH_SIZES, OptunaTuner
@@ -322,9 +321,7 @@ def run_scenario(name: str, args: argparse.Namespace, index: DatasetIndex, outpu
     tuning_s = time.perf_counter() - started
     log.info("== scenario %s: %s, %d px, batch %d, %d epochs on %s", name, config.model,
              config.image_size, config.batch_size, config.epochs, device)
-    set_seed(config.seed)
-    model = build_model(config.model, len(index.classes), config.weights)
-    train_loader, val_loader, test_loader = make_loaders(index, config)
+    model, train_loader, val_loader, test_loader = prepare(index, config)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     profiler = TorchProfiler(output_dir / "profiler" / name, enabled=args.profile)

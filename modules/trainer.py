@@ -556,10 +556,15 @@ def _summary_writer(run_dir, config: TrainConfig):
     return SummaryWriter(log_dir=str(run_dir))
 
 
-def fit(index, config: TrainConfig, **train_kwargs) -> TrainResult:
-    """Seed, build the model and the loaders for a DatasetIndex, and train: what a tuner calls
-    for one candidate. Keyword arguments go to `train` (run_dir, report, checkpoint_path, ...)."""
+def prepare(index, config: TrainConfig) -> tuple[nn.Module, Any, Any, Any]:
+    """Seed, then build the model and the (train, val, test) loaders for a DatasetIndex."""
     set_seed(config.seed)
     model = build_model(config.model, len(index.classes), config.weights)
-    train_loader, val_loader, _ = make_loaders(index, config)
+    return (model, *make_loaders(index, config))
+
+
+def fit(index, config: TrainConfig, **train_kwargs) -> TrainResult:
+    """prepare() and train: what a tuner calls for one candidate. Keyword arguments go to
+    `train` (run_dir, report, checkpoint_path, ...)."""
+    model, train_loader, val_loader, _ = prepare(index, config)
     return train(model, train_loader, val_loader, config, **train_kwargs)

@@ -196,7 +196,7 @@ def evaluate(model: nn.Module, loader, *, device: torch.device | str | None = No
     A batch that runs out of memory is run again in halves (then quarters ...) for the rest of
     the call, each halving said in the log; the figures do not depend on the pieces."""
     device = torch.device(device) if device is not None else next(model.parameters()).device
-    num_classes = int(num_classes or getattr(model, "num_classes"))
+    num_classes = int(num_classes or model.num_classes)
     memory_format = torch.channels_last if channels_last else torch.contiguous_format
     confusion = MulticlassConfusionMatrix(num_classes=num_classes).to(device)
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
