@@ -159,15 +159,19 @@ class _SyncedProfiler:
 
 
 def _step_figures(averages, steps: int, cuda: bool) -> tuple[dict[str, float | None], dict, dict]:
-    """(wall / host-op / device milliseconds per step, {op: host us/step}, {kernel: device us/step})
-    from one trace's key_averages. Host ops are ATen operators' own time; the rest of the wall
-    is Python and dispatch between them (and, on a GPU, waiting for it)."""
-    host, device, wall = {}, {}, 0.0
+    """(wall / host-op / device milliseconds and ATen calls / kernel launches per step,
+    {op: host us/step}, {kernel: device us/step}) from one trace's key_averages. Host ops are
+    ATen operators' own time; the rest of the wall is Python and dispatch between them (and, on
+    a GPU, waiting for it). On a launch-bound GPU every call and launch costs host time."""
+    host, device, wall, calls, launches = {}, {}, 0.0, 0, 0
     for e in averages:
         if e.key.startswith("ProfilerStep"):
             wall = e.cpu_time_total / max(1, e.count)
         elif e.key.startswith("aten::"):
             host[e.key] = e.self_cpu_time_total / steps
+            calls += e.count
+        elif e.key.startswith(("cudaLaunchKernel", "cuLaunchKernel")):
+            launches += e.count
         own = getattr(e, "self_device_time_total", None)
         if own is None:
             own = getattr(e, "self_cuda_time_total", 0.0)
@@ -175,7 +179,9 @@ def _step_figures(averages, steps: int, cuda: bool) -> tuple[dict[str, float | N
                 and e.key not in REGIONS:
             device[e.key] = own / steps  # kernels and memcpys
     figures = {"wall_ms": wall / 1000, "host_ops_ms": sum(host.values()) / 1000,
-               "device_ms": sum(device.values()) / 1000 if cuda else None}
+               "device_ms": sum(device.values()) / 1000 if cuda else None,
+               "aten_calls": round(calls / steps, 1),
+               "kernel_launches": round(launches / steps, 1) if cuda else None}
     return figures, host, device
 
 
@@ -205,7 +211,7 @@ def trace_gap(index, config: TrainConfig, device: torch.device, trace_dir: Path,
         return dict(sorted(((k, v) for k, v in gaps.items() if v > 0), key=lambda kv: -kv[1])[:8])
 
     result = {"steps": active, "trace_dir": str(trace_dir)}
-    for key in ("wall_ms", "host_ops_ms", "device_ms"):
+    for key in ("wall_ms", "host_ops_ms", "device_ms", "aten_calls", "kernel_launches"):
         a, b = pure[0][key], pipe[0][key]
         result[key] = {"pure_compute": None if a is None else round(a, 3),
                        "pipeline": None if b is None else round(b, 3)}
@@ -220,11 +226,13 @@ def print_trace(trace: dict) -> None:
           f"{trace['trace_dir']}), milliseconds per step:\n")
     print("| | pure_compute | pipeline | extra |\n| --- | ---: | ---: | ---: |")
     labels = {"wall_ms": "wall", "host_ops_ms": "host: ATen ops",
-              "device_ms": "device: kernels and copies"}
+              "device_ms": "device: kernels and copies", "aten_calls": "ATen calls (count)",
+              "kernel_launches": "kernel launches (count)"}
     for key, label in labels.items():
         a, b = trace[key]["pure_compute"], trace[key]["pipeline"]
         if a is not None and b is not None:
-            print(f"| {label} | {a:.2f} | {b:.2f} | {b - a:+.2f} |")
+            digits = 0 if key in ("aten_calls", "kernel_launches") else 2
+            print(f"| {label} | {a:.{digits}f} | {b:.{digits}f} | {b - a:+.{digits}f} |")
     for key, label in (("extra_host_us", "host"), ("extra_device_us", "device")):
         if trace.get(key):
             print(f"\nthe pipeline's extra {label} time per step, microseconds: " + ", ".join(

@@ -40,7 +40,9 @@ def test_throughput_benchmark_runs_every_row_trace_and_time_to_accuracy(tmp_path
     for row in ("pure_compute", "pipeline"):
         assert list((tmp_path / "trace" / row).glob("*.pt.trace.json")), row
         assert trace["wall_ms"][row] > 0 and trace["host_ops_ms"][row] > 0
-        assert trace["device_ms"][row] is None  # no GPU
+        assert trace["device_ms"][row] is None and trace["kernel_launches"][row] is None  # no GPU
+        assert trace["aten_calls"][row] > 0
+    assert trace["aten_calls"]["pipeline"] > trace["aten_calls"]["pure_compute"]
     assert trace["extra_host_us"] and all(v > 0 for v in trace["extra_host_us"].values())
     assert "the pipeline's extra host time per step" in proc.stdout
     tta = result["time_to_accuracy"]
