@@ -18,7 +18,7 @@ import psutil
 import torch
 
 from modules import distributed
-from modules.config import CPU_ALLOCATORS, MODELS, TrainConfig, UserError
+from modules.config import CPU_ALLOCATORS, DISPLAY_ONLY, MODELS, TrainConfig, UserError
 from modules.autotune import autotune
 from modules.dataset import (DatasetIndex, data_path_of, index_dataset, make_loader,
                              resolve_source, subset, train_transform)
@@ -249,10 +249,12 @@ def _saved_autotune(path: Path, start: TrainConfig) -> tuple[TrainConfig, dict[s
     start, or a file this version cannot read: then it is measured again)."""
     try:
         saved = json.loads(path.read_text())
-        if saved["start"] != json.loads(json.dumps(start.to_dict())):
+        saved_start = {k: v for k, v in saved["start"].items() if k not in DISPLAY_ONLY}
+        if saved_start != json.loads(json.dumps(start.run_settings())):
             log.info("autotune: the settings changed since %s; measuring again", path)
             return None
-        tuned = TrainConfig(**saved["config"])
+        tuned = dataclasses.replace(TrainConfig(**saved["config"]),
+                                    **{k: getattr(start, k) for k in DISPLAY_ONLY})
         report = dict(saved["report"], reused_from=str(path))
     except FileNotFoundError:
         return None
@@ -333,8 +335,15 @@ def run_scenario(name: str, args: argparse.Namespace, index: DatasetIndex, outpu
                         amp_dtype=autocast_dtype(config.amp, device),
                         channels_last=config.channels_last, num_classes=len(index.classes))
     system = sampler.summary()
+    carried = None
+    if result.resumed_from_epoch is not None and result.resumed_from_epoch >= result.epochs_run:
+        # Resumed after it had finished: this process only evaluated, so the hardware figures
+        # measured while it trained stay (the step timing comes back with the checkpoint).
+        carried = _previous_row(output_dir / "results.json", name, index.name)
+        log.info("%s had finished; %s", name, "keeping the hardware figures measured while it "
+                 "trained" if carried else "its hardware figures cover only the test evaluation")
     row = result_row(name, config, result, test, index, device, system,
-                     data_path_of(train_loader))
+                     data_path_of(train_loader), carried)
     row.update(extra, tuning_s=tuning_s, wall_s=tuning_s + result.wall_s)
     log.info("%s: test accuracy %.1f%% (val %.1f%% at epoch %d) in %.0f s", name,
              100 * row["test_acc"], 100 * row["val_acc"], row["best_epoch"], row["wall_s"])
@@ -393,10 +402,17 @@ def _cuda_index(device: torch.device) -> int | None:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
+# results.json fields measured by sampling the machine while a scenario runs.
+HARDWARE_FIGURES = ("gpu_util_pct", "cpu_util_pct", "process_cpu_pct", "peak_mem_mb",
+                    "gpu_mem_peak_mb", "energy_j")
+
+
 def result_row(name: str, config: TrainConfig, result: TrainResult, test: dict[str, Any],
                index: DatasetIndex, device: torch.device, system: dict[str, Any],
-               data_path: str) -> dict[str, Any]:
-    """The scenario's results.json object: accuracy, timing, hardware figures, diagnosis."""
+               data_path: str, carried: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The scenario's results.json object: accuracy, timing, hardware figures, diagnosis.
+    carried: an earlier row of the same scenario whose hardware figures replace this
+    process's (which trained nothing)."""
     best = next((r for r in result.history if r["epoch"] == result.best_epoch), {})
     t = result.timing
     if device.type == "cuda":
@@ -430,6 +446,8 @@ def result_row(name: str, config: TrainConfig, result: TrainResult, test: dict[s
         "settings": {**config.to_dict(), **result.settings, "data_path": data_path},
         "history": result.history,
     }
+    if carried is not None:
+        row.update({k: carried.get(k) for k in HARDWARE_FIGURES})
     row["diagnosis"] = diagnose({
         **{k: row[k] for k in ("data_wait_frac", "h2d_frac", "avg_step_ms", "samples_per_s",
                                "gpu_util_pct", "cpu_util_pct", "peak_mem_mb")},
@@ -478,6 +496,16 @@ def _json_safe(value):
 def write_json(path: Path, data) -> None:
     """Atomic: readers see the old file or the new one, never half of one."""
     atomic_write_text(json.dumps(_json_safe(data), indent=2, allow_nan=False), path)
+
+
+def _previous_row(path: Path, scenario: str, dataset: str) -> dict[str, Any] | None:
+    """The scenario's row in an earlier results.json, or None."""
+    try:
+        rows = json.loads(path.read_text()) if path.exists() else []
+    except (OSError, json.JSONDecodeError):
+        return None
+    return next((r for r in rows if isinstance(r, dict) and r.get("scenario") == scenario
+                 and r.get("dataset") == dataset), None) if isinstance(rows, list) else None
 
 
 def merge_results(path: Path, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

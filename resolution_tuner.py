@@ -158,7 +158,7 @@ class ResolutionTuner:
 
 def _config_key(config: TrainConfig) -> str:
     """One trial's settings as a string: a journaled result is reused only for equal ones."""
-    return json.dumps(config.to_dict(), sort_keys=True)
+    return json.dumps(config.run_settings(), sort_keys=True)
 
 
 def _data_fingerprint(index: DatasetIndex) -> str:

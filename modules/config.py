@@ -21,6 +21,11 @@ OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "forloop")
 CPU_ALLOCATORS = ("system", "retain")  # modules.hostmem
 
 
+# TrainConfig fields that only change what is shown (a saved autotune or tuning result made
+# with progress bars holds for a run without them).
+DISPLAY_ONLY = frozenset({"progress"})
+
+
 class UserError(Exception):
     """A mistake in the user's input: the command prints its message as one line, no traceback."""
 
@@ -105,6 +110,11 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def run_settings(self) -> dict[str, Any]:
+        """to_dict() without the fields that change nothing a run computes or how fast
+        (DISPLAY_ONLY): what a saved result is matched against before it is reused."""
+        return {k: v for k, v in self.to_dict().items() if k not in DISPLAY_ONLY}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)

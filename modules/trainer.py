@@ -55,7 +55,7 @@ class TrainResult:
     nonfinite_steps: int                # optimizer windows skipped for a NaN/inf loss
     stopped_early: bool
     resumed_from_epoch: int | None      # completed epochs found in the checkpoint
-    wall_s: float                       # this call's time, seconds
+    wall_s: float                       # seconds of training, the epochs before a resume included
     time_to_best_s: float               # training time until the best epoch ended, seconds
     timing: dict[str, float] = field(default_factory=dict)  # step-time breakdown, this call
     settings: dict[str, Any] = field(default_factory=dict)   # resolved device, dtype, ...
@@ -248,6 +248,7 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
     history: list[dict[str, float]] = []
     best = {"acc": -1.0, "epoch": 0, "state": None}
     bad_epochs, nonfinite_total, start_epoch, resumed_from = 0, 0, 0, None
+    saved_timing: dict[str, float] = {}
     ckpt_path = Path(checkpoint_path) if checkpoint_path else None
     if resume and ckpt_path and ckpt_path.exists():
         ckpt = load_checkpoint(ckpt_path)
@@ -259,6 +260,7 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
         _set_rng_state(ckpt["rng"])
         history, best = ckpt["history"], ckpt["best"]
         bad_epochs, nonfinite_total = ckpt["bad_epochs"], ckpt["nonfinite_steps"]
+        saved_timing = ckpt.get("timing", {})  # absent from checkpoints of older versions
         start_epoch = resumed_from = ckpt["epoch"]
         log.info("resuming from %s after epoch %d", ckpt_path, start_epoch)
         if ckpt["finished"]:
@@ -268,13 +270,15 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
     writer = _summary_writer(run_dir if distributed.is_main() else None, config)
     timing = {"data_wait_s": 0.0, "h2d_s": 0.0, "step_s": 0.0, "cpu_s": 0.0, "steps": 0,
               "samples": 0}
+    if device.type == "cuda":
+        timing["gpu_compute_s"] = 0.0
+    if resumed_from is not None:  # the step timing of the epochs trained before, continued
+        timing.update({k: v for k, v in saved_timing.items() if k in timing})
     planned_steps = len(train_loader) * max(0, config.epochs - start_epoch)
     warmup = TIMING_WARMUP_STEPS if planned_steps > 2 * TIMING_WARMUP_STEPS else 0
     step_no = 0
     # On a GPU the host only queues work; CUDA events time what the device itself spent.
     gpu_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-    if device.type == "cuda":
-        timing["gpu_compute_s"] = 0.0
     stopped_early = False
     # After running out of memory every loader batch goes through in `splits` chunks (x2 per
     # recovery); the optimizer step still sees the same samples, so the effective batch stays.
@@ -426,7 +430,8 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
                 "config": config.to_dict(), "model": _cpu_state(model),
                 "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "scaler": scaler.state_dict(), "rng": _rng_state(), "history": history,
-                "best": best, "bad_epochs": bad_epochs, "nonfinite_steps": nonfinite_total})
+                "best": best, "bad_epochs": bad_epochs, "nonfinite_steps": nonfinite_total,
+                "timing": dict(timing)})
         if report is not None:
             report(row["epoch"], row)
         if stopped_early:
@@ -452,7 +457,8 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
         model=model, history=history, best_epoch=best["epoch"], best_val_acc=max(best["acc"], 0.0),
         epochs_run=len(history), nonfinite_steps=nonfinite_total,
         stopped_early=stopped_early or (bool(history) and len(history) < config.epochs),
-        resumed_from_epoch=resumed_from, wall_s=time.perf_counter() - started,
+        resumed_from_epoch=resumed_from,
+        wall_s=elapsed_before + time.perf_counter() - started,
         time_to_best_s=best_row["elapsed_s"] if best_row else 0.0, timing=timing,
         settings={"device": str(device), "amp_dtype": str(dtype).replace("torch.", "") if dtype
                   else "fp32", "effective_batch_size": config.effective_batch_size,

@@ -68,6 +68,12 @@ def test_resume_after_a_finished_run_trains_nothing_more(small, tmp_path):
     again = json.loads((tmp_path / "out" / "results.json").read_text())[0]
     assert again["resumed_from_epoch"] == 2 and again["history"] == first["history"]
     assert again["test_acc"] == first["test_acc"]
+    # the figures of the run that trained it stay, not those of a process that only evaluated
+    for key in ("avg_step_ms", "samples_per_s", "data_wait_frac", "cpu_exec_us",
+                *pipeline.HARDWARE_FIGURES):
+        assert again[key] == first[key], key
+    assert again["diagnosis"] == first["diagnosis"]
+    assert again["wall_s"] >= first["history"][-1]["elapsed_s"]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -270,6 +276,9 @@ def test_a_saved_autotune_is_reused_only_for_the_same_start(tmp_path):
     assert config == tuned and report["reused_from"] == str(path)
     other = pipeline.dataclasses.replace(start, lr=0.002)  # the user changed an option
     assert pipeline._saved_autotune(path, other) is None
+    # progress bars change nothing measured: resuming with --no-progress reuses the choice
+    quiet, _ = pipeline._saved_autotune(path, pipeline.dataclasses.replace(start, progress=False))
+    assert quiet == pipeline.dataclasses.replace(tuned, progress=False)
     path.write_text("{not json")  # torn or edited: measured again, no traceback
     assert pipeline._saved_autotune(path, start) is None
     path.write_text(json.dumps({"start": start.to_dict(), "config": {"amp": "fp8"},

@@ -68,6 +68,12 @@ def test_a_resumed_tuning_trains_only_the_sizes_its_journal_does_not_hold(tmp_pa
     assert resumed.trials[0] == first.trials[0]  # the journaled result, as it was
     assert len(json.loads(journal.read_text())["trials"]) == 2
 
+    # progress bars change nothing measured: still reused
+    trained.clear()
+    quiet = BASE.__class__(**{**BASE.to_dict(), "progress": not BASE.progress})
+    ResolutionTuner(index, quiet, [24, 32], journal=journal, resume=True).run()
+    assert trained == []
+
     # without --resume, or with other settings, every size is trained again
     trained.clear()
     ResolutionTuner(index, BASE, [24, 32], journal=journal).run()

@@ -161,6 +161,13 @@ def test_resume_continues_and_matches_an_uninterrupted_run(tmp_path):
     assert [r["train_loss"] for r in resumed.history] == [r["train_loss"] for r in full.history]
     for pa, pb in zip(full.model.parameters(), resumed.model.parameters()):
         torch.testing.assert_close(pa, pb, rtol=0, atol=0)
+    # the step timing and the wall time cover the epochs of both processes (each process
+    # leaves its own warm-up steps out)
+    batches_left = 2 * resumed.settings["steps_per_epoch"]
+    second_warmup = TIMING_WARMUP_STEPS if batches_left > 2 * TIMING_WARMUP_STEPS else 0
+    assert resumed.timing["steps"] == full.timing["steps"] - second_warmup
+    assert resumed.timing["samples"] > batches_left * BASE.batch_size
+    assert resumed.wall_s > resumed.history[1]["elapsed_s"]
 
 
 def test_resume_refuses_changed_settings(tmp_path):
