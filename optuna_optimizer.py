@@ -141,8 +141,9 @@ class OptunaTuner:
         log.info("trial %d %s value %s params %s%s", trial.number, trial.state.name, value,
                  trial.params, f" ({reason})" if reason else "")
 
-    def run(self) -> dict:
-        """Optimise; return a summary of the whole study (earlier sessions included)."""
+    def run(self, *, extend: bool = True) -> dict:
+        """Optimise; return a summary of the whole study (earlier sessions included).
+        extend=False (with resume): take a resumed study's trials as they are, run none."""
         optuna.logging.set_verbosity(optuna.logging.WARNING)  # we log one line per trial
         storage = self.storage
         if not self.resume and self.study_name in optuna.get_all_study_names(storage):
@@ -160,6 +161,10 @@ class OptunaTuner:
                 raise UserError(f"cannot resume study {self.study_name!r}: its batch sizes were "
                                 f"{tuple(old.choices)}, now {self.batch_sizes} (keep batch_sizes "
                                 "and max_batch_size, or run without resume to start over).")
+        if not extend and self.resume and self.study.trials:
+            log.info("study %r: its %d trials as they are, none added", self.study_name,
+                     len(self.study.trials))
+            return self.summary()
         # n_trials counts this call's trials only, so resume runs n_trials more.
         self.study.optimize(self.objective, n_trials=self.n_trials, timeout=self.timeout_s,
                             callbacks=[self._log_trial], gc_after_trial=True)

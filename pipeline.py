@@ -285,6 +285,12 @@ def short_budget(config: TrainConfig) -> int:
     return max(2, config.epochs // 3)
 
 
+def checkpoint_file(output_dir: Path, scenario: str, suffix: str = ".pt") -> Path:
+    """Where a scenario keeps what --resume continues from: its training state (.pt), the
+    autotuner's choice (.autotune.json), the resolution tuning's results (.tuning.json)."""
+    return output_dir / "checkpoints" / f"{scenario}{suffix}"
+
+
 def load_data(args: argparse.Namespace, output_dir: Path) -> DatasetIndex:
     per_class = QUICK_SYNTHETIC_PER_CLASS if args.quick else SYNTHETIC_PER_CLASS
     root, name = resolve_source(args.dataset, args.data_dir, output_dir / "data", per_class)
@@ -310,7 +316,7 @@ def run_scenario(name: str, args: argparse.Namespace, index: DatasetIndex, outpu
         steps = (planned_steps(config, len(index.train)) +
                  planned_steps(config, len(index.train), tuning_runs, short_budget(config)))
         config, report = autotune_scenario(config, args, index, steps,
-                                           output_dir / "checkpoints" / f"{name}.autotune.json")
+                                           checkpoint_file(output_dir, name, ".autotune.json"))
         if report is not None:
             extra["autotune"] = report
     if name == "resolution":
@@ -329,7 +335,7 @@ def run_scenario(name: str, args: argparse.Namespace, index: DatasetIndex, outpu
     profiler = TorchProfiler(output_dir / "profiler" / name, enabled=args.profile)
     with SystemSampler(cuda_device=_cuda_index(device)) as sampler, profiler:
         result = train(model, train_loader, val_loader, config, run_dir=output_dir / "runs" / name,
-                       checkpoint_path=output_dir / "checkpoints" / f"{name}.pt",
+                       checkpoint_path=checkpoint_file(output_dir, name),
                        resume=args.resume, profiler=profiler)
         test = evaluate(result.model, test_loader, device=device,
                         amp_dtype=autocast_dtype(config.amp, device),
@@ -337,11 +343,12 @@ def run_scenario(name: str, args: argparse.Namespace, index: DatasetIndex, outpu
     system = sampler.summary()
     carried = None
     if result.resumed_from_epoch is not None and result.resumed_from_epoch >= result.epochs_run:
-        # Resumed after it had finished: this process only evaluated, so the hardware figures
-        # measured while it trained stay (the step timing comes back with the checkpoint).
+        # Resumed after it had finished: this process only evaluated, so the figures measured
+        # while it trained stay (without results.json: the checkpoint's step timing, and
+        # machine samples of the test evaluation only).
         carried = _previous_row(output_dir / "results.json", name, index.name)
-        log.info("%s had finished; %s", name, "keeping the hardware figures measured while it "
-                 "trained" if carried else "its hardware figures cover only the test evaluation")
+        log.info("%s had finished; %s", name, "keeping the figures measured while it trained"
+                 if carried else "its machine figures cover only the test evaluation")
     row = result_row(name, config, result, test, index, device, system,
                      data_path_of(train_loader), carried)
     row.update(extra, tuning_s=tuning_s, wall_s=tuning_s + result.wall_s)
@@ -361,7 +368,7 @@ def tune_resolution(config: TrainConfig, args: argparse.Namespace, index: Datase
     # Each finished size is journaled: --resume trains only the sizes not yet done.
     tuner = ResolutionTuner(index, dataclasses.replace(config, progress=False), sizes,
                             epochs=short_budget(config), resume=args.resume,
-                            journal=output_dir / "checkpoints" / "resolution.tuning.json")
+                            journal=checkpoint_file(output_dir, "resolution", ".tuning.json"))
     size = tuner.run()
     tuner.save_plot(output_dir / "resolution_tradeoff.png")
     return dataclasses.replace(config, image_size=size), {"resolution_trials": tuner.tradeoff()}
@@ -378,7 +385,14 @@ def tune_hyperparameters(config: TrainConfig, args: argparse.Namespace, index: D
                         timeout_s=args.time_budget, storage=args.storage, resume=args.resume,
                         epochs=(2, short_budget(config) + 1), seed=args.seed,
                         max_batch_size=largest)
-    summary = tuner.run()
+    # The final run's checkpoint holds the best parameters of the study as it was: after a
+    # crash in that run, more trials could only change them (and the checkpoint would refuse).
+    final = checkpoint_file(output_dir, "hpo")
+    extend = not (args.resume and final.exists())
+    if not extend:
+        log.info("hpo: the final run had started (%s): resuming it with the study as it is "
+                 "(delete that file to search further)", final)
+    summary = tuner.run(extend=extend)
     tuner.save_plots()
     # Trials train a short budget; the final run keeps the scenario's full epochs.
     best = {k: v for k, v in summary["best_params"].items() if k != "epochs"}
@@ -402,16 +416,17 @@ def _cuda_index(device: torch.device) -> int | None:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-# results.json fields measured by sampling the machine while a scenario runs.
-HARDWARE_FIGURES = ("gpu_util_pct", "cpu_util_pct", "process_cpu_pct", "peak_mem_mb",
-                    "gpu_mem_peak_mb", "energy_j")
+# results.json fields measured while a scenario trains: step timing and machine samples.
+MEASURED_FIGURES = ("avg_step_ms", "samples_per_s", "data_wait_frac", "h2d_frac",
+                    "gpu_compute_frac", "cpu_exec_us", "gpu_util_pct", "cpu_util_pct",
+                    "process_cpu_pct", "peak_mem_mb", "gpu_mem_peak_mb", "energy_j")
 
 
 def result_row(name: str, config: TrainConfig, result: TrainResult, test: dict[str, Any],
                index: DatasetIndex, device: torch.device, system: dict[str, Any],
                data_path: str, carried: dict[str, Any] | None = None) -> dict[str, Any]:
     """The scenario's results.json object: accuracy, timing, hardware figures, diagnosis.
-    carried: an earlier row of the same scenario whose hardware figures replace this
+    carried: an earlier row of the same scenario whose measured figures replace this
     process's (which trained nothing)."""
     best = next((r for r in result.history if r["epoch"] == result.best_epoch), {})
     t = result.timing
@@ -447,7 +462,7 @@ def result_row(name: str, config: TrainConfig, result: TrainResult, test: dict[s
         "history": result.history,
     }
     if carried is not None:
-        row.update({k: carried.get(k) for k in HARDWARE_FIGURES})
+        row.update({k: carried.get(k) for k in MEASURED_FIGURES})
     row["diagnosis"] = diagnose({
         **{k: row[k] for k in ("data_wait_frac", "h2d_frac", "avg_step_ms", "samples_per_s",
                                "gpu_util_pct", "cpu_util_pct", "peak_mem_mb")},

@@ -69,8 +69,7 @@ def test_resume_after_a_finished_run_trains_nothing_more(small, tmp_path):
     assert again["resumed_from_epoch"] == 2 and again["history"] == first["history"]
     assert again["test_acc"] == first["test_acc"]
     # the figures of the run that trained it stay, not those of a process that only evaluated
-    for key in ("avg_step_ms", "samples_per_s", "data_wait_frac", "cpu_exec_us",
-                *pipeline.HARDWARE_FIGURES):
+    for key in pipeline.MEASURED_FIGURES:
         assert again[key] == first[key], key
     assert again["diagnosis"] == first["diagnosis"]
     assert again["wall_s"] >= first["history"][-1]["elapsed_s"]
@@ -263,6 +262,33 @@ def test_resume_keeps_the_autotuned_settings_instead_of_measuring_again(small, t
                  "batch_size"):
         assert resumed["settings"][knob] == first["settings"][knob], knob
     assert "reused on resume" in (out / "report.md").read_text()
+
+
+def test_resume_after_the_search_finished_does_not_extend_the_study(small, tmp_path,
+                                                                      monkeypatch):
+    """After a crash in the hpo scenario's final run, more trials could only change its best
+    parameters (and the final checkpoint would then refuse to resume)."""
+    out = tmp_path / "out"
+    argv = ("--data-dir", str(small), "--scenarios", "hpo", "--image-size", "32", "--epochs", "2",
+            "--n-trials", "2", "--weights", "none", "--no-progress", "--no-autotune",
+            "--output-dir", str(out))
+    assert run_main(*argv) == 0
+    first = json.loads((out / "results.json").read_text())[-1]
+
+    def search_again(*_, **__):
+        raise AssertionError("--resume ran another trial")
+    monkeypatch.setattr(pipeline.OptunaTuner, "objective", search_again)
+    assert run_main(*argv, "--resume") == 0
+    resumed = json.loads((out / "results.json").read_text())[-1]
+    assert resumed["hpo"]["n_trials"] == first["hpo"]["n_trials"] == 2
+    assert resumed["hpo"]["best_params"] == first["hpo"]["best_params"]
+    assert resumed["resumed_from_epoch"] == 2 and resumed["test_acc"] == first["test_acc"]
+
+    # while the search itself was interrupted (no final checkpoint yet), --resume extends it
+    pipeline.checkpoint_file(out, "hpo").unlink()
+    monkeypatch.undo()
+    assert run_main(*argv, "--resume") == 0
+    assert json.loads((out / "results.json").read_text())[-1]["hpo"]["n_trials"] == 4
 
 
 def test_a_saved_autotune_is_reused_only_for_the_same_start(tmp_path):
