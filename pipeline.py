@@ -401,13 +401,8 @@ def tune_hyperparameters(config: TrainConfig, args: argparse.Namespace, index: D
 
 def _previous_resolution(output_dir: Path, dataset: str) -> int | None:
     """The resolution scenario's pick from an earlier run on the same dataset, if any."""
-    try:
-        rows = json.loads((output_dir / "results.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    picks = [r.get("best_resolution") for r in rows if isinstance(r, dict)
-             and r.get("scenario") == "resolution" and r.get("dataset") == dataset]
-    return picks[-1] if picks else None
+    row = _previous_row(output_dir / "results.json", "resolution", dataset)
+    return row.get("best_resolution") if row else None
 
 
 def _cuda_index(device: torch.device) -> int | None:
@@ -513,25 +508,27 @@ def write_json(path: Path, data) -> None:
     atomic_write_text(json.dumps(_json_safe(data), indent=2, allow_nan=False), path)
 
 
-def _previous_row(path: Path, scenario: str, dataset: str) -> dict[str, Any] | None:
-    """The scenario's row in an earlier results.json, or None."""
+def _earlier_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of an earlier results.json; none when it is missing or unreadable."""
     try:
         rows = json.loads(path.read_text()) if path.exists() else []
     except (OSError, json.JSONDecodeError):
-        return None
-    return next((r for r in rows if isinstance(r, dict) and r.get("scenario") == scenario
-                 and r.get("dataset") == dataset), None) if isinstance(rows, list) else None
+        return []
+    return [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else []
+
+
+def _previous_row(path: Path, scenario: str, dataset: str) -> dict[str, Any] | None:
+    """The scenario's last row on `dataset` in an earlier results.json, or None."""
+    rows = [r for r in _earlier_rows(path)
+            if r.get("scenario") == scenario and r.get("dataset") == dataset]
+    return rows[-1] if rows else None
 
 
 def merge_results(path: Path, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Earlier rows of the same dataset stay; a scenario run again replaces its row."""
-    try:
-        old = json.loads(path.read_text()) if path.exists() else []
-    except (OSError, json.JSONDecodeError):
-        old = []
     names = {r["scenario"] for r in rows}
     datasets = {r["dataset"] for r in rows}
-    kept = [r for r in old if isinstance(r, dict) and r.get("scenario") not in names
+    kept = [r for r in _earlier_rows(path) if r.get("scenario") not in names
             and r.get("dataset") in datasets]
     return kept + rows
 
