@@ -34,6 +34,8 @@ BATCH_SIZES = (16, 32, 64, 128, 256)  # the search's choices, before the memory 
 class OptunaTuner:
     """An Optuna study maximising validation accuracy over training hyperparameters."""
 
+    SEARCHED = ("lr", "batch_size", "epochs", "optimizer", "weight_decay")  # see suggest()
+
     def __init__(self, index, base: TrainConfig, *, output_dir, n_trials: int = 10,
                  timeout_s: float | None = None, storage: str | None = None,
                  study_name: str = "hpo", pruner: str = "median", resume: bool = False,

@@ -27,7 +27,8 @@ from modules.files import atomic_write_text
 from modules.hardware import max_batch_size
 from modules.profiler import SystemSampler, TorchProfiler, diagnose, native_bf16_cpu
 from modules.report import write_report
-from modules.trainer import TrainResult, autocast_dtype, prepare, resolve_device, train
+from modules.trainer import (TrainResult, autocast_dtype, load_checkpoint, prepare,
+                             resolve_device, train)
 from modules.utility import (evaluate, load_model, plot_comparison, results_table, save_model,
                              table_markdown)
 from optuna_optimizer import BATCH_SIZES, OptunaTuner
@@ -258,7 +259,7 @@ def _saved_autotune(path: Path, start: TrainConfig) -> tuple[TrainConfig, dict[s
         report = dict(saved["report"], reused_from=str(path))
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError, UserError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, UserError) as exc:
         log.info("autotune: cannot reuse %s (%s); measuring again", path, exc)
         return None
     log.info("autotune: resuming with the settings measured before (%s)", path)
@@ -347,6 +348,9 @@ def run_scenario(name: str, args: argparse.Namespace, index: DatasetIndex, outpu
         # while it trained stay (without results.json: the checkpoint's step timing, and
         # machine samples of the test evaluation only).
         carried = _previous_row(output_dir / "results.json", name, index.name)
+        if carried is not None and carried.get("history") != json.loads(
+                json.dumps(_json_safe(result.history))):
+            carried = None  # a row of another run, not of the one in the checkpoint
         log.info("%s had finished; %s", name, "keeping the figures measured while it trained"
                  if carried else "its machine figures cover only the test evaluation")
     row = result_row(name, config, result, test, index, device, system,
@@ -385,17 +389,22 @@ def tune_hyperparameters(config: TrainConfig, args: argparse.Namespace, index: D
                         timeout_s=args.time_budget, storage=args.storage, resume=args.resume,
                         epochs=(2, short_budget(config) + 1), seed=args.seed,
                         max_batch_size=largest)
-    # The final run's checkpoint holds the best parameters of the study as it was: after a
-    # crash in that run, more trials could only change them (and the checkpoint would refuse).
+    # Once the final run has started, its checkpoint holds the parameters it trains with: more
+    # trials (this process's, or another worker's on a shared --storage) could only change the
+    # study's best, and the checkpoint would then refuse to resume.
     final = checkpoint_file(output_dir, "hpo")
     extend = not (args.resume and final.exists())
     if not extend:
-        log.info("hpo: the final run had started (%s): resuming it with the study as it is "
-                 "(delete that file to search further)", final)
+        log.info("hpo: the final run had started (%s): resuming it with the parameters it "
+                 "started with; the study is not extended (delete that file to search further)",
+                 final)
     summary = tuner.run(extend=extend)
     tuner.save_plots()
     # Trials train a short budget; the final run keeps the scenario's full epochs.
     best = {k: v for k, v in summary["best_params"].items() if k != "epochs"}
+    if not extend:
+        started = load_checkpoint(final)["config"]
+        best = {k: started[k] for k in OptunaTuner.SEARCHED if k != "epochs" and k in started}
     return dataclasses.replace(config, **best), {"hpo": summary}
 
 
@@ -411,18 +420,21 @@ def _cuda_index(device: torch.device) -> int | None:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-# results.json fields measured while a scenario trains: step timing and machine samples.
-MEASURED_FIGURES = ("avg_step_ms", "samples_per_s", "data_wait_frac", "h2d_frac",
-                    "gpu_compute_frac", "cpu_exec_us", "gpu_util_pct", "cpu_util_pct",
-                    "process_cpu_pct", "peak_mem_mb", "gpu_mem_peak_mb", "energy_j")
+# results.json fields measured while a scenario trains: the step timing (the checkpoint
+# carries it across a resume) and samples of the machine (results.json keeps them).
+STEP_FIGURES = ("avg_step_ms", "samples_per_s", "data_wait_frac", "h2d_frac",
+                "gpu_compute_frac", "cpu_exec_us")
+MACHINE_FIGURES = ("gpu_util_pct", "cpu_util_pct", "process_cpu_pct", "peak_mem_mb",
+                   "gpu_mem_peak_mb", "energy_j")
 
 
 def result_row(name: str, config: TrainConfig, result: TrainResult, test: dict[str, Any],
                index: DatasetIndex, device: torch.device, system: dict[str, Any],
                data_path: str, carried: dict[str, Any] | None = None) -> dict[str, Any]:
     """The scenario's results.json object: accuracy, timing, hardware figures, diagnosis.
-    carried: an earlier row of the same scenario whose measured figures replace this
-    process's (which trained nothing)."""
+    carried: the earlier row of this same training, whose machine figures replace this
+    process's (which trained nothing), and its step figures too when the checkpoint had none
+    (one written before checkpoints carried them)."""
     best = next((r for r in result.history if r["epoch"] == result.best_epoch), {})
     t = result.timing
     if device.type == "cuda":
@@ -457,7 +469,8 @@ def result_row(name: str, config: TrainConfig, result: TrainResult, test: dict[s
         "history": result.history,
     }
     if carried is not None:
-        row.update({k: carried.get(k) for k in MEASURED_FIGURES})
+        keys = MACHINE_FIGURES + (STEP_FIGURES if not t.get("steps") else ())
+        row.update({k: carried[k] for k in keys if k in carried})
     row["diagnosis"] = diagnose({
         **{k: row[k] for k in ("data_wait_frac", "h2d_frac", "avg_step_ms", "samples_per_s",
                                "gpu_util_pct", "cpu_util_pct", "peak_mem_mb")},
@@ -567,7 +580,12 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     output_dir = prepare_output_dir(args.output_dir)
     index = load_data(args, output_dir)
     tuned: dict[str, Any] = {}  # what one scenario hands the next (the picked resolution)
-    rows = [run_scenario(name, args, index, output_dir, device, tuned) for name in args.scenarios]
+    rows: list[dict[str, Any]] = []
+    for name in args.scenarios:
+        rows.append(run_scenario(name, args, index, output_dir, device, tuned))
+        if distributed.is_main():  # as each scenario ends: a crash in the next one loses no row
+            path = output_dir / "results.json"
+            write_json(path, merge_results(path, rows))
     return write_outputs(rows, output_dir) if distributed.is_main() else rows
 
 

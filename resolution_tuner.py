@@ -8,6 +8,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,7 +77,7 @@ class ResolutionTuner:
                 result = fit(self.index, config)
                 trial = ResolutionTrial(
                     image_size=size, val_acc=result.best_val_acc,
-                    samples_per_s=result.timing.get("samples_per_s") or 0.0,
+                    samples_per_s=_finite(result.timing.get("samples_per_s")),
                     epoch_s=sum(r["epoch_s"] for r in result.history) / max(1, len(result.history)),
                     wall_s=result.wall_s)
                 log.info("resolution %d px: val accuracy %.1f%%, %.0f img/s, %.1f s per epoch",
@@ -108,7 +109,8 @@ class ResolutionTuner:
 
     def _write_journal(self, data: str, entries: list[dict[str, Any]]) -> None:
         if self.journal is not None and distributed.is_main():
-            atomic_write_text(json.dumps({"data": data, "trials": entries}, indent=2),
+            atomic_write_text(json.dumps({"data": data, "trials": entries}, indent=2,
+                                         allow_nan=False),
                               self.journal)
 
     @staticmethod
@@ -169,3 +171,8 @@ def _data_fingerprint(index: DatasetIndex) -> str:
             digest.update(f"{path}\t{label}\n".encode())
         digest.update(b"\0")
     return digest.hexdigest()
+
+
+def _finite(value) -> float:
+    """A measured figure for the journal (strict JSON): 0.0 where there was nothing to time."""
+    return value if isinstance(value, float) and math.isfinite(value) else 0.0

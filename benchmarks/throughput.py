@@ -65,15 +65,20 @@ class StepClock:
 
     def __init__(self, device: torch.device, window: int = 1, warmup: int = WARMUP_STEPS):
         self.device, self.warmup = device, warmup
-        self.window = window if device.type == "cuda" else 1
+        self.window = max(1, window) if device.type == "cuda" else 1
         self.steps, self.stamps = 0, []
+        if warmup == 0:  # the first window starts now
+            self._stamp()
+
+    def _stamp(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.stamps.append(time.perf_counter())
 
     def step(self) -> None:
         self.steps += 1
         if self.steps >= self.warmup and (self.steps - self.warmup) % self.window == 0:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            self.stamps.append(time.perf_counter())
+            self._stamp()
 
     def img_s(self, batch_size: int) -> float:
         gaps = [b - a for a, b in zip(self.stamps, self.stamps[1:])]

@@ -273,7 +273,11 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
     if device.type == "cuda":
         timing["gpu_compute_s"] = 0.0
     if resumed_from is not None:  # the step timing of the epochs trained before, continued
-        timing.update({k: v for k, v in saved_timing.items() if k in timing})
+        if (saved_timing.get("device"), saved_timing.get("world")) == (device.type, world):
+            timing.update({k: v for k, v in saved_timing.items() if k in timing})
+        elif saved_timing:
+            log.info("the epochs before were timed on %s x%s; the step timing covers this "
+                     "process's epochs only", saved_timing.get("device"), saved_timing.get("world"))
     planned_steps = len(train_loader) * max(0, config.epochs - start_epoch)
     warmup = TIMING_WARMUP_STEPS if planned_steps > 2 * TIMING_WARMUP_STEPS else 0
     step_no = 0
@@ -431,7 +435,7 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
                 "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "scaler": scaler.state_dict(), "rng": _rng_state(), "history": history,
                 "best": best, "bad_epochs": bad_epochs, "nonfinite_steps": nonfinite_total,
-                "timing": dict(timing)})
+                "timing": {**timing, "device": device.type, "world": world}})
         if report is not None:
             report(row["epoch"], row)
         if stopped_early:

@@ -88,5 +88,11 @@ def test_step_clock_waits_for_a_gpu_once_per_window_and_a_cpu_step_is_one_sample
     assert len(syncs) == 4 and cpu.window == 1  # nothing to wait for on a CPU
     assert cpu.img_s(8) == 8 / 0.25
 
+    first = tp.StepClock(torch.device("cuda"), window=2, warmup=0)  # timed from the start
+    for _ in range(4):
+        now[0] += 0.5
+        first.step()
+    assert len(syncs) == 4 + 3 and first.img_s(8) == 8 * 2 / 1.0
+
     assert tp.gpu_window(75) == tp.GPU_WINDOW  # 2400 images of 32
     assert tp.gpu_window(18) == 5 and tp.gpu_window(4) == 1  # three windows after warm-up

@@ -64,6 +64,7 @@ def test_second_trial_pruned_and_counted(index, tmp_path, monkeypatch):
     assert first.user_attrs["samples_per_s"] > 0 and first.user_attrs["wall_s"] > 0
     assert second.user_attrs["pruned_reason"] == "pruned after epoch 1"
     assert summary["best_value"] == first.value and summary["best_params"] == first.params
+    assert set(first.params) == set(OptunaTuner.SEARCHED)  # what a resumed final run reads back
 
 
 def test_resume_adds_trials_and_fresh_run_starts_over(index, tmp_path, monkeypatch):

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import pipeline
 import resolution_tuner
@@ -69,10 +70,32 @@ def test_resume_after_a_finished_run_trains_nothing_more(small, tmp_path):
     assert again["resumed_from_epoch"] == 2 and again["history"] == first["history"]
     assert again["test_acc"] == first["test_acc"]
     # the figures of the run that trained it stay, not those of a process that only evaluated
-    for key in pipeline.MEASURED_FIGURES:
+    for key in pipeline.STEP_FIGURES + pipeline.MACHINE_FIGURES:
         assert again[key] == first[key], key
     assert again["diagnosis"] == first["diagnosis"]
     assert again["wall_s"] >= first["history"][-1]["elapsed_s"]
+    # a checkpoint from before checkpoints carried the step timing: results.json's row has it
+    ckpt_path = pipeline.checkpoint_file(tmp_path / "out", "baseline")
+    ckpt = torch.load(ckpt_path, weights_only=True)
+    del ckpt["timing"]
+    torch.save(ckpt, ckpt_path)
+    assert run_main(*args, "--resume") == 0
+    old = json.loads((tmp_path / "out" / "results.json").read_text())[0]
+    for key in pipeline.STEP_FIGURES + pipeline.MACHINE_FIGURES:
+        assert old[key] == first[key], key
+
+
+def test_each_finished_scenario_is_in_results_json_before_the_next_one_runs(small, tmp_path,
+                                                                            monkeypatch):
+    def crash(*_, **__):
+        raise pipeline.UserError("simulated crash in the second scenario")
+    monkeypatch.setattr(pipeline, "tune_resolution", crash)
+    out = tmp_path / "out"
+    assert run_main("--data-dir", str(small), "--scenarios", "baseline,resolution", "--epochs",
+                    "1", "--image-size", "32", "--weights", "none", "--no-progress",
+                    "--output-dir", str(out)) == 2
+    rows = json.loads((out / "results.json").read_text())
+    assert [r["scenario"] for r in rows] == ["baseline"] and rows[0]["samples_per_s"] > 0
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -275,20 +298,28 @@ def test_resume_after_the_search_finished_does_not_extend_the_study(small, tmp_p
     assert run_main(*argv) == 0
     first = json.loads((out / "results.json").read_text())[-1]
 
+    # another worker sharing the study finishes a better trial meanwhile
+    import optuna
+    study = optuna.load_study(study_name="hpo", storage=f"sqlite:///{out / 'optuna.db'}")
+    done = study.best_trial
+    study.add_trial(optuna.trial.create_trial(
+        params={**done.params, "lr": done.params["lr"] * 0.5}, distributions=done.distributions,
+        value=2.0))
+
     def search_again(*_, **__):
         raise AssertionError("--resume ran another trial")
     monkeypatch.setattr(pipeline.OptunaTuner, "objective", search_again)
-    assert run_main(*argv, "--resume") == 0
+    assert run_main(*argv, "--resume") == 0  # the final run continues with what it started with
     resumed = json.loads((out / "results.json").read_text())[-1]
-    assert resumed["hpo"]["n_trials"] == first["hpo"]["n_trials"] == 2
-    assert resumed["hpo"]["best_params"] == first["hpo"]["best_params"]
+    assert resumed["hpo"]["n_trials"] == first["hpo"]["n_trials"] + 1 == 3
+    assert resumed["settings"]["lr"] == first["settings"]["lr"]
     assert resumed["resumed_from_epoch"] == 2 and resumed["test_acc"] == first["test_acc"]
 
     # while the search itself was interrupted (no final checkpoint yet), --resume extends it
     pipeline.checkpoint_file(out, "hpo").unlink()
     monkeypatch.undo()
     assert run_main(*argv, "--resume") == 0
-    assert json.loads((out / "results.json").read_text())[-1]["hpo"]["n_trials"] == 4
+    assert json.loads((out / "results.json").read_text())[-1]["hpo"]["n_trials"] == 5
 
 
 def test_a_saved_autotune_is_reused_only_for_the_same_start(tmp_path):

@@ -155,6 +155,10 @@ def test_resume_continues_and_matches_an_uninterrupted_run(tmp_path):
         fit(config, checkpoint_path=tmp_path / "part.pt", report=stop_after_two)
     assert load_checkpoint(tmp_path / "part.pt")["epoch"] == 2
 
+    # the same state, as if its first epochs had been timed on another device
+    other = load_checkpoint(tmp_path / "part.pt")
+    other["timing"]["device"] = "cuda"
+    torch.save(other, tmp_path / "other.pt")
     resumed = fit(config, checkpoint_path=tmp_path / "part.pt", resume=True)
     assert resumed.resumed_from_epoch == 2 and resumed.epochs_run == 4
     assert [r["val_acc"] for r in resumed.history] == [r["val_acc"] for r in full.history]
@@ -168,6 +172,8 @@ def test_resume_continues_and_matches_an_uninterrupted_run(tmp_path):
     assert resumed.timing["steps"] == full.timing["steps"] - second_warmup
     assert resumed.timing["samples"] > batches_left * BASE.batch_size
     assert resumed.wall_s > resumed.history[1]["elapsed_s"]
+    elsewhere = fit(config, checkpoint_path=tmp_path / "other.pt", resume=True)
+    assert elsewhere.timing["steps"] == batches_left - second_warmup  # not mixed with another device's
 
 
 def test_resume_refuses_changed_settings(tmp_path):
