@@ -27,6 +27,9 @@ log = logging.getLogger(__name__)
 
 # A candidate is measured for at least MIN_STEPS steps and MIN_S seconds, at most MAX_STEPS.
 MIN_STEPS, MAX_STEPS, MIN_S = 3, 12, 1.5
+# For a short planned run the measuring may take at most MEASURE_SHARE of the run's own
+# (estimated) time: each candidate then gets less than MIN_S, but at least MIN_S_FLOOR.
+MEASURE_SHARE, MIN_S_FLOOR = 0.1, 0.3
 # A candidate whose first two timed steps are both this much slower than the best so far is
 # dropped after them (bf16 on a CPU without bf16 units: two steps are proof enough).
 ABORT_FACTOR = 1.5
@@ -99,12 +102,12 @@ class ComputeProbe:
 
 
 def _measure(config: TrainConfig, num_classes: int, best_img_s: float | None,
-             warmup: int = 2) -> dict[str, Any]:
+             warmup: int = 2, min_s: float = MIN_S) -> dict[str, Any]:
     """One candidate's figures; {"error": ...} when it cannot run here (unsupported, OOM)."""
     try:
         probe = ComputeProbe(config, num_classes)
         abort = None if not best_img_s else ABORT_FACTOR * probe.batch / best_img_s
-        return probe.measure(warmup=warmup, abort_above_s=abort)
+        return probe.measure(warmup=warmup, abort_above_s=abort, min_s=min_s)
     except Exception as exc:  # unsupported here, out of memory, a compiler failure ...
         first = (str(exc).splitlines() or [type(exc).__name__])[0][:120]
         return {"error": f"{type(exc).__name__}: {first}"}
@@ -123,7 +126,7 @@ def _label(value: Any) -> str:
 
 
 def _pick(knob: str, candidates: list[Any], config: TrainConfig, num_classes: int,
-          current: dict[str, Any]) -> tuple[TrainConfig, dict[str, Any]]:
+          current: dict[str, Any], min_s: float = MIN_S) -> tuple[TrainConfig, dict[str, Any]]:
     """Measure each candidate value of `knob` with the other knobs as chosen so far; keep the
     first candidate (the default) unless another is at least MIN_GAIN faster."""
     figures: dict[str, Any] = {}
@@ -134,7 +137,8 @@ def _pick(knob: str, candidates: list[Any], config: TrainConfig, num_classes: in
     else:
         best_value, best_img_s, rest = None, None, candidates
     for value in rest:
-        result = _measure(dataclasses.replace(config, **{knob: value}), num_classes, best_img_s)
+        result = _measure(dataclasses.replace(config, **{knob: value}), num_classes, best_img_s,
+                          min_s=min_s)
         if "error" in result:
             figures[_label(value)] = result["error"]
             continue
@@ -219,6 +223,16 @@ def _tune_compile(config: TrainConfig, num_classes: int, current: dict[str, Any]
                                                         "reason": reason}
 
 
+def measuring_time(planned_steps: int | None, samples_per_step: int, img_s: float | None,
+                   candidates: int) -> float:
+    """Seconds to measure each candidate: MIN_S, or less for a run so short that measuring
+    would take more than MEASURE_SHARE of it (at least MIN_S_FLOOR)."""
+    if not planned_steps or not img_s or candidates < 1:
+        return MIN_S
+    run_s = planned_steps * samples_per_step / img_s
+    return max(MIN_S_FLOOR, min(MIN_S, MEASURE_SHARE * run_s / candidates))
+
+
 def tune_workers(make_loader: Callable[[int], Any], compute_img_s: float,
                  candidates: list[int], batches: int = 6) -> tuple[int, dict[str, Any]]:
     """The fewest DataLoader workers whose loader outpaces the model; else the fastest count.
@@ -280,13 +294,18 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
         config, _ = _fit_batch(config, num_classes, device, effective)
     # A process's first steps are slow (kernel selection, first-touch memory, oneDNN's JIT):
     # warm up once so that cost is not charged to whichever candidate happens to go first.
-    _measure(config, num_classes, None)
+    warm = _measure(config, num_classes, None, min_s=MIN_S_FLOOR)
+    min_s = measuring_time(planned_steps, config.effective_batch_size, warm.get("img_s"),
+                           sum(len(c) for k, c in plan if k not in fixed))
+    if min_s < MIN_S:
+        log.info("autotune: a short planned run: %.1f s per candidate, to measure within %.0f%% "
+                 "of its time", min_s, 100 * MEASURE_SHARE)
     for knob, candidates in plan:
         if knob in fixed:
             knobs[knob] = _set_by_user(config, knob)
             continue
         config = dataclasses.replace(config, **{knob: candidates[0]})
-        config, knobs[knob] = _pick(knob, candidates, config, num_classes, current)
+        config, knobs[knob] = _pick(knob, candidates, config, num_classes, current, min_s)
         log.info("autotune: %s = %s (%s)", knob, _label(knobs[knob]["choice"]),
                  knobs[knob]["reason"])
     apply_process_settings(config, device)  # leave the process as chosen, not as last measured
@@ -322,7 +341,7 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
                  config.grad_accum_steps, knobs["batch_size"]["reason"])
     report = {"device": str(device), "image_size": config.image_size,
               "compute_img_s": round(compute_img_s, 2), "seconds": round(time.perf_counter() - started, 1),
-              "knobs": knobs}
+              "seconds_per_candidate": round(min_s, 2), "knobs": knobs}
     log.info("autotune: %.1f img/s pure compute after %.0f s of measuring", compute_img_s,
              report["seconds"])
     _RESULTS[key] = (config, report)

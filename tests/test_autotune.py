@@ -56,9 +56,27 @@ def test_every_knob_is_measured_and_explained_on_cpu():
     assert report["compute_img_s"] > 0
 
 
+def test_a_short_planned_run_is_measured_within_a_share_of_its_time(monkeypatch):
+    monkeypatch.setattr(at, "MIN_S", 1.5)
+    assert at.measuring_time(None, 64, 800.0, 10) == 1.5            # nothing planned: full time
+    assert at.measuring_time(100_000, 64, 800.0, 10) == 1.5         # a long run
+    assert at.measuring_time(1000, 64, 800.0, 10) == pytest.approx(0.8)  # 80 s run: 8 s in all
+    assert at.measuring_time(270, 64, 800.0, 10) == at.MIN_S_FLOOR  # 22 s run: the floor
+    seen = []
+    measure = at.ComputeProbe.measure
+
+    def spy(self, **kw):
+        seen.append(kw.get("min_s"))
+        return measure(self, **kw)
+    monkeypatch.setattr(at.ComputeProbe, "measure", spy)
+    _, report = at.autotune(_config(), 3, planned_steps=10)
+    assert report["seconds_per_candidate"] == at.MIN_S_FLOOR
+    assert len(seen) > 5 and set(seen) == {at.MIN_S_FLOOR}
+
+
 def test_a_slower_dtype_is_rejected_by_its_measurement(monkeypatch):
     """bf16 on a CPU without bf16 units: the figure, not a rule, turns it down."""
-    def fake(config, num_classes, best, warmup=1):
+    def fake(config, num_classes, best, warmup=1, min_s=None):
         speed = {"off": 200.0, "bf16": 31.0}[config.amp]
         return {"img_s": speed * (2.0 if config.channels_last else 1.0), "warmup_s": 0.1,
                 "steps": 1}
@@ -72,7 +90,7 @@ def test_a_slower_dtype_is_rejected_by_its_measurement(monkeypatch):
 
 def test_a_faster_candidate_is_kept_and_a_marginal_one_is_not(monkeypatch):
     speeds = {"auto": 100.0, "forloop": 100.0, "foreach": 101.0, "fused": 150.0}
-    monkeypatch.setattr(at, "_measure", lambda c, n, b, warmup=1: {
+    monkeypatch.setattr(at, "_measure", lambda c, n, b, warmup=1, min_s=None: {
         "img_s": speeds[c.optimizer_impl], "warmup_s": 0.0, "steps": 1})
     config, report = at.autotune(_config(), 3, planned_steps=10)
     assert config.optimizer_impl == "fused"
@@ -96,7 +114,7 @@ def test_user_set_knobs_are_kept_unmeasured():
 
 
 def test_compile_is_kept_only_when_it_pays_back(monkeypatch):
-    def fake(config, num_classes, best, warmup=1):
+    def fake(config, num_classes, best, warmup=1, min_s=None):
         if config.compile:
             return {"img_s": 200.0, "warmup_s": 30.0, "steps": 3}
         return {"img_s": 100.0, "warmup_s": 0.0, "steps": 3}
