@@ -250,8 +250,7 @@ def _saved_autotune(path: Path, start: TrainConfig) -> tuple[TrainConfig, dict[s
     start, or a file this version cannot read: then it is measured again)."""
     try:
         saved = json.loads(path.read_text())
-        saved_start = {k: v for k, v in saved["start"].items() if k not in DISPLAY_ONLY}
-        if saved_start != json.loads(json.dumps(start.run_settings())):
+        if TrainConfig(**saved["start"]).run_settings() != start.run_settings():
             log.info("autotune: the settings changed since %s; measuring again", path)
             return None
         tuned = dataclasses.replace(TrainConfig(**saved["config"]),
@@ -401,8 +400,9 @@ def tune_hyperparameters(config: TrainConfig, args: argparse.Namespace, index: D
     summary = tuner.run(extend=extend)
     tuner.save_plots()
     # Trials train a short budget; the final run keeps the scenario's full epochs.
-    best = {k: v for k, v in summary["best_params"].items() if k != "epochs"}
-    if not extend:
+    if extend:
+        best = {k: v for k, v in summary["best_params"].items() if k != "epochs"}
+    else:
         started = load_checkpoint(final)["config"]
         best = {k: started[k] for k in OptunaTuner.SEARCHED if k != "epochs" and k in started}
     return dataclasses.replace(config, **best), {"hpo": summary}
@@ -546,9 +546,8 @@ def merge_results(path: Path, rows: list[dict[str, Any]]) -> list[dict[str, Any]
     return kept + rows
 
 
-def write_outputs(rows: list[dict[str, Any]], output_dir: Path) -> list[dict[str, Any]]:
-    results = merge_results(output_dir / "results.json", rows)
-    write_json(output_dir / "results.json", results)
+def write_outputs(results: list[dict[str, Any]], output_dir: Path) -> list[dict[str, Any]]:
+    """Plots, report and table of the results already in results.json."""
     plot_comparison({r["scenario"]: r["history"] for r in results}, output_dir)
     write_report(results, output_dir)
     print(table_markdown(results_table(results)))
@@ -581,12 +580,14 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     index = load_data(args, output_dir)
     tuned: dict[str, Any] = {}  # what one scenario hands the next (the picked resolution)
     rows: list[dict[str, Any]] = []
+    results: list[dict[str, Any]] = []
     for name in args.scenarios:
         rows.append(run_scenario(name, args, index, output_dir, device, tuned))
         if distributed.is_main():  # as each scenario ends: a crash in the next one loses no row
             path = output_dir / "results.json"
-            write_json(path, merge_results(path, rows))
-    return write_outputs(rows, output_dir) if distributed.is_main() else rows
+            results = merge_results(path, rows)
+            write_json(path, results)
+    return write_outputs(results, output_dir) if distributed.is_main() else rows
 
 
 def setup_logging() -> None:

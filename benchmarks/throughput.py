@@ -198,11 +198,10 @@ def trace_gap(index, config: TrainConfig, device: torch.device, trace_dir: Path,
     cuda = device.type == "cuda"
     with TorchProfiler(trace_dir / "pure_compute", wait=0, warmup=WARMUP_STEPS,
                        active=active) as prof:
-        probe = ComputeProbe(config, 6)
+        probe, synced = ComputeProbe(config, 6), _SyncedProfiler(prof, device)
         for _ in range(WARMUP_STEPS + active):
             probe.step()
-            probe.sync()
-            prof.step()
+            synced.step()
     pure = _step_figures(prof.averages, active, cuda)
     with TorchProfiler(trace_dir / "pipeline", wait=0, warmup=WARMUP_STEPS,
                        active=active) as prof:

@@ -24,7 +24,7 @@ import ctypes
 import ctypes.util
 import platform
 
-ALLOCATORS = ("system", "retain")
+from modules.config import CPU_ALLOCATORS as ALLOCATORS
 RETAIN_TRIM_BYTES = 1 << 30  # free heap top kept before trimming it back to the system
 
 # mallopt parameters, from glibc's malloc.h

@@ -57,7 +57,7 @@ class TrainResult:
     resumed_from_epoch: int | None      # completed epochs found in the checkpoint
     wall_s: float                       # seconds of training, the epochs before a resume included
     time_to_best_s: float               # training time until the best epoch ended, seconds
-    timing: dict[str, float] = field(default_factory=dict)  # step-time breakdown, this call
+    timing: dict[str, float] = field(default_factory=dict)  # step-time breakdown, resumes included
     settings: dict[str, Any] = field(default_factory=dict)   # resolved device, dtype, ...
 
 
