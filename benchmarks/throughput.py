@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import importlib.util
 import json
 import logging
@@ -170,8 +171,8 @@ def _step_figures(averages, steps: int, cuda: bool) -> tuple[dict[str, float | N
     a GPU, waiting for it). On a launch-bound GPU every call and launch costs host time."""
     host, device, wall, calls, launches = {}, {}, 0.0, 0, 0
     for e in averages:
-        if e.key.startswith("ProfilerStep"):
-            wall = e.cpu_time_total / max(1, e.count)
+        if e.key.startswith("ProfilerStep"):  # on a GPU also a device-side entry, 0 on the host
+            wall = max(wall, e.cpu_time_total / max(1, e.count))
         elif e.key.startswith("aten::"):
             host[e.key] = e.self_cpu_time_total / steps
             calls += e.count
@@ -243,9 +244,20 @@ def print_trace(trace: dict) -> None:
                 f"{name} +{us:.0f}" for name, us in trace[key].items()))
 
 
+LIGHTNING_PACKAGES = ("lightning", "pytorch_lightning")  # the 2.x name, and the older one
+
+
+def _lightning():
+    """PyTorch Lightning under either of its package names, or None."""
+    for name in LIGHTNING_PACKAGES:
+        if importlib.util.find_spec(name) is not None:
+            return importlib.import_module(name)
+    return None
+
+
 def lightning_img_s(index, args, device: torch.device, window: int) -> float:
     """Lightning's Trainer as a user would set it up: ImageFolder and torchvision transforms."""
-    import lightning as L
+    L = _lightning()
     from torch.utils.data import DataLoader
     from torchvision import datasets, transforms as T
 
@@ -372,7 +384,8 @@ def main(argv=None) -> int:
         device = resolve_device(args.device)
         TrainConfig(model=args.model, image_size=args.image_size, batch_size=args.batch_size)
         skip = {s.strip() for s in args.skip.split(",") if s.strip()}
-        if "lightning" not in skip and importlib.util.find_spec("lightning") is None:
+        if "lightning" not in skip and not any(importlib.util.find_spec(n)
+                                               for n in LIGHTNING_PACKAGES):
             raise UserError("the lightning row needs PyTorch Lightning: pip install -r "
                             "benchmarks/requirements.txt, or pass --skip lightning.")
         cache_dir = Path(args.data_dir)

@@ -96,3 +96,18 @@ def test_step_clock_waits_for_a_gpu_once_per_window_and_a_cpu_step_is_one_sample
 
     assert tp.gpu_window(75) == tp.GPU_WINDOW  # 2400 images of 32
     assert tp.gpu_window(18) == 5 and tp.gpu_window(4) == 1  # three windows after warm-up
+
+
+def test_the_lightning_row_takes_either_package_name(monkeypatch):
+    """Lightning 2.x installs as `lightning`; many setups (Colab images among them) have only
+    the older `pytorch_lightning`: the row uses whichever is there."""
+    tp = _throughput_module()
+    fake = object()
+    present = {"pytorch_lightning"}
+    monkeypatch.setattr(tp.importlib.util, "find_spec",
+                        lambda name: object() if name in present else None)
+    monkeypatch.setattr(tp.importlib, "import_module",
+                        lambda name: fake if name in present else None)
+    assert tp._lightning() is fake
+    present.clear()
+    assert tp._lightning() is None
