@@ -37,6 +37,9 @@ CROP_RATIO = (3 / 4, 4 / 3)
 JITTER = 0.2
 _LUMA = (0.299, 0.587, 0.114)  # ITU-R 601 grey, as torchvision's rgb_to_grayscale
 PARAM_BATCHES = 64  # training batches whose augmentation parameters are drawn together
+# On a GPU, images gathered and augmented in one pass (several small batches at once): a small
+# batch on a fast GPU is bound by kernel launches, and one pass costs the launches of one batch.
+GPU_PASS_IMAGES = 256
 
 _MEMO: OrderedDict[tuple[str, int], torch.Tensor] = OrderedDict()  # (image list, size) -> cache
 
@@ -192,13 +195,15 @@ class CachedLoader:
     data_path = "decoded cache"
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, *, batch_size: int,
-                 train: bool, device: torch.device, seed: int, channels_last: bool):
+                 train: bool, device: torch.device, seed: int, channels_last: bool,
+                 pass_batches: int | None = None):
         self.images, self.labels = images, labels.to(images.device)
         self.batch_size, self.train, self.device, self.seed = batch_size, train, device, seed
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
         self.sampler = train_sampler(len(labels), seed) if train else None
         self.n_local = len(self.sampler) if self.sampler is not None else len(labels)
         self.drop_last = drops_last(self.sampler, batch_size)
+        self.pass_batches = pass_batches or batches_per_pass(batch_size, device)
 
     def __len__(self) -> int:
         full, rest = divmod(self.n_local, self.batch_size)
@@ -209,25 +214,45 @@ class CachedLoader:
                              dtype=torch.int64).to(self.images.device)  # one copy per epoch
         epoch = getattr(self.sampler, "epoch", 0)
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + 7919 * epoch + 1)
-        params, used = None, 0
-        for k in range(len(self)):
-            idx = order[k * self.batch_size:(k + 1) * self.batch_size]
-            x = self.images.index_select(0, idx)
-            y = self.labels.index_select(0, idx)
-            x, y = _to(x, self.device), _to(y, self.device)  # when the cache stayed in RAM
+        params, used, bs = None, 0, self.batch_size
+        n_batches = len(self)
+        end = min(self.n_local, n_batches * bs)  # images this epoch yields
+        for k in range(0, n_batches, self.pass_batches):
+            # One pass gathers and augments `pass_batches` batches (1 on a CPU); the images and
+            # their parameters are the same whatever the pass size.
+            lo, hi = k * bs, min(end, (k + self.pass_batches) * bs)
+            idx = order[lo:hi]
+            x = _to(self.images.index_select(0, idx), self.device)  # to: when the cache is in RAM
+            y = _to(self.labels.index_select(0, idx), self.device)
             if self.train:
                 n, _, h, w = x.shape
                 if params is None or used + n > len(params):
                     # Drawn PARAM_BATCHES batches at a time: one NumPy pass and (on a GPU) one
                     # copy instead of one per batch; the draws follow the same generator.
-                    rows = min(PARAM_BATCHES * self.batch_size, self.n_local - k * self.batch_size)
+                    rows = min(PARAM_BATCHES * bs, self.n_local - lo)
                     params, used = _to(_augment_params(rows, h, w, generator, IMAGENET_MEAN,
                                                        IMAGENET_STD), self.device), 0
                 x = augment_with(x, params[used:used + n])
                 used += n
             else:
                 x = normalise(x)
-            yield x.contiguous(memory_format=self.memory_format), y
+            x = x.contiguous(memory_format=self.memory_format)
+            if hi - lo <= bs:
+                yield x, y
+            else:  # slices along the batch keep the memory format, without a copy
+                yield from zip(x.split(bs), y.split(bs))
+
+
+def batches_per_pass(batch_size: int, device: torch.device) -> int:
+    """Batches a CachedLoader gathers and augments in one pass: 1 on a CPU (no launches to save,
+    and one batch stays in the caches); on a GPU a power of two dividing PARAM_BATCHES, so that
+    a pass never straddles two draws of parameters, with up to GPU_PASS_IMAGES images."""
+    if device.type != "cuda":
+        return 1
+    n = 1
+    while n * 2 <= PARAM_BATCHES and n * 2 * batch_size <= GPU_PASS_IMAGES:
+        n *= 2
+    return n
 
 
 def _budget(index, size: int) -> tuple[int, int, int]:

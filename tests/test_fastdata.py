@@ -99,6 +99,41 @@ def test_cached_shuffle_depends_only_on_seed_and_epoch(folder):
     assert not torch.equal(labels(), first) or len(first) < 3
 
 
+@pytest.mark.parametrize("train", [True, False])
+def test_a_pass_of_several_batches_yields_the_batches_of_one_at_a_time(train):
+    """On a GPU several batches are gathered and augmented in one pass (fewer launches): the
+    batches, their pixels, labels and memory format are those of one batch per pass."""
+    g = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (8 * fastdata.PARAM_BATCHES + 13, 3, 12, 12), dtype=torch.uint8,
+                           generator=g)
+    labels = torch.randint(0, 6, (len(images),), generator=g)
+
+    def batches(pass_batches):
+        loader = CachedLoader(images, labels, batch_size=4, train=train, device=torch.device("cpu"),
+                              seed=3, channels_last=True, pass_batches=pass_batches)
+        if train:
+            loader.sampler.set_epoch(2)
+        return list(loader)
+
+    one, eight = batches(1), batches(8)
+    assert len(one) == len(eight) == len(CachedLoader(
+        images, labels, batch_size=4, train=train, device=torch.device("cpu"), seed=3,
+        channels_last=False))
+    for (xa, ya), (xb, yb) in zip(one, eight):
+        assert torch.equal(ya, yb) and xa.shape == xb.shape
+        assert xb.is_contiguous(memory_format=torch.channels_last)
+        assert torch.allclose(xa, xb, atol=1e-5)
+
+
+def test_passes_are_one_batch_on_a_cpu_and_up_to_256_images_on_a_gpu():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert fastdata.batches_per_pass(32, cpu) == 1
+    assert [fastdata.batches_per_pass(b, gpu) for b in (1, 32, 48, 64, 256, 512)] == \
+        [64, 8, 4, 4, 1, 1]
+    for b in (1, 3, 32, 48, 100):  # a pass never straddles two draws of parameters
+        assert fastdata.PARAM_BATCHES % fastdata.batches_per_pass(b, gpu) == 0
+
+
 def test_images_are_decoded_once_per_size(folder, monkeypatch):
     index = index_dataset(folder)
     calls = []
