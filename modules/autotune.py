@@ -30,8 +30,9 @@ MIN_STEPS, MAX_STEPS, MIN_S = 3, 12, 1.5
 # For a short planned run the measuring may take at most MEASURE_SHARE of the run's own
 # (estimated) time: each candidate then gets less than MIN_S, but at least MIN_S_FLOOR.
 MEASURE_SHARE, MIN_S_FLOOR = 0.1, 0.3
-# A candidate whose first two timed steps are both this much slower than the best so far is
-# dropped after them (bf16 on a CPU without bf16 units: two steps are proof enough).
+# A candidate whose last warm-up step and first timed step (or first two timed steps) are both
+# this much slower than the best so far is dropped after them (bf16 on a CPU without bf16
+# units: two steps are proof enough).
 ABORT_FACTOR = 1.5
 # Keep a setting only when it is at least this much faster (timings wobble by a few percent).
 MIN_GAIN = 1.03
@@ -88,16 +89,20 @@ class ComputeProbe:
                 min_s: float = MIN_S, abort_above_s: float | None = None
                 ) -> dict[str, float]:
         """{"img_s": median throughput, "warmup_s": time of the warm-up steps, "steps": n}."""
-        warm = sum(self.timed_step() for _ in range(warmup))
+        warm_steps = [self.timed_step() for _ in range(warmup)]
+        # the last warm-up step already counts towards dropping a slow candidate (the first one
+        # carries one-time costs: kernel selection, first-touch memory, a JIT)
+        recent = warm_steps[-1:] if warmup > 1 else []
         times: list[float] = []
         started = time.perf_counter()
         while len(times) < max_steps and (len(times) < min_steps
                                           or time.perf_counter() - started < min_s):
             times.append(self.timed_step())
+            recent = (recent + times[-1:])[-2:]
             # two slow steps in a row, not one hiccup, drop a candidate early
-            if abort_above_s is not None and len(times) == 2 and min(times) > abort_above_s:
+            if abort_above_s is not None and len(recent) == 2 and min(recent) > abort_above_s:
                 break
-        return {"img_s": self.batch / statistics.median(times), "warmup_s": warm,
+        return {"img_s": self.batch / statistics.median(times), "warmup_s": sum(warm_steps),
                 "steps": len(times)}
 
 
@@ -292,6 +297,10 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
     if device.type == "cuda" and tune_batch and "batch_size" not in fixed:
         # Measure at a batch that fits with the starting knobs; refitted for the final ones below.
         config, _ = _fit_batch(config, num_classes, device, effective)
+    # Every measured knob starts at its first candidate ("auto" names the same setting
+    # differently), so the figure a knob's choice measured is its successor's first candidate,
+    # reused instead of measured again.
+    config = dataclasses.replace(config, **{k: c[0] for k, c in plan if k not in fixed})
     # A process's first steps are slow (kernel selection, first-touch memory, oneDNN's JIT):
     # warm up once so that cost is not charged to whichever candidate happens to go first.
     warm = _measure(config, num_classes, None, min_s=MIN_S_FLOOR)

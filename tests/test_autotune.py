@@ -100,10 +100,33 @@ def test_a_faster_candidate_is_kept_and_a_marginal_one_is_not(monkeypatch):
     assert config.optimizer_impl == "forloop"
 
 
-def test_a_slow_candidate_stops_after_two_timed_steps():
+def test_a_slow_candidate_stops_after_two_slow_steps_in_a_row():
     probe = at.ComputeProbe(_config(), 3)
     result = probe.measure(warmup=1, min_steps=5, max_steps=5, abort_above_s=0.0)
-    assert result["steps"] == 2
+    assert result["steps"] == 2  # one warm-up step (one-time costs) does not count
+    result = probe.measure(warmup=2, min_steps=5, max_steps=5, abort_above_s=0.0)
+    assert result["steps"] == 1  # the second warm-up step and the first timed one
+    result = probe.measure(warmup=2, min_steps=5, max_steps=5, abort_above_s=60.0)
+    assert result["steps"] == 5
+
+
+def test_no_setting_is_measured_twice(monkeypatch):
+    """Each knob's first candidate is the setting the previous knob measured ("auto" included):
+    its figure is reused, not measured again."""
+    seen = []
+
+    def fake(config, num_classes, best, warmup=1, min_s=None):
+        seen.append(config)
+        return {"img_s": 100.0, "warmup_s": 0.0, "steps": 1}
+    monkeypatch.setattr(at, "_measure", fake)
+    start = _config(amp="auto", optimizer_impl="auto")
+    at.autotune(start, 3, planned_steps=10)
+    after_warm_up = seen[1:]
+    assert len(after_warm_up) == len(set(after_warm_up))
+    # threads, then one more per other candidate of each knob
+    plan = [at.thread_candidates(), [True, False], at.amp_candidates(torch.device("cpu")),
+            at.optimizer_candidates(torch.device("cpu")), hostmem.candidates()]
+    assert len(after_warm_up) == len(plan[0]) + sum(len(c) - 1 for c in plan[1:])
 
 
 def test_user_set_knobs_are_kept_unmeasured():
