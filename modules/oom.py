@@ -2,6 +2,8 @@
 Shared by the training loop (smaller micro-batches) and evaluation (smaller chunks)."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from modules.config import UserError
@@ -27,3 +29,11 @@ def release(device: torch.device) -> None:
     """Hand the failed pass's cached blocks back before trying smaller pieces."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def more_pieces(splits: int, n: int, message: str) -> int:
+    """The pieces a batch of `n` goes through after running out of memory in `splits` pieces:
+    twice as many, or OutOfMemoryError(message) when a piece already held a single sample."""
+    if math.ceil(n / splits) <= 1:
+        raise OutOfMemoryError(message)
+    return 2 * splits

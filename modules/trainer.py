@@ -25,7 +25,7 @@ from modules.config import TrainConfig, UserError
 from modules.dataset import make_loaders
 from modules.models import build_model
 from modules.files import atomic_torch_save, read_torch_file
-from modules.oom import OutOfMemoryError, is_out_of_memory, release
+from modules.oom import is_out_of_memory, more_pieces, release
 from modules.utility import evaluate
 
 log = logging.getLogger(__name__)
@@ -528,12 +528,10 @@ class _Flag:
 def _more_splits(splits: int, failed_y: torch.Tensor, config: TrainConfig) -> int:
     """Twice the chunks per loader batch after running out of memory, or OutOfMemoryError when
     the chunk that failed already held a single sample."""
-    if math.ceil(failed_y.shape[0] / splits) <= 1:
-        raise OutOfMemoryError(
-            f"out of memory even with one {config.image_size} px image per forward/backward "
-            f"pass ({config.model}); lower --image-size or use a smaller --model.")
     before = math.ceil(config.batch_size / splits)
-    splits *= 2
+    splits = more_pieces(splits, failed_y.shape[0], (
+        f"out of memory even with one {config.image_size} px image per forward/backward "
+        f"pass ({config.model}); lower --image-size or use a smaller --model."))
     log.warning("out of memory at micro-batch %d (%d px); continuing with micro-batch %d and %dx "
                 "more accumulation: the effective batch stays %d", before, config.image_size,
                 math.ceil(config.batch_size / splits), splits, config.effective_batch_size)

@@ -18,7 +18,7 @@ from modules.config import IMAGENET_MEAN, IMAGENET_STD, MODELS, UserError
 from modules.dataset import eval_transform, load_rgb
 from modules.files import atomic_torch_save, read_torch_file
 from modules.models import build_model
-from modules.oom import OutOfMemoryError, is_out_of_memory, release
+from modules.oom import is_out_of_memory, more_pieces, release
 
 log = logging.getLogger(__name__)
 
@@ -245,12 +245,11 @@ def _logits(model: nn.Module, x: torch.Tensor, splits: int, device: torch.device
 def _smaller_pieces(splits: int, n: int, image_shape: tuple[int, ...]) -> int:
     """Twice the pieces per evaluation batch after running out of memory, or OutOfMemoryError
     when a piece already held a single image."""
-    if math.ceil(n / splits) <= 1:
-        raise OutOfMemoryError(f"out of memory evaluating even one {image_shape[-1]} px image at "
-                               "a time; lower --image-size or use a smaller --model.")
+    more = more_pieces(splits, n, f"out of memory evaluating even one {image_shape[-1]} px image "
+                                  "at a time; lower --image-size or use a smaller --model.")
     log.warning("out of memory evaluating batches of %d; continuing in pieces of %d",
-                math.ceil(n / splits), math.ceil(n / (2 * splits)))
-    return 2 * splits
+                math.ceil(n / splits), math.ceil(n / more))
+    return more
 
 
 def predict(model: nn.Module, image_paths, *, batch_size: int = 32, device=None) -> list[dict]:
