@@ -37,9 +37,10 @@ CROP_RATIO = (3 / 4, 4 / 3)
 JITTER = 0.2
 _LUMA = (0.299, 0.587, 0.114)  # ITU-R 601 grey, as torchvision's rgb_to_grayscale
 PARAM_BATCHES = 64  # training batches whose augmentation parameters are drawn together
-# On a GPU, images gathered and augmented in one pass (several small batches at once): a small
-# batch on a fast GPU is bound by kernel launches, and one pass costs the launches of one batch.
-GPU_PASS_IMAGES = 256
+# On a GPU, several small batches are gathered and augmented in one pass, up to this many bytes
+# of float32 output (8 batches of 32 at 150 px): a small batch on a fast GPU is bound by kernel
+# launches, and one pass costs the launches of one batch.
+GPU_PASS_BYTES = 100 * 2**20
 
 _MEMO: OrderedDict[tuple[str, int], torch.Tensor] = OrderedDict()  # (image list, size) -> cache
 
@@ -203,7 +204,7 @@ class CachedLoader:
         self.sampler = train_sampler(len(labels), seed) if train else None
         self.n_local = len(self.sampler) if self.sampler is not None else len(labels)
         self.drop_last = drops_last(self.sampler, batch_size)
-        self.pass_batches = pass_batches or batches_per_pass(batch_size, device)
+        self.pass_batches = pass_batches or batches_per_pass(batch_size, images.shape[-1], device)
 
     def __len__(self) -> int:
         full, rest = divmod(self.n_local, self.batch_size)
@@ -243,14 +244,15 @@ class CachedLoader:
                 yield from zip(x.split(bs), y.split(bs))
 
 
-def batches_per_pass(batch_size: int, device: torch.device) -> int:
+def batches_per_pass(batch_size: int, size: int, device: torch.device) -> int:
     """Batches a CachedLoader gathers and augments in one pass: 1 on a CPU (no launches to save,
     and one batch stays in the caches); on a GPU a power of two dividing PARAM_BATCHES, so that
-    a pass never straddles two draws of parameters, with up to GPU_PASS_IMAGES images."""
+    a pass never straddles two draws of parameters, whose output takes up to GPU_PASS_BYTES."""
     if device.type != "cuda":
         return 1
+    batch_bytes = batch_size * 3 * size * size * 4
     n = 1
-    while n * 2 <= PARAM_BATCHES and n * 2 * batch_size <= GPU_PASS_IMAGES:
+    while n * 2 <= PARAM_BATCHES and n * 2 * batch_bytes <= GPU_PASS_BYTES:
         n *= 2
     return n
 

@@ -125,13 +125,15 @@ def test_a_pass_of_several_batches_yields_the_batches_of_one_at_a_time(train):
         assert torch.allclose(xa, xb, atol=1e-5)
 
 
-def test_passes_are_one_batch_on_a_cpu_and_up_to_256_images_on_a_gpu():
+def test_passes_are_one_batch_on_a_cpu_and_up_to_100_mb_on_a_gpu():
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
-    assert fastdata.batches_per_pass(32, cpu) == 1
-    assert [fastdata.batches_per_pass(b, gpu) for b in (1, 32, 48, 64, 256, 512)] == \
-        [64, 8, 4, 4, 1, 1]
+    assert fastdata.batches_per_pass(32, 150, cpu) == 1
+    assert [fastdata.batches_per_pass(b, 150, gpu) for b in (1, 32, 48, 64, 256, 512)] == \
+        [64, 8, 8, 4, 1, 1]
+    assert fastdata.batches_per_pass(32, 512, gpu) == 1   # 100 MB a batch already
+    assert fastdata.batches_per_pass(32, 64, gpu) == 64   # PARAM_BATCHES at most
     for b in (1, 3, 32, 48, 100):  # a pass never straddles two draws of parameters
-        assert fastdata.PARAM_BATCHES % fastdata.batches_per_pass(b, gpu) == 0
+        assert fastdata.PARAM_BATCHES % fastdata.batches_per_pass(b, 96, gpu) == 0
 
 
 def test_images_are_decoded_once_per_size(folder, monkeypatch):
