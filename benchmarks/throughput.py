@@ -88,10 +88,13 @@ class StepClock:
         return batch_size * self.window / statistics.median(gaps)
 
 
-def gpu_window(steps: int) -> int:
+def gpu_window(steps: int, pass_batches: int = 1) -> int:
     """Steps per timed window on a GPU: GPU_WINDOW, or fewer when an epoch of `steps` would not
-    leave three windows after the warm-up."""
-    return max(1, min(GPU_WINDOW, (steps - WARMUP_STEPS) // 3))
+    leave three windows after the warm-up; always a multiple of the pipeline's batches per
+    augmentation pass (fastdata.batches_per_pass), so that every window holds as many passes
+    (a median over windows of which some held none would leave the augmentation out)."""
+    passes = max(1, min(-(-GPU_WINDOW // pass_batches), (steps - WARMUP_STEPS) // 3 // pass_batches))
+    return passes * pass_batches
 
 
 def machine(device: torch.device) -> str:
@@ -399,7 +402,8 @@ def main(argv=None) -> int:
                    "machine": machine(device), "torch": torch.__version__}
         optimized, report = optimized_config(args, device, None)
         results["autotune"] = report
-        window = gpu_window(steps)  # one wait for the GPU per `window` steps, in every row
+        # one wait for the GPU per `window` steps, in every row
+        window = gpu_window(steps, fastdata.batches_per_pass(args.batch_size, args.image_size, device))
         results["timed_window_steps"] = window if device.type == "cuda" else 1
         rows = {
             "pure_compute": lambda: pure_compute_img_s(optimized, args.steps, window),

@@ -96,6 +96,10 @@ def test_step_clock_waits_for_a_gpu_once_per_window_and_a_cpu_step_is_one_sample
 
     assert tp.gpu_window(75) == tp.GPU_WINDOW  # 2400 images of 32
     assert tp.gpu_window(18) == 5 and tp.gpu_window(4) == 1  # three windows after warm-up
+    # a multiple of the augmentation pass: every window holds the same number of passes
+    assert tp.gpu_window(75, pass_batches=8) == 8 and tp.gpu_window(75, pass_batches=16) == 16
+    assert tp.gpu_window(75, pass_batches=3) == 9 and tp.gpu_window(18, pass_batches=2) == 4
+    assert tp.gpu_window(10, pass_batches=8) == 8  # fewer than three windows, never a part pass
 
 
 def test_the_lightning_row_takes_either_package_name(monkeypatch):
