@@ -292,14 +292,12 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
              ("optimizer_impl", optimizer_candidates(device))]
     if device.type == "cpu":  # last: whether freed memory is worth keeping depends on the others
         plan.append(("cpu_allocator", hostmem.candidates()))
-    if device.type == "cpu" and "cpu_threads" not in fixed:
-        config = dataclasses.replace(config, cpu_threads=torch.get_num_threads())
     if device.type == "cuda" and tune_batch and "batch_size" not in fixed:
         # Measure at a batch that fits with the starting knobs; refitted for the final ones below.
         config, _ = _fit_batch(config, num_classes, device, effective)
-    # Every measured knob starts at its first candidate ("auto" names the same setting
-    # differently), so the figure a knob's choice measured is its successor's first candidate,
-    # reused instead of measured again.
+    # Every measured knob starts at its first candidate (the thread count in use; "auto" names
+    # the same amp and kernels differently), so the figure a knob's choice measured is its
+    # successor's first candidate, reused instead of measured again.
     config = dataclasses.replace(config, **{k: c[0] for k, c in plan if k not in fixed})
     # A process's first steps are slow (kernel selection, first-touch memory, oneDNN's JIT):
     # warm up once so that cost is not charged to whichever candidate happens to go first.
@@ -313,7 +311,6 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
         if knob in fixed:
             knobs[knob] = _set_by_user(config, knob)
             continue
-        config = dataclasses.replace(config, **{knob: candidates[0]})
         config, knobs[knob] = _pick(knob, candidates, config, num_classes, current, min_s)
         log.info("autotune: %s = %s (%s)", knob, _label(knobs[knob]["choice"]),
                  knobs[knob]["reason"])
