@@ -66,10 +66,15 @@ class StepClock:
 
     def __init__(self, device: torch.device, window: int = 1, warmup: int = WARMUP_STEPS):
         self.device, self.warmup = device, warmup
-        self.window = max(1, window) if device.type == "cuda" else 1
+        self.window = self.steps_per_sample(device, window)
         self.steps, self.stamps = 0, []
         if warmup == 0:  # the first window starts now
             self._stamp()
+
+    @staticmethod
+    def steps_per_sample(device: torch.device, window: int) -> int:
+        """Steps between two stamps: `window` on a GPU, 1 on a CPU."""
+        return max(1, window) if device.type == "cuda" else 1
 
     def _stamp(self) -> None:
         if self.device.type == "cuda":
@@ -250,17 +255,14 @@ def print_trace(trace: dict) -> None:
 LIGHTNING_PACKAGES = ("lightning", "pytorch_lightning")  # the 2.x name, and the older one
 
 
-def _lightning():
-    """PyTorch Lightning under either of its package names, or None."""
-    for name in LIGHTNING_PACKAGES:
-        if importlib.util.find_spec(name) is not None:
-            return importlib.import_module(name)
-    return None
+def _lightning_package() -> str | None:
+    """The name PyTorch Lightning is installed under here, or None."""
+    return next((n for n in LIGHTNING_PACKAGES if importlib.util.find_spec(n) is not None), None)
 
 
 def lightning_img_s(index, args, device: torch.device, window: int) -> float:
     """Lightning's Trainer as a user would set it up: ImageFolder and torchvision transforms."""
-    L = _lightning()
+    L = importlib.import_module(_lightning_package())
     from torch.utils.data import DataLoader
     from torchvision import datasets, transforms as T
 
@@ -387,8 +389,7 @@ def main(argv=None) -> int:
         device = resolve_device(args.device)
         TrainConfig(model=args.model, image_size=args.image_size, batch_size=args.batch_size)
         skip = {s.strip() for s in args.skip.split(",") if s.strip()}
-        if "lightning" not in skip and not any(importlib.util.find_spec(n)
-                                               for n in LIGHTNING_PACKAGES):
+        if "lightning" not in skip and _lightning_package() is None:
             raise UserError("the lightning row needs PyTorch Lightning: pip install -r "
                             "benchmarks/requirements.txt, or pass --skip lightning.")
         cache_dir = Path(args.data_dir)
@@ -404,7 +405,7 @@ def main(argv=None) -> int:
         results["autotune"] = report
         # one wait for the GPU per `window` steps, in every row
         window = gpu_window(steps, fastdata.batches_per_pass(args.batch_size, args.image_size, device))
-        results["timed_window_steps"] = window if device.type == "cuda" else 1
+        results["timed_window_steps"] = StepClock.steps_per_sample(device, window)
         rows = {
             "pure_compute": lambda: pure_compute_img_s(optimized, args.steps, window),
             "pipeline": lambda: trainer_img_s(index, optimized, device, window),

@@ -106,12 +106,11 @@ def test_the_lightning_row_takes_either_package_name(monkeypatch):
     """Lightning 2.x installs as `lightning`; many setups (Colab images among them) have only
     the older `pytorch_lightning`: the row uses whichever is there."""
     tp = _throughput_module()
-    fake = object()
     present = {"pytorch_lightning"}
     monkeypatch.setattr(tp.importlib.util, "find_spec",
                         lambda name: object() if name in present else None)
-    monkeypatch.setattr(tp.importlib, "import_module",
-                        lambda name: fake if name in present else None)
-    assert tp._lightning() is fake
+    assert tp._lightning_package() == "pytorch_lightning"
+    present.add("lightning")
+    assert tp._lightning_package() == "lightning"  # the 2.x name first
     present.clear()
-    assert tp._lightning() is None
+    assert tp._lightning_package() is None
