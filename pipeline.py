@@ -18,7 +18,8 @@ import psutil
 import torch
 
 from modules import distributed
-from modules.config import CPU_ALLOCATORS, DISPLAY_ONLY, MODELS, TrainConfig, UserError
+from modules.config import (CPU_ALLOCATORS, DISPLAY_ONLY, DROPOUT_IMPLS, MODELS, TrainConfig,
+                            UserError)
 from modules.autotune import autotune
 from modules.dataset import (DatasetIndex, data_path_of, index_dataset, make_loader,
                              resolve_source, subset, train_transform)
@@ -144,13 +145,16 @@ def build_parser() -> argparse.ArgumentParser:
     train_.add_argument("--cpu-allocator", choices=CPU_ALLOCATORS,
                         help="retain: freed CPU memory stays in the process for reuse instead of "
                              "being returned to the system and faulted back in every step")
+    train_.add_argument("--dropout-impl", choices=DROPOUT_IMPLS,
+                        help="bytemask: dropout masks drawn from random bytes, the same "
+                             "distribution as PyTorch's bernoulli_ and faster on a CPU")
     train_.add_argument("--pin-memory", action="store_true",
                         help="page-locked batches for faster, asynchronous copies to the GPU")
     train_.add_argument("--autotune", action=argparse.BooleanOptionalAction, default=True,
                         help="measure the speed knobs (threads, channels_last, AMP dtype, "
-                             "optimizer kernels, CPU allocator, compile, workers) and the batch "
-                             "that fits, and keep what is faster; for the resolution and hpo "
-                             "scenarios (default: on)")
+                             "optimizer kernels, dropout masks, CPU allocator, compile, "
+                             "workers) and the batch that fits, and keep what is faster; for "
+                             "the resolution and hpo scenarios (default: on)")
     return p
 
 
@@ -190,7 +194,7 @@ def scenario_config(name: str, args: argparse.Namespace, device: torch.device) -
                  "early_stopping_patience": args.early_stopping, "amp": args.amp,
                  "compile": args.compile or None, "channels_last": args.channels_last or None,
                  "num_workers": args.num_workers, "pin_memory": args.pin_memory or None,
-                 "cpu_allocator": args.cpu_allocator}
+                 "cpu_allocator": args.cpu_allocator, "dropout_impl": args.dropout_impl}
     return dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
 
 
@@ -211,7 +215,8 @@ def optimized_settings(device: torch.device) -> dict[str, Any]:
 
 USER_KNOBS = {"amp": "amp", "channels_last": "channels_last", "compile": "compile",
               "num_workers": "num_workers", "batch_size": "batch_size",
-              "grad_accum_steps": "batch_size", "cpu_allocator": "cpu_allocator"}
+              "grad_accum_steps": "batch_size", "cpu_allocator": "cpu_allocator",
+              "dropout_impl": "dropout_impl"}
 
 
 def autotune_scenario(config: TrainConfig, args: argparse.Namespace, index: DatasetIndex,

@@ -352,7 +352,8 @@ def time_to_accuracy(args, device: torch.device, cache_dir: Path) -> dict:
             "ratio": round(optimized_s / baseline_s, 3), "image_size": base.image_size,
             "autotune_s": report["seconds"], "optimized_settings": {
                 k: getattr(opt, k) for k in ("amp", "channels_last", "batch_size",
-                                             "optimizer_impl", "cpu_threads", "compile")}}
+                                             "optimizer_impl", "dropout_impl", "cpu_threads",
+                                             "compile")}}
 
 
 def main(argv=None) -> int:

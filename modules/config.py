@@ -19,6 +19,7 @@ SCHEDULERS = ("cosine", "onecycle", "none")
 AMP_MODES = ("auto", "off", "fp16", "bf16")
 OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "forloop")
 CPU_ALLOCATORS = ("system", "retain")  # modules.hostmem
+DROPOUT_IMPLS = ("native", "bytemask")  # modules.models.ByteMaskDropout
 
 
 # TrainConfig fields that only change what is shown (a saved autotune or tuning result made
@@ -57,6 +58,7 @@ class TrainConfig:
     optimizer_impl: str = "auto"       # "auto": fused on CUDA, PyTorch's default elsewhere
     cpu_threads: int | None = None     # torch intra-op threads; None = PyTorch's default
     cpu_allocator: str = "system"      # "retain": freed memory stays for reuse (hostmem.py)
+    dropout_impl: str = "native"       # "bytemask": dropout masks from random bytes (models.py)
     cache_decoded: bool = False        # decode+resize once into a uint8 cache, augment in batches
     cudnn_benchmark: bool = True
     num_workers: int = 0               # DataLoader worker processes
@@ -76,6 +78,7 @@ class TrainConfig:
         _choice("device", self.device, ("auto", "cpu", "cuda"))
         _choice("optimizer_impl", self.optimizer_impl, OPTIMIZER_IMPLS)
         _choice("cpu_allocator", self.cpu_allocator, CPU_ALLOCATORS)
+        _choice("dropout_impl", self.dropout_impl, DROPOUT_IMPLS)
         if self.cpu_threads is not None:
             _positive_int("cpu_threads", self.cpu_threads, high=1024)
         _positive_int("image_size", self.image_size, low=MIN_IMAGE_SIZE[self.model], high=2048)

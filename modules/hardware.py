@@ -19,7 +19,7 @@ MEMORY_MARGIN = 0.8      # plan to use at most this share of the device's memory
 def step_peak_bytes(config: TrainConfig, num_classes: int, batch_size: int,
                     device: torch.device) -> int:
     """Peak CUDA memory of one training step plus an eval forward at `batch_size`."""
-    model = build_model(config.model, num_classes, "none").to(device)
+    model = build_model(config.model, num_classes, "none", config.dropout_impl).to(device)
     memory_format = torch.channels_last if config.channels_last else torch.contiguous_format
     model.to(memory_format=memory_format)
     optimizer = torch.optim.AdamW(model.parameters())  # Adam-style state: the largest of ours

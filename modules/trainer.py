@@ -570,7 +570,7 @@ def _summary_writer(run_dir, config: TrainConfig):
 def prepare(index, config: TrainConfig) -> tuple[nn.Module, Any, Any, Any]:
     """Seed, then build the model and the (train, val, test) loaders for a DatasetIndex."""
     set_seed(config.seed)
-    model = build_model(config.model, len(index.classes), config.weights)
+    model = build_model(config.model, len(index.classes), config.weights, config.dropout_impl)
     return (model, *make_loaders(index, config))
 
 

@@ -56,3 +56,48 @@ def test_weights_of_another_architecture_are_refused(tmp_path):
     torch.save(build_model("resnet18", 3).state_dict(), tmp_path / "w.pt")
     with pytest.raises(UserError, match="no tensor"):
         build_model("squeezenet1_1", 3, str(tmp_path / "w.pt"))
+
+
+def test_bytemask_dropout_keeps_dropouts_distribution_scale_and_gradient():
+    torch.manual_seed(0)
+    drop = models.ByteMaskDropout(0.5)
+    x = torch.randn(64, 512, 3, 3).contiguous(memory_format=torch.channels_last)
+    x.requires_grad_()
+    y = drop(x)
+    kept = y != 0
+    assert abs(kept.float().mean().item() - 0.5) < 0.01  # 295k draws: within 0.01 of 1 - p
+    torch.testing.assert_close(y[kept], 2 * x[kept])       # scaled by 1 / (1 - p)
+    assert y.is_contiguous(memory_format=torch.channels_last)  # x's layout, no reorder
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, kept.float() * 2)
+    # masks are random, and follow torch's seed like F.dropout's
+    torch.manual_seed(1)
+    first = drop(x)
+    torch.manual_seed(1)
+    assert torch.equal(first, drop(x)) and not torch.equal(first, y)
+    # elements are independent: neighbours agree about half the time, not always
+    same = (kept[:, :-1] == kept[:, 1:]).float().mean().item()
+    assert abs(same - 0.5) < 0.01
+    # a p other than 0.5 compares random bytes with p * 256
+    quarter = models.ByteMaskDropout(0.25)(x.detach())
+    assert abs((quarter != 0).float().mean().item() - 0.75) < 0.01
+    torch.testing.assert_close(quarter[quarter != 0], x.detach()[quarter != 0] / 0.75)
+    # eval mode and odd shapes behave as nn.Dropout
+    drop.eval()
+    assert drop(x) is x
+    drop.train()
+    assert drop(torch.ones(3, 5)[:, ::2]).shape == (3, 3)
+
+
+def test_bytemask_dropout_is_swapped_in_only_where_it_is_exact():
+    squeeze = build_model("squeezenet1_1", 6, dropout_impl="bytemask")
+    assert isinstance(squeeze.classifier[0], models.ByteMaskDropout)
+    assert type(build_model("squeezenet1_1", 6).classifier[0]) is torch.nn.Dropout
+    # MobileNetV3's p=0.2 is not a multiple of 1/256: it keeps nn.Dropout
+    mobile = build_model("mobilenet_v3_small", 6, dropout_impl="bytemask")
+    assert not any(isinstance(m, models.ByteMaskDropout) for m in mobile.modules())
+    assert models.has_bytemask_dropout("squeezenet1_1")
+    assert not models.has_bytemask_dropout("mobilenet_v3_small")
+    assert not models.has_bytemask_dropout("resnet18")
+    with pytest.raises(UserError, match="dropout_impl"):
+        build_model("squeezenet1_1", 6, dropout_impl="fast")
