@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from modules import hostmem
 from modules.config import TrainConfig, UserError
 from modules.hardware import max_batch_size
-from modules.models import build_model
+from modules.models import build_model, has_bytemask_dropout
 from modules.trainer import (apply_process_settings, autocast_dtype, make_optimizer,
                              resolve_device)
 
@@ -36,6 +36,11 @@ MEASURE_SHARE, MIN_S_FLOOR = 0.1, 0.3
 ABORT_FACTOR = 1.5
 # Keep a setting only when it is at least this much faster (timings wobble by a few percent).
 MIN_GAIN = 1.03
+# Knobs that are process-wide (modules.trainer.apply_process_settings): two candidates that
+# differ in one take turns of TURN_STEPS steps, the first step of each turn not counted (the
+# switch itself: a thread pool resized, freed memory handed back).
+PROCESS_KNOBS = ("cpu_threads", "cpu_allocator")
+TURN_STEPS = 3
 # torch.compile's warm-up for these models is at least this long (measured: 70-105 s on a
 # 2-core CPU, about 40 s on an H200); a run too short to repay it even if compiling halved
 # every step does not try it.
@@ -56,7 +61,8 @@ class ComputeProbe:
         self.batch = batch_size or config.batch_size
         apply_process_settings(config, self.device)
         fmt = torch.channels_last if config.channels_last else torch.contiguous_format
-        self.model = build_model(config.model, num_classes, "none").to(self.device, memory_format=fmt)
+        self.model = build_model(config.model, num_classes, "none", config.dropout_impl).to(
+            self.device, memory_format=fmt)
         self.optimizer = make_optimizer(self.model, config, self.device)
         self.dtype = autocast_dtype(config.amp, self.device)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == torch.float16)
@@ -75,6 +81,10 @@ class ComputeProbe:
         self.scaler.step(self.optimizer)
         self.scaler.update()
 
+    def activate(self) -> None:
+        """Put the process in this probe's process-wide settings (another probe may have run)."""
+        apply_process_settings(self.config, self.device)
+
     def sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -86,39 +96,105 @@ class ComputeProbe:
         return time.perf_counter() - t0
 
     def measure(self, *, warmup: int = 1, min_steps: int = MIN_STEPS, max_steps: int = MAX_STEPS,
-                min_s: float = MIN_S, abort_above_s: float | None = None
-                ) -> dict[str, float]:
+                min_s: float = MIN_S) -> dict[str, float]:
         """{"img_s": median throughput, "warmup_s": time of the warm-up steps, "steps": n}."""
         warm_steps = [self.timed_step() for _ in range(warmup)]
-        # the last warm-up step already counts towards dropping a slow candidate (the first one
-        # carries one-time costs: kernel selection, first-touch memory, a JIT)
-        recent = warm_steps[-1:] if warmup > 1 else []
         times: list[float] = []
         started = time.perf_counter()
         while len(times) < max_steps and (len(times) < min_steps
                                           or time.perf_counter() - started < min_s):
             times.append(self.timed_step())
-            recent = (recent + times[-1:])[-2:]
-            # two slow steps in a row, not one hiccup, drop a candidate early
-            if abort_above_s is not None and len(recent) == 2 and min(recent) > abort_above_s:
-                break
         return {"img_s": self.batch / statistics.median(times), "warmup_s": sum(warm_steps),
                 "steps": len(times)}
 
 
-def _measure(config: TrainConfig, num_classes: int, best_img_s: float | None,
-             warmup: int = 2, min_s: float = MIN_S) -> dict[str, Any]:
-    """One candidate's figures; {"error": ...} when it cannot run here (unsupported, OOM)."""
+def race(incumbent: ComputeProbe, challenger: ComputeProbe, *, warmup: int = 2,
+         min_steps: int | None = None, max_steps: int | None = None, min_s: float | None = None
+         ) -> dict[str, Any]:
+    """Time two probes in turns: a step of one, then a step of the other (TURN_STEPS each when
+    a process-wide knob differs), until both have min_steps and min_s has passed in all. The
+    machine's drift (5-10% within seconds on a shared 2-core VM) then falls on both alike,
+    where timing one candidate after another compares each with a figure taken seconds before.
+    The order alternates (incumbent first, then challenger first): the probe that runs second
+    in a pair measured about 1% faster.
+
+    The challenger warms up first (its one-time costs: kernel selection, a JIT, compiling). It
+    is dropped early when two of its steps in a row, its last warm-up step included, take
+    ABORT_FACTOR times the incumbent's median or more (bf16 on a CPU without bf16 units).
+    Returns {"img_s": (incumbent, challenger), "warmup_s": the challenger's warm-up,
+    "steps": the challenger's timed steps, "dropped": bool}."""
+    min_steps = MIN_STEPS if min_steps is None else min_steps
+    max_steps = MAX_STEPS if max_steps is None else max_steps
+    min_s = MIN_S if min_s is None else min_s
+    turn = TURN_STEPS if any(getattr(incumbent.config, k) != getattr(challenger.config, k)
+                             for k in PROCESS_KNOBS) else 1
+
+    def take_turn(probe: ComputeProbe) -> list[float]:
+        probe.activate()
+        times = [probe.timed_step() for _ in range(turn)]
+        return times[1:] if turn > 1 else times
+
+    challenger.activate()
+    warm = [challenger.timed_step() for _ in range(warmup)]
+    recent = warm[-1:] if warmup > 1 else []
+    mine: list[float] = []
+    theirs: list[float] = []
+    dropped, pairs = False, 0
+    started = time.perf_counter()
+    while len(theirs) < max_steps and (len(theirs) < min_steps
+                                       or time.perf_counter() - started < min_s):
+        if pairs % 2 == 0:
+            mine += take_turn(incumbent)
+            new = take_turn(challenger)
+        else:
+            new = take_turn(challenger)
+            mine += take_turn(incumbent)
+        pairs += 1
+        theirs += new
+        recent = (recent + new)[-2:]
+        if len(recent) == 2 and min(recent) > ABORT_FACTOR * statistics.median(mine):
+            dropped = True
+            break
+    incumbent.activate()
+    return {"img_s": (incumbent.batch / statistics.median(mine),
+                      challenger.batch / statistics.median(theirs)),
+            "warmup_s": sum(warm), "steps": len(theirs), "dropped": dropped}
+
+
+def _error(exc: Exception) -> str:
+    first = (str(exc).splitlines() or [type(exc).__name__])[0][:120]
+    return f"{type(exc).__name__}: {first}"
+
+
+def _release() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _challenge(incumbent: ComputeProbe, config: TrainConfig, num_classes: int,
+               warmup: int = 2, min_s: float = MIN_S
+               ) -> tuple[ComputeProbe | None, dict[str, Any]]:
+    """(the challenger's probe, race()'s figures), or (None, {"error": ...}) when `config`
+    cannot run here (unsupported, out of memory, a compiler failure ...)."""
+    try:
+        challenger = ComputeProbe(config, num_classes)
+        return challenger, race(incumbent, challenger, warmup=warmup, min_s=min_s)
+    except Exception as exc:
+        incumbent.activate()
+        _release()
+        return None, {"error": _error(exc)}
+
+
+def _first_probe(config: TrainConfig, num_classes: int, min_s: float
+                 ) -> tuple[ComputeProbe | None, dict[str, Any]]:
+    """A probe of `config`, measured on its own (the process's first steps are slow: warm up
+    once so that cost is not charged to whichever candidate happens to go first)."""
     try:
         probe = ComputeProbe(config, num_classes)
-        abort = None if not best_img_s else ABORT_FACTOR * probe.batch / best_img_s
-        return probe.measure(warmup=warmup, abort_above_s=abort, min_s=min_s)
-    except Exception as exc:  # unsupported here, out of memory, a compiler failure ...
-        first = (str(exc).splitlines() or [type(exc).__name__])[0][:120]
-        return {"error": f"{type(exc).__name__}: {first}"}
-    finally:
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        return probe, probe.measure(warmup=2, min_s=min_s)
+    except Exception as exc:
+        _release()
+        return None, {"error": _error(exc)}
 
 
 def _set_by_user(config: TrainConfig, knob: str) -> dict[str, Any]:
@@ -132,26 +208,41 @@ def _label(value: Any) -> str:
 
 def _pick(knob: str, candidates: list[Any], config: TrainConfig, num_classes: int,
           current: dict[str, Any], min_s: float = MIN_S) -> tuple[TrainConfig, dict[str, Any]]:
-    """Measure each candidate value of `knob` with the other knobs as chosen so far; keep the
-    first candidate (the default) unless another is at least MIN_GAIN faster."""
+    """Race each other candidate value of `knob` against the best so far, with the other knobs
+    as chosen so far; keep the first candidate (the default, whose probe the previous knob left
+    in `current`) unless another is at least MIN_GAIN faster in the same race."""
     figures: dict[str, Any] = {}
-    if current.get("config") == config and current.get("img_s"):
-        figures[_label(candidates[0])] = round(current["img_s"], 2)
-        best_value, best_img_s = candidates[0], current["img_s"]
-        rest = candidates[1:]
-    else:
-        best_value, best_img_s, rest = None, None, candidates
+    best = current.get("probe")
+    if best is not None and best.config == config:
+        best_value, rest = candidates[0], candidates[1:]
+        figures[_label(best_value)] = round(current["img_s"], 2)
+    else:  # the setting so far could not run: the first candidate that runs starts
+        best, best_value, rest = None, None, list(candidates)
+        while rest and best is None:
+            best_value = rest.pop(0)
+            best, result = _first_probe(dataclasses.replace(config, **{knob: best_value}),
+                                        num_classes, min_s)
+            figures[_label(best_value)] = result.get("error") or round(result["img_s"], 2)
+            current.update(probe=best, img_s=result.get("img_s"))
+        if best is None:
+            raise UserError(f"no {knob} setting could train on this device: {figures}")
     for value in rest:
-        result = _measure(dataclasses.replace(config, **{knob: value}), num_classes, best_img_s,
-                          min_s=min_s)
-        if "error" in result:
+        challenger, result = _challenge(best, dataclasses.replace(config, **{knob: value}),
+                                        num_classes, min_s=min_s)
+        if challenger is None:
             figures[_label(value)] = result["error"]
             continue
-        figures[_label(value)] = round(result["img_s"], 2)
-        if best_img_s is None or result["img_s"] > MIN_GAIN * best_img_s:
-            best_value, best_img_s = value, result["img_s"]
-    if best_value is None:
-        raise UserError(f"no {knob} setting could train on this device: {figures}")
+        mine, theirs = result["img_s"]
+        figures[_label(best_value)] = round(mine, 2)  # this race's figure: the same moment
+        figures[_label(value)] = round(theirs, 2)
+        if theirs > MIN_GAIN * mine:
+            best, best_value = challenger, value
+            current.update(probe=challenger, img_s=theirs)
+        else:
+            current["img_s"] = mine
+            del challenger
+            _release()
+    best_img_s = current["img_s"]
     chosen = dataclasses.replace(config, **{knob: best_value})
     speeds = {k: v for k, v in figures.items() if isinstance(v, float)}
     if len(speeds) > 1:
@@ -165,7 +256,6 @@ def _pick(knob: str, candidates: list[Any], config: TrainConfig, num_classes: in
     errors = {k: v for k, v in figures.items() if not isinstance(v, float)}
     if errors:
         reason += "; " + "; ".join(f"{k} unavailable ({v})" for k, v in errors.items())
-    current.update(config=chosen, img_s=best_img_s)
     return chosen, {"choice": best_value, "reason": reason, "img_s": figures}
 
 
@@ -200,29 +290,33 @@ def _tune_compile(config: TrainConfig, num_classes: int, current: dict[str, Any]
                 f"not tried: the planned {planned_steps} steps take about {planned_steps * step_s:.0f} "
                 f"s eager; even halving every step saves at most {best_saving:.0f} s, less than "
                 f"compile's warm-up (at least {COMPILE_WARMUP_FLOOR_S:.0f} s)")}
-    result = _measure(dataclasses.replace(config, compile=True), num_classes, None, warmup=2)
+    compiled, result = _challenge(current["probe"], dataclasses.replace(config, compile=True),
+                                  num_classes)
     figures = {"false": round(eager_img_s, 2)}
-    if "error" in result:
+    if compiled is None:
         figures["true"] = result["error"]
         return config, {"choice": False, "img_s": figures,
                         "reason": f"torch.compile failed here ({result['error']})"}
-    figures["true"] = round(result["img_s"], 2)
+    eager_img_s, compiled_img_s = result["img_s"]
+    figures = {"false": round(eager_img_s, 2), "true": round(compiled_img_s, 2)}
+    step_s = config.batch_size / eager_img_s
     warmup_extra = result["warmup_s"] - 2 * step_s
-    compiled_step_s = config.batch_size / result["img_s"]
-    saving_per_step = step_s - compiled_step_s
+    saving_per_step = step_s - config.batch_size / compiled_img_s
     horizon = "the planned run" if planned_steps is not None else "a long run"
-    if saving_per_step <= 0 or result["img_s"] < MIN_GAIN * eager_img_s:
-        reason = (f"compiled {result['img_s']:.1f} img/s is not faster than eager "
+    if saving_per_step <= 0 or compiled_img_s < MIN_GAIN * eager_img_s:
+        current["img_s"] = eager_img_s
+        reason = (f"compiled {compiled_img_s:.1f} img/s is not faster than eager "
                   f"{eager_img_s:.1f} (after {result['warmup_s']:.0f} s of warm-up)")
         return config, {"choice": False, "img_s": figures, "reason": reason}
     payback_steps = math.ceil(max(0.0, warmup_extra) / saving_per_step)
     if planned_steps is not None and payback_steps > planned_steps:
-        reason = (f"compiled {result['img_s']:.1f} vs eager {eager_img_s:.1f} img/s, but its "
+        current["img_s"] = eager_img_s
+        reason = (f"compiled {compiled_img_s:.1f} vs eager {eager_img_s:.1f} img/s, but its "
                   f"{result['warmup_s']:.0f} s warm-up pays back only after {payback_steps} steps, "
                   f"more than the {planned_steps} planned")
         return config, {"choice": False, "img_s": figures, "reason": reason}
-    current["img_s"] = result["img_s"]
-    reason = (f"compiled {result['img_s']:.1f} vs eager {eager_img_s:.1f} img/s; the "
+    current.update(probe=compiled, img_s=compiled_img_s)
+    reason = (f"compiled {compiled_img_s:.1f} vs eager {eager_img_s:.1f} img/s; the "
               f"{result['warmup_s']:.0f} s warm-up pays back after {payback_steps} steps of {horizon}")
     return dataclasses.replace(config, compile=True), {"choice": True, "img_s": figures,
                                                         "reason": reason}
@@ -290,18 +384,23 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
     plan += [("channels_last", [config.channels_last, not config.channels_last]),
              ("amp", amp_candidates(device)),
              ("optimizer_impl", optimizer_candidates(device))]
+    if has_bytemask_dropout(config.model):
+        plan.append(("dropout_impl", ["native", "bytemask"]))
     if device.type == "cpu":  # last: whether freed memory is worth keeping depends on the others
         plan.append(("cpu_allocator", hostmem.candidates()))
     if device.type == "cuda" and tune_batch and "batch_size" not in fixed:
         # Measure at a batch that fits with the starting knobs; refitted for the final ones below.
         config, _ = _fit_batch(config, num_classes, device, effective)
     # Every measured knob starts at its first candidate (the thread count in use; "auto" names
-    # the same amp and kernels differently), so the figure a knob's choice measured is its
-    # successor's first candidate, reused instead of measured again.
+    # the same amp and kernels differently), so the probe a knob's choice leaves is its
+    # successor's first candidate, raced again rather than built again. compile is decided
+    # last, against eager.
     config = dataclasses.replace(config, **{k: c[0] for k, c in plan if k not in fixed})
-    # A process's first steps are slow (kernel selection, first-touch memory, oneDNN's JIT):
-    # warm up once so that cost is not charged to whichever candidate happens to go first.
-    warm = _measure(config, num_classes, None, min_s=MIN_S_FLOOR)
+    if "compile" not in fixed:
+        config = dataclasses.replace(config, compile=False)
+    first, warm = _first_probe(config, num_classes, MIN_S_FLOOR)
+    current.update(probe=first, img_s=warm.get("img_s"))
+    del first  # `current` holds the best probe so far, and only that one
     min_s = measuring_time(planned_steps, config.effective_batch_size, warm.get("img_s"),
                            sum(len(c) for k, c in plan if k not in fixed))
     if min_s < MIN_S:
@@ -314,16 +413,17 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
         config, knobs[knob] = _pick(knob, candidates, config, num_classes, current, min_s)
         log.info("autotune: %s = %s (%s)", knob, _label(knobs[knob]["choice"]),
                  knobs[knob]["reason"])
-    apply_process_settings(config, device)  # leave the process as chosen, not as last measured
-    if not current:  # every knob fixed: still measure, for the figures below
-        current.update(config=config, img_s=_measure(config, num_classes, None).get("img_s", 0.0))
+    if current["probe"] is None:  # every knob fixed, and these settings cannot train here
+        raise UserError(f"these settings could not train on this device: {warm['error']}")
     if "compile" in fixed:
         knobs["compile"] = _set_by_user(config, "compile")
     else:
-        config, knobs["compile"] = _tune_compile(dataclasses.replace(config, compile=False),
-                                                 num_classes, current, planned_steps)
+        config, knobs["compile"] = _tune_compile(config, num_classes, current, planned_steps)
         log.info("autotune: compile = %s (%s)", _label(config.compile), knobs["compile"]["reason"])
     compute_img_s = current["img_s"]
+    del current["probe"]  # its memory is not the batch probe's to count
+    _release()
+    apply_process_settings(config, device)  # leave the process as chosen, not as last measured
     if "num_workers" in fixed:
         knobs["num_workers"] = _set_by_user(config, "num_workers")
     elif config.cache_decoded and loader_factory is None:

@@ -35,12 +35,24 @@ def _config(**kw):
     return TrainConfig(**{**base, **kw})
 
 
+def _fake_speeds(monkeypatch, img_s, warmup_s=None):
+    """Every probe's steps take batch / img_s(config) seconds, as if measured; the first two
+    steps of a probe take warmup_s(config) each when given (a compile's warm-up)."""
+    def timed_step(self):
+        self.fake_steps = getattr(self, "fake_steps", 0) + 1
+        if warmup_s is not None and self.fake_steps <= 2:
+            return warmup_s(self.config)
+        return self.batch / img_s(self.config)
+    monkeypatch.setattr(at.ComputeProbe, "timed_step", timed_step)
+
+
 def test_every_knob_is_measured_and_explained_on_cpu():
     config, report = at.autotune(_config(), 3, planned_steps=10)
     knobs = report["knobs"]
     assert set(knobs) == {"cpu_threads", "cpu_allocator", "channels_last", "amp",
-                          "optimizer_impl", "compile", "num_workers", "batch_size"}
-    measured = ["channels_last", "amp", "optimizer_impl"]
+                          "optimizer_impl", "dropout_impl", "compile", "num_workers",
+                          "batch_size"}
+    measured = ["channels_last", "amp", "optimizer_impl", "dropout_impl"]
     if hostmem.candidates() != ["system"]:  # glibc: both allocator settings ran
         measured.append("cpu_allocator")
     for name in measured:
@@ -63,12 +75,12 @@ def test_a_short_planned_run_is_measured_within_a_share_of_its_time(monkeypatch)
     assert at.measuring_time(1000, 64, 800.0, 10) == pytest.approx(0.8)  # 80 s run: 8 s in all
     assert at.measuring_time(270, 64, 800.0, 10) == at.MIN_S_FLOOR  # 22 s run: the floor
     seen = []
-    measure = at.ComputeProbe.measure
+    race = at.race
 
-    def spy(self, **kw):
+    def spy(incumbent, challenger, **kw):
         seen.append(kw.get("min_s"))
-        return measure(self, **kw)
-    monkeypatch.setattr(at.ComputeProbe, "measure", spy)
+        return race(incumbent, challenger, **kw)
+    monkeypatch.setattr(at, "race", spy)
     _, report = at.autotune(_config(), 3, planned_steps=10)
     assert report["seconds_per_candidate"] == at.MIN_S_FLOOR
     assert len(seen) > 5 and set(seen) == {at.MIN_S_FLOOR}
@@ -76,11 +88,8 @@ def test_a_short_planned_run_is_measured_within_a_share_of_its_time(monkeypatch)
 
 def test_a_slower_dtype_is_rejected_by_its_measurement(monkeypatch):
     """bf16 on a CPU without bf16 units: the figure, not a rule, turns it down."""
-    def fake(config, num_classes, best, warmup=1, min_s=None):
-        speed = {"off": 200.0, "bf16": 31.0}[config.amp]
-        return {"img_s": speed * (2.0 if config.channels_last else 1.0), "warmup_s": 0.1,
-                "steps": 1}
-    monkeypatch.setattr(at, "_measure", fake)
+    _fake_speeds(monkeypatch, lambda c: {"off": 200.0, "bf16": 31.0}[c.amp]
+                 * (2.0 if c.channels_last else 1.0))
     config, report = at.autotune(_config(), 3, planned_steps=10)
     assert config.amp == "off" and config.channels_last
     amp = report["knobs"]["amp"]
@@ -90,43 +99,73 @@ def test_a_slower_dtype_is_rejected_by_its_measurement(monkeypatch):
 
 def test_a_faster_candidate_is_kept_and_a_marginal_one_is_not(monkeypatch):
     speeds = {"auto": 100.0, "forloop": 100.0, "foreach": 101.0, "fused": 150.0}
-    monkeypatch.setattr(at, "_measure", lambda c, n, b, warmup=1, min_s=None: {
-        "img_s": speeds[c.optimizer_impl], "warmup_s": 0.0, "steps": 1})
+    _fake_speeds(monkeypatch, lambda c: speeds[c.optimizer_impl])
     config, report = at.autotune(_config(), 3, planned_steps=10)
     assert config.optimizer_impl == "fused"
-    speeds["fused"] = 102.0  # within MIN_GAIN of the default: not worth a change
+    assert report["knobs"]["optimizer_impl"]["img_s"] == {"forloop": 100.0, "foreach": 101.0,
+                                                          "fused": 150.0}
+    speeds["fused"] = 101.5  # within MIN_GAIN of the default: not worth a change
     at._RESULTS.clear()
     config, _ = at.autotune(_config(), 3, planned_steps=10)
     assert config.optimizer_impl == "forloop"
 
 
-def test_a_slow_candidate_stops_after_two_slow_steps_in_a_row():
-    probe = at.ComputeProbe(_config(), 3)
-    result = probe.measure(warmup=1, min_steps=5, max_steps=5, abort_above_s=0.0)
-    assert result["steps"] == 2  # one warm-up step (one-time costs) does not count
-    result = probe.measure(warmup=2, min_steps=5, max_steps=5, abort_above_s=0.0)
+def test_a_slow_candidate_stops_after_two_slow_steps_in_a_row(monkeypatch):
+    speeds = {"off": 100.0, "bf16": 10.0}
+    _fake_speeds(monkeypatch, lambda c: speeds[c.amp])
+    fast, slow = at.ComputeProbe(_config(amp="off"), 3), at.ComputeProbe(_config(amp="bf16"), 3)
+    result = at.race(fast, slow, warmup=1, min_steps=5, max_steps=5, min_s=0.0)
+    assert result["steps"] == 2 and result["dropped"]  # a lone warm-up step does not count
+    result = at.race(fast, slow, warmup=2, min_steps=5, max_steps=5, min_s=0.0)
     assert result["steps"] == 1  # the second warm-up step and the first timed one
-    result = probe.measure(warmup=2, min_steps=5, max_steps=5, abort_above_s=60.0)
-    assert result["steps"] == 5
+    assert result["img_s"] == (100.0, 10.0)
+    speeds["bf16"] = 90.0  # within ABORT_FACTOR: raced to the end
+    result = at.race(fast, slow, warmup=2, min_steps=5, max_steps=5, min_s=0.0)
+    assert result["steps"] == 5 and not result["dropped"]
+
+
+def test_a_race_takes_turns_and_alternates_who_goes_first(monkeypatch):
+    """Two candidates timed in alternation (A B B A ...), so drift and the order fall on both
+    alike; a process-wide knob switches in turns of TURN_STEPS, the first step not counted."""
+    order = []
+
+    def timed_step(self):
+        order.append((self.config.amp, torch.get_num_threads()))
+        return 0.01
+    monkeypatch.setattr(at.ComputeProbe, "timed_step", timed_step)
+    a, b = at.ComputeProbe(_config(amp="off"), 3), at.ComputeProbe(_config(amp="bf16"), 3)
+    at.race(a, b, warmup=1, min_steps=4, max_steps=4, min_s=0.0)
+    assert [amp for amp, _ in order] == ["bf16"] + ["off", "bf16", "bf16", "off"] * 2
+    order.clear()
+    threads = torch.get_num_threads()
+    a = at.ComputeProbe(_config(cpu_threads=1), 3)
+    b = at.ComputeProbe(_config(cpu_threads=2), 3)
+    result = at.race(a, b, warmup=1, min_steps=2, max_steps=2, min_s=0.0)
+    assert [n for _, n in order] == [2] + [1] * at.TURN_STEPS + [2] * at.TURN_STEPS
+    assert result["steps"] == at.TURN_STEPS - 1
+    assert torch.get_num_threads() == 1  # the process is left in the incumbent's settings
+    torch.set_num_threads(threads)
 
 
 def test_no_setting_is_measured_twice(monkeypatch):
-    """Each knob's first candidate is the setting the previous knob measured ("auto" included):
-    its figure is reused, not measured again."""
-    seen = []
+    """Each knob's first candidate is the setting the previous knob chose ("auto" included):
+    its probe is raced again, not built again."""
+    _fake_speeds(monkeypatch, lambda c: 100.0)
+    built = []
+    init = at.ComputeProbe.__init__
 
-    def fake(config, num_classes, best, warmup=1, min_s=None):
-        seen.append(config)
-        return {"img_s": 100.0, "warmup_s": 0.0, "steps": 1}
-    monkeypatch.setattr(at, "_measure", fake)
+    def spy(self, config, *a, **kw):
+        built.append(config)
+        init(self, config, *a, **kw)
+    monkeypatch.setattr(at.ComputeProbe, "__init__", spy)
     start = _config(amp="auto", optimizer_impl="auto")
     at.autotune(start, 3, planned_steps=10)
-    after_warm_up = seen[1:]
-    assert len(after_warm_up) == len(set(after_warm_up))
-    # threads, then one more per other candidate of each knob
+    assert len(built) == len(set(built))
+    # the first probe, then one per other candidate of each knob
     plan = [at.thread_candidates(), [True, False], at.amp_candidates(torch.device("cpu")),
-            at.optimizer_candidates(torch.device("cpu")), hostmem.candidates()]
-    assert len(after_warm_up) == len(plan[0]) + sum(len(c) - 1 for c in plan[1:])
+            at.optimizer_candidates(torch.device("cpu")), ["native", "bytemask"],
+            hostmem.candidates()]
+    assert len(built) == 1 + sum(len(c) - 1 for c in plan)
 
 
 def test_user_set_knobs_are_kept_unmeasured():
@@ -137,17 +176,26 @@ def test_user_set_knobs_are_kept_unmeasured():
 
 
 def test_compile_is_kept_only_when_it_pays_back(monkeypatch):
-    def fake(config, num_classes, best, warmup=1, min_s=None):
-        if config.compile:
-            return {"img_s": 200.0, "warmup_s": 30.0, "steps": 3}
-        return {"img_s": 100.0, "warmup_s": 0.0, "steps": 3}
-    monkeypatch.setattr(at, "_measure", fake)
+    monkeypatch.setattr(at.ComputeProbe, "__init__", _uncompiled_init(at.ComputeProbe.__init__))
+    _fake_speeds(monkeypatch, lambda c: 200.0 if c.compile else 100.0,
+                 warmup_s=lambda c: 15.0 if c.compile else 0.04)
     # batch 4 at 100 img/s: 0.04 s per step eager, 0.02 compiled; 30 s warm-up needs ~1500 steps
     config, report = at.autotune(_config(), 3, planned_steps=1000)
     assert config.compile is False and "pays back only after" in report["knobs"]["compile"]["reason"]
     at._RESULTS.clear()
     config, report = at.autotune(_config(), 3, planned_steps=100_000)
     assert config.compile is True and "pays back after" in report["knobs"]["compile"]["reason"]
+
+
+def _uncompiled_init(init):
+    """ComputeProbe.__init__ that builds a compile=True probe without compiling (the speeds
+    are faked; a real torch.compile would take minutes here)."""
+    import dataclasses
+
+    def build(self, config, *a, **kw):
+        init(self, dataclasses.replace(config, compile=False), *a, **kw)
+        self.config = config
+    return build
 
 
 def test_worker_count_is_the_fewest_that_keep_up():

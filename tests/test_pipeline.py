@@ -232,11 +232,13 @@ def test_no_autotune_and_user_knobs_skip_the_measurements(small, tmp_path):
     out2 = tmp_path / "out2"
     assert run_main("--data-dir", str(small), "--scenarios", "resolution", "--resolutions", "32",
                     "--epochs", "2", "--batch-size", "4", "--weights", "none", "--no-progress",
-                    "--amp", "off", "--cpu-allocator", "retain", "--output-dir", str(out2)) == 0
+                    "--amp", "off", "--cpu-allocator", "retain", "--dropout-impl", "bytemask",
+                    "--output-dir", str(out2)) == 0
     row = json.loads((out2 / "results.json").read_text())[0]
-    for knob in ("amp", "batch_size", "cpu_allocator"):
+    for knob in ("amp", "batch_size", "cpu_allocator", "dropout_impl"):
         assert row["autotune"]["knobs"][knob]["reason"] == "set by the user", knob
     assert row["settings"]["amp"] == "off" and row["settings"]["cpu_allocator"] == "retain"
+    assert row["settings"]["dropout_impl"] == "bytemask"
     hostmem.apply("system")
 
 
