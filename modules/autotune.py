@@ -40,7 +40,7 @@ MIN_GAIN = 1.03
 # differ in one take turns of TURN_STEPS steps, the first step of each turn not counted (the
 # switch itself: a thread pool resized, freed memory handed back).
 PROCESS_KNOBS = ("cpu_threads", "cpu_allocator")
-TURN_STEPS = 3
+TURN_STEPS = 2
 # torch.compile's warm-up for these models is at least this long (measured: 70-105 s on a
 # 2-core CPU, about 40 s on an H200); a run too short to repay it even if compiling halved
 # every step does not try it.

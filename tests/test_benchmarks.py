@@ -23,7 +23,8 @@ def test_throughput_benchmark_runs_every_row_trace_and_time_to_accuracy(tmp_path
         [sys.executable, "benchmarks/throughput.py", "--device", "cpu", "--image-size", "32",
          "--batch-size", "8", "--images-per-class", "12", "--steps", "4", "--rounds", "1", "--no-compile",
          "--data-dir", str(tmp_path / "data"), "--json", str(out), "--time-to-accuracy",
-         "--tta-epochs", "2", "--tta-per-class", "20", "--tta-image-size", "32",
+         "--tta-epochs", "2", "--tta-per-class", "20", "--tta-val-per-class", "4",
+         "--tta-image-size", "32",
          "--trace", str(tmp_path / "trace")],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -47,6 +48,7 @@ def test_throughput_benchmark_runs_every_row_trace_and_time_to_accuracy(tmp_path
     assert "the pipeline's extra host time per step" in proc.stdout
     tta = result["time_to_accuracy"]
     assert tta["baseline_s"] > 0 and tta["optimized_s"] > 0 and 0 <= tta["target_val_acc"] <= 1
+    assert tta["val_images"] == 6 * 4
 
 
 def test_throughput_benchmark_refuses_too_few_images_in_one_line(tmp_path):
