@@ -204,10 +204,13 @@ def optimized_settings(device: torch.device) -> dict[str, Any]:
     cores = os.cpu_count() or 1
     settings = {"amp": "auto",           # bf16/fp16 on GPUs; off on CPUs until measured
                 "channels_last": True,
-                "cache_decoded": True,   # decode once; batched augmentation on the device
-                "batch_size": 64}
+                "cache_decoded": True}   # decode once; batched augmentation on the device
     if device.type == "cuda":
-        settings.update(pin_memory=True)
+        # A GPU runs a batch of 64 far faster per image than one of 32. A CPU keeps the seed's
+        # 32: there 64 measured 18-40% more img/s but, with half the optimizer steps per epoch,
+        # reached the seed's accuracy on 1,200 images later, not sooner (time to accuracy:
+        # 7 epochs at 32, not within 15 at 64).
+        settings.update(batch_size=64, pin_memory=True)
     elif cores > 2:  # only when the cache does not fit: streaming decodes in workers
         settings.update(num_workers=min(4, cores // 2), persistent_workers=True)
     return settings

@@ -240,8 +240,8 @@ def _pick(knob: str, candidates: list[Any], config: TrainConfig, num_classes: in
             current.update(probe=challenger, img_s=theirs)
         else:
             current["img_s"] = mine
-            del challenger
-            _release()
+        del challenger  # the loser's memory goes now, whichever it was
+        _release()
     best_img_s = current["img_s"]
     chosen = dataclasses.replace(config, **{knob: best_value})
     speeds = {k: v for k, v in figures.items() if isinstance(v, float)}
