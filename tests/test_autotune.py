@@ -140,7 +140,8 @@ def test_a_race_takes_turns_and_alternates_who_goes_first(monkeypatch):
     threads = torch.get_num_threads()
     a = at.ComputeProbe(_config(cpu_threads=1), 3)
     b = at.ComputeProbe(_config(cpu_threads=2), 3)
-    result = at.race(a, b, warmup=1, min_steps=2, max_steps=2, min_s=0.0)
+    one_turn = at.TURN_STEPS - 1  # counted steps in one turn: one pair of turns
+    result = at.race(a, b, warmup=1, min_steps=one_turn, max_steps=one_turn, min_s=0.0)
     assert [n for _, n in order] == [2] + [1] * at.TURN_STEPS + [2] * at.TURN_STEPS
     assert result["steps"] == at.TURN_STEPS - 1
     assert torch.get_num_threads() == 1  # the process is left in the incumbent's settings
