@@ -25,7 +25,8 @@ from modules.trainer import (apply_process_settings, autocast_dtype, make_optimi
 
 log = logging.getLogger(__name__)
 
-# A candidate is measured for at least MIN_STEPS steps and MIN_S seconds, at most MAX_STEPS.
+# A race of two candidates times each for at least MIN_STEPS steps and at most MAX_STEPS, and
+# runs for at least MIN_S seconds in all.
 MIN_STEPS, MAX_STEPS, MIN_S = 3, 12, 1.5
 # For a short planned run the measuring may take at most MEASURE_SHARE of the run's own
 # (estimated) time: each candidate then gets less than MIN_S, but at least MIN_S_FLOOR.
@@ -109,18 +110,19 @@ class ComputeProbe:
 
 
 def race(incumbent: ComputeProbe, challenger: ComputeProbe, *, warmup: int = 2,
-         min_steps: int | None = None, max_steps: int | None = None, min_s: float | None = None
-         ) -> dict[str, Any]:
+         min_steps: int | None = None, max_steps: int | None = None, min_s: float | None = None,
+         drop_slow: bool = True) -> dict[str, Any]:
     """Time two probes in turns: a step of one, then a step of the other (TURN_STEPS each when
     a process-wide knob differs), until both have min_steps and min_s has passed in all. The
     machine's drift (5-10% within seconds on a shared 2-core VM) then falls on both alike,
     where timing one candidate after another compares each with a figure taken seconds before.
-    The order alternates (incumbent first, then challenger first): the probe that runs second
-    in a pair measured about 1% faster.
+    The order alternates (incumbent first, then challenger first) over an even number of
+    pairs: the probe that runs second in a pair measured about 1% faster.
 
-    The challenger warms up first (its one-time costs: kernel selection, a JIT, compiling). It
-    is dropped early when two of its steps in a row, its last warm-up step included, take
-    ABORT_FACTOR times the incumbent's median or more (bf16 on a CPU without bf16 units).
+    The challenger warms up first (its one-time costs: kernel selection, a JIT, compiling).
+    With drop_slow it is dropped early when two of its steps in a row, its last warm-up step
+    included, take ABORT_FACTOR times the incumbent's median or more (bf16 on a CPU without
+    bf16 units); its figures then rest on a step or two.
     Returns {"img_s": (incumbent, challenger), "warmup_s": the challenger's warm-up,
     "steps": the challenger's timed steps, "dropped": bool}."""
     min_steps = MIN_STEPS if min_steps is None else min_steps
@@ -134,28 +136,33 @@ def race(incumbent: ComputeProbe, challenger: ComputeProbe, *, warmup: int = 2,
         times = [probe.timed_step() for _ in range(turn)]
         return times[1:] if turn > 1 else times
 
-    challenger.activate()
-    warm = [challenger.timed_step() for _ in range(warmup)]
-    recent = warm[-1:] if warmup > 1 else []
     mine: list[float] = []
     theirs: list[float] = []
     dropped, pairs = False, 0
-    started = time.perf_counter()
-    while len(theirs) < max_steps and (len(theirs) < min_steps
-                                       or time.perf_counter() - started < min_s):
-        if pairs % 2 == 0:
-            mine += take_turn(incumbent)
-            new = take_turn(challenger)
-        else:
-            new = take_turn(challenger)
-            mine += take_turn(incumbent)
-        pairs += 1
-        theirs += new
-        recent = (recent + new)[-2:]
-        if len(recent) == 2 and min(recent) > ABORT_FACTOR * statistics.median(mine):
-            dropped = True
-            break
-    incumbent.activate()
+    try:
+        challenger.activate()
+        warm = [challenger.timed_step() for _ in range(warmup)]
+        recent = warm[-1:] if warmup > 1 else []
+        started = time.perf_counter()
+        while True:
+            if pairs % 2 == 0:
+                mine += take_turn(incumbent)
+                new = take_turn(challenger)
+            else:
+                new = take_turn(challenger)
+                mine += take_turn(incumbent)
+            pairs += 1
+            theirs += new
+            recent = (recent + new)[-2:]
+            if drop_slow and len(recent) == 2 and \
+                    min(recent) > ABORT_FACTOR * statistics.median(mine):
+                dropped = True
+                break
+            if pairs % 2 == 0 and (len(theirs) >= max_steps or (
+                    len(theirs) >= min_steps and time.perf_counter() - started >= min_s)):
+                break
+    finally:
+        incumbent.activate()
     return {"img_s": (incumbent.batch / statistics.median(mine),
                       challenger.batch / statistics.median(theirs)),
             "warmup_s": sum(warm), "steps": len(theirs), "dropped": dropped}
@@ -172,13 +179,14 @@ def _release() -> None:
 
 
 def _challenge(incumbent: ComputeProbe, config: TrainConfig, num_classes: int,
-               warmup: int = 2, min_s: float = MIN_S
+               warmup: int = 2, min_s: float = MIN_S, drop_slow: bool = True
                ) -> tuple[ComputeProbe | None, dict[str, Any]]:
     """(the challenger's probe, race()'s figures), or (None, {"error": ...}) when `config`
     cannot run here (unsupported, out of memory, a compiler failure ...)."""
     try:
         challenger = ComputeProbe(config, num_classes)
-        return challenger, race(incumbent, challenger, warmup=warmup, min_s=min_s)
+        return challenger, race(incumbent, challenger, warmup=warmup, min_s=min_s,
+                                drop_slow=drop_slow)
     except Exception as exc:
         incumbent.activate()
         _release()
@@ -212,6 +220,7 @@ def _pick(knob: str, candidates: list[Any], config: TrainConfig, num_classes: in
     as chosen so far; keep the first candidate (the default, whose probe the previous knob left
     in `current`) unless another is at least MIN_GAIN faster in the same race."""
     figures: dict[str, Any] = {}
+    races: list[str] = []  # each challenger against the setting it raced, at the same moment
     best = current.get("probe")
     if best is not None and best.config == config:
         best_value, rest = candidates[0], candidates[1:]
@@ -233,24 +242,21 @@ def _pick(knob: str, candidates: list[Any], config: TrainConfig, num_classes: in
             figures[_label(value)] = result["error"]
             continue
         mine, theirs = result["img_s"]
-        figures[_label(best_value)] = round(mine, 2)  # this race's figure: the same moment
         figures[_label(value)] = round(theirs, 2)
+        races.append(f"{_label(value)} {theirs:.1f} vs {_label(best_value)} {mine:.1f}"
+                     + (" (dropped after its first steps)" if result["dropped"] else ""))
         if theirs > MIN_GAIN * mine:
             best, best_value = challenger, value
             current.update(probe=challenger, img_s=theirs)
-        else:
+        elif not result["dropped"]:  # a dropped race timed the incumbent for a step or two
             current["img_s"] = mine
+        figures[_label(best_value)] = round(current["img_s"], 2)
         del challenger  # the loser's memory goes now, whichever it was
         _release()
     best_img_s = current["img_s"]
     chosen = dataclasses.replace(config, **{knob: best_value})
-    speeds = {k: v for k, v in figures.items() if isinstance(v, float)}
-    if len(speeds) > 1:
-        slowest = min(speeds, key=speeds.get)
-        reason = (f"{_label(best_value)} measured {best_img_s:.1f} img/s; "
-                  + ", ".join(f"{k}: {v:.1f}" for k, v in speeds.items() if k != _label(best_value)))
-        if speeds[slowest] > 0 and _label(best_value) != slowest:
-            reason += f" ({speeds[_label(best_value)] / speeds[slowest]:.1f}x the slowest)"
+    if races:  # figures from different races were taken at different moments: not compared
+        reason = f"{_label(best_value)} measured {best_img_s:.1f} img/s; raced: " + "; ".join(races)
     else:
         reason = f"only {_label(best_value)} runs here ({best_img_s:.1f} img/s)"
     errors = {k: v for k, v in figures.items() if not isinstance(v, float)}
@@ -290,8 +296,9 @@ def _tune_compile(config: TrainConfig, num_classes: int, current: dict[str, Any]
                 f"not tried: the planned {planned_steps} steps take about {planned_steps * step_s:.0f} "
                 f"s eager; even halving every step saves at most {best_saving:.0f} s, less than "
                 f"compile's warm-up (at least {COMPILE_WARMUP_FLOOR_S:.0f} s)")}
+    # Not dropped early: a compiled model's first steps after warm-up can still recompile.
     compiled, result = _challenge(current["probe"], dataclasses.replace(config, compile=True),
-                                  num_classes)
+                                  num_classes, drop_slow=False)
     figures = {"false": round(eager_img_s, 2)}
     if compiled is None:
         figures["true"] = result["error"]
