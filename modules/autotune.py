@@ -31,9 +31,9 @@ MIN_STEPS, MAX_STEPS, MIN_S = 3, 12, 1.5
 # For a short planned run the measuring may take at most MEASURE_SHARE of the run's own
 # (estimated) time: each candidate then gets less than MIN_S, but at least MIN_S_FLOOR.
 MEASURE_SHARE, MIN_S_FLOOR = 0.1, 0.3
-# A candidate whose last warm-up step and first timed step (or first two timed steps) are both
-# this much slower than the best so far is dropped after them (bf16 on a CPU without bf16
-# units: two steps are proof enough).
+# A challenger whose last warm-up step and first timed step (or first two timed steps) are both
+# this much slower than the incumbent in its race is dropped after them (bf16 on a CPU without
+# bf16 units: two steps are proof enough).
 ABORT_FACTOR = 1.5
 # Keep a setting only when it is at least this much faster (timings wobble by a few percent).
 MIN_GAIN = 1.03
@@ -99,13 +99,13 @@ class ComputeProbe:
     def measure(self, *, warmup: int = 1, min_steps: int = MIN_STEPS, max_steps: int = MAX_STEPS,
                 min_s: float = MIN_S) -> dict[str, float]:
         """{"img_s": median throughput, "warmup_s": time of the warm-up steps, "steps": n}."""
-        warm_steps = [self.timed_step() for _ in range(warmup)]
+        warm = sum(self.timed_step() for _ in range(warmup))
         times: list[float] = []
         started = time.perf_counter()
         while len(times) < max_steps and (len(times) < min_steps
                                           or time.perf_counter() - started < min_s):
             times.append(self.timed_step())
-        return {"img_s": self.batch / statistics.median(times), "warmup_s": sum(warm_steps),
+        return {"img_s": self.batch / statistics.median(times), "warmup_s": warm,
                 "steps": len(times)}
 
 

@@ -250,7 +250,7 @@ def batches_per_pass(batch_size: int, size: int, device: torch.device) -> int:
     a pass never straddles two draws of parameters, whose output takes up to GPU_PASS_BYTES."""
     if device.type != "cuda":
         return 1
-    batch_bytes = batch_size * 3 * size * size * 4
+    batch_bytes = 4 * cache_bytes(batch_size, size)  # float32 where the cache holds uint8
     n = 1
     while n * 2 <= PARAM_BATCHES and n * 2 * batch_bytes <= GPU_PASS_BYTES:
         n *= 2
