@@ -125,6 +125,30 @@ def test_a_pass_of_several_batches_yields_the_batches_of_one_at_a_time(train):
         assert torch.allclose(xa, xb, atol=1e-5)
 
 
+def test_the_cached_means_give_the_batches_their_own_means_would(folder, monkeypatch):
+    """The contrast pivots come from each image's mean, taken once when the cache is built (a
+    chunk at a time) instead of from every batch: the batches are those of means taken from
+    the batch itself."""
+    monkeypatch.setattr(fastdata, "MEANS_CHUNK", 3)  # several chunks, the last one short
+    images = _batch(n=11, size=20, seed=4)
+    assert torch.allclose(fastdata.image_means(images), images.float().mean(dim=(2, 3)))
+    assert fastdata.image_means(images[:0]).shape == (0, 3)
+    index = index_dataset(folder)
+    train = make_loaders(index, _config())[0]
+    cached, means = fastdata.decoded_images(index.train, 24)
+    assert train.images is cached and torch.equal(train.means, means)
+    assert torch.allclose(means, cached.float().mean(dim=(2, 3)))
+    seen = []
+    real = fastdata.augment_with
+    monkeypatch.setattr(fastdata, "augment_with", lambda x, params, means=None: seen.append(
+        (x, params, means)) or real(x, params, means))
+    batches = [x for x, _ in train]
+    assert len(seen) == len(batches) and all(m is not None for _, _, m in seen)
+    for out, (x, params, m) in zip(batches, seen):
+        assert torch.allclose(m, x.float().mean(dim=(2, 3)))
+        assert torch.allclose(out, real(x, params), atol=1e-5)  # means from the batch itself
+
+
 def test_passes_are_one_batch_on_a_cpu_and_up_to_100_mb_on_a_gpu():
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     assert fastdata.batches_per_pass(32, 150, cpu) == 1
