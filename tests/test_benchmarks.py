@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -102,6 +104,44 @@ def test_step_clock_waits_for_a_gpu_once_per_window_and_a_cpu_step_is_one_sample
     assert tp.gpu_window(75, pass_batches=8) == 8 and tp.gpu_window(75, pass_batches=16) == 16
     assert tp.gpu_window(75, pass_batches=3) == 9 and tp.gpu_window(18, pass_batches=2) == 4
     assert tp.gpu_window(10, pass_batches=8) == 8  # fewer than three windows, never a part pass
+
+
+def test_paired_clock_alternates_pipeline_and_pure_compute_window_by_window(monkeypatch):
+    """Pure compute runs in between the pipeline's windows, each timed on its own: a pipeline
+    window from the end of the probe's window before it to its own end."""
+    import torch
+    tp = _throughput_module()
+    now, events = [0.0], []
+    monkeypatch.setattr(tp.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append("sync"))
+
+    class Probe:
+        def step(self):
+            events.append("probe")
+            now[0] += 0.25
+
+    clock = tp.PairedClock(Probe(), torch.device("cpu"), window=4)
+    assert events == ["probe"] and clock.window == 1  # one warm-up step on building; CPU: 1
+    for k in range(3 + 6):  # three warm-up steps of the pipeline (0.5 s each), then six timed
+        events.append("pipe")
+        now[0] += 5.0 if k < 3 else 0.5
+        clock.step()
+    assert events == ["probe"] + ["pipe", "probe"] * 9  # alternating, warm-up included
+    assert len(clock.pure_gaps) == 7 and len(clock.pipe_gaps) == 6  # no pipeline gap before the 1st
+    assert clock.img_s_pair(8) == (8 / 0.25, 8 / 0.5)
+
+    events.clear()
+    gpu = tp.PairedClock(Probe(), torch.device("cuda"), window=2, warmup=1)
+    for _ in range(1 + 4):
+        events.append("pipe")
+        now[0] += 0.5
+        gpu.step()
+    # a window of pipeline steps, a wait, as many probe steps, a wait
+    assert events == ["probe", "pipe", "sync", "probe", "probe", "sync"] + \
+        (["pipe"] * 2 + ["sync", "probe", "probe", "sync"]) * 2
+    assert gpu.img_s_pair(8) == (8 * 2 / 0.5, 8 * 2 / 1.0)
+    with pytest.raises(tp.UserError):
+        tp.PairedClock(Probe(), torch.device("cpu")).img_s_pair(8)
 
 
 def test_the_lightning_row_takes_either_package_name(monkeypatch):
