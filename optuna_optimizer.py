@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import warnings
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import optuna
@@ -29,6 +30,38 @@ except ValueError:  # not a number: keep the default rather than fail at import
     GRACE_S = 90.0
 HEARTBEAT_S, MAX_RETRY = max(1, int(GRACE_S // 3)), 2
 BATCH_SIZES = (16, 32, 64, 128, 256)  # the search's choices, before the memory bound
+
+
+class _Storage(optuna.storages.RDBStorage):
+    """Optuna's RDBStorage, whose stale trials also take in a trial that never beat: RUNNING,
+    without a heartbeat, started more than the grace period ago.
+
+    Optuna only looks at trials with a heartbeat. Its heartbeat thread records the first one
+    shortly after the trial is created (later when SQLite is busy with the trial's own
+    writes), so a process killed in between left its trial RUNNING for ever, never failed
+    and never retried. A live trial beats within milliseconds of its start, so one without a
+    heartbeat after the whole grace period is dead. (Its start is the creating process's
+    local time: workers sharing a study should share a clock and time zone.)"""
+
+    def _get_stale_trial_ids(self, study_id: int) -> list[int]:
+        stale = super()._get_stale_trial_ids(study_id)
+        grace = timedelta(seconds=self.grace_period or 2 * self.heartbeat_interval)
+        now = datetime.now()
+        for trial in self.get_all_trials(study_id, deepcopy=False,
+                                         states=(optuna.trial.TrialState.RUNNING,)):
+            if trial._trial_id not in stale and trial.datetime_start is not None and \
+                    now - trial.datetime_start > grace and not self._has_heartbeat(trial._trial_id):
+                stale.append(trial._trial_id)
+        return stale
+
+    def _has_heartbeat(self, trial_id: int) -> bool:
+        try:  # Optuna's own tables, as its record_heartbeat reads them (3.5 to 5.0)
+            from optuna.storages._rdb import models
+            from optuna.storages._rdb.storage import _create_scoped_session
+            with _create_scoped_session(self.scoped_session) as session:
+                return models.TrialHeartbeatModel.where_trial_id(trial_id, session) is not None
+        except Exception:  # an Optuna whose internals differ: leave the trial to Optuna's rule
+            return True
 
 
 class OptunaTuner:
@@ -125,8 +158,8 @@ class OptunaTuner:
             with warnings.catch_warnings():  # heartbeats and retries are flagged experimental
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 retry = retry_cls(max_retry=MAX_RETRY)
-                return storages.RDBStorage(self.storage_url, heartbeat_interval=HEARTBEAT_S,
-                                           grace_period=GRACE_S, **{keyword: retry})
+                return _Storage(self.storage_url, heartbeat_interval=HEARTBEAT_S,
+                                grace_period=GRACE_S, **{keyword: retry})
         except Exception as exc:  # SQLAlchemy raises many types for bad URLs / unreachable DBs
             first = (str(exc).strip().splitlines() or [""])[0]
             raise UserError(f"cannot open Optuna storage {_without_password(self.storage_url)!r} "

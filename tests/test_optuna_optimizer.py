@@ -96,6 +96,32 @@ def test_trial_of_a_killed_process_is_retried(index, tmp_path, monkeypatch):
     assert retried.params["lr"] == failed.params["lr"]
 
 
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")  # our study.ask() plays the dead run
+def test_a_trial_killed_before_its_first_heartbeat_is_retried_too(index, tmp_path, monkeypatch):
+    """Optuna only fails stale trials that have a heartbeat; a process killed between creating
+    its trial and the first beat left that trial RUNNING for ever (a flaky real-kill test)."""
+    monkeypatch.setattr(optuna_optimizer, "fit", fake_fit)
+    monkeypatch.setattr(optuna_optimizer, "HEARTBEAT_S", 1)
+    monkeypatch.setattr(optuna_optimizer, "GRACE_S", 2)  # SQLite's heartbeats: 1 s resolution
+    t = tuner(index, tmp_path, n_trials=1)
+    study = optuna.create_study(storage=t.storage, study_name=t.study_name, direction="maximize")
+    lr = {"lr": optuna.distributions.FloatDistribution(1e-4, 1e-2, log=True)}
+    dead = study.ask(lr)  # killed before its first heartbeat: none recorded
+    beating = study.ask(lr)
+    time.sleep(2.3)  # both started longer ago than the grace period
+    t.storage.record_heartbeat(beating._trial_id)  # but this one beats: alive
+    young = study.ask(lr)  # just started, no heartbeat yet: alive as far as anyone knows
+    t = tuner(index, tmp_path, n_trials=1, resume=True)
+    t.run()
+    trials = {trial.number: trial for trial in t.study.trials}
+    assert trials[dead.number].state == optuna.trial.TrialState.FAIL
+    assert trials[young.number].state == trials[beating.number].state == \
+        optuna.trial.TrialState.RUNNING
+    retries = [x for x in t.study.trials if x.system_attrs.get("failed_trial") == dead.number]
+    assert len(retries) == 1 and retries[0].state == optuna.trial.TrialState.COMPLETE
+    assert retries[0].params["lr"] == trials[dead.number].params["lr"]
+
+
 def test_out_of_memory_is_a_pruned_trial(index, tmp_path, monkeypatch):
     def oom(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
