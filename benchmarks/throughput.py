@@ -527,6 +527,16 @@ def main(argv=None) -> int:
         if value is not None:
             ratio = ratios.get(f"pipeline_over_{name}", 1.0 if name == "pipeline" else None)
             print(f"| {name} | {value:.1f} | {'' if ratio is None else f'{ratio:.2f}x'} |")
+    spreads = {}
+    for other in ("pure_compute", "baseline", "lightning"):
+        theirs = results.get("rounds", {}).get(other)
+        if pipe and theirs:
+            by_round = [a / b for a, b in zip(pipe, theirs)]
+            spreads[other] = [round(min(by_round), 3), round(max(by_round), 3)]
+    results["ratio_ranges"] = spreads  # the spread of single rounds: how far a median can be off
+    if spreads:
+        print("\npipeline / this, single rounds: " + ", ".join(
+            f"{name} {lo:.2f}-{hi:.2f}" for name, (lo, hi) in spreads.items()))
     chosen = {k: v["choice"] for k, v in report["knobs"].items()}
     print(f"\nautotuned: {chosen}")
     if results.get("trace"):

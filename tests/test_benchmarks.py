@@ -36,6 +36,10 @@ def test_throughput_benchmark_runs_every_row_trace_and_time_to_accuracy(tmp_path
         assert f"| {row} |" in proc.stdout
     assert set(result["ratios"]) == {"pipeline_over_pure_compute", "pipeline_over_baseline",
                                      "pipeline_over_lightning"}
+    for row, (lo, hi) in result["ratio_ranges"].items():  # one round: the range is the ratio
+        assert lo == hi == pytest.approx(result["ratios"][f"pipeline_over_{row}"], abs=2e-3)
+    assert "pipeline / this, single rounds: pure_compute " in proc.stdout
+    assert result["paired_pure_compute"] is True
     assert (result["model"], result["image_size"], result["batch_size"], result["device"]) == \
         ("squeezenet1_1", 32, 8, "cpu")
     assert result["autotune"]["knobs"]["amp"]["reason"]
