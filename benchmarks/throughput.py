@@ -510,14 +510,16 @@ def main(argv=None) -> int:
         return 2
     finally:
         fastdata.clear_cache()
-    ratios = {}
+    ratios, spreads = {}, {}
     pipe = results.get("rounds", {}).get("pipeline")
     for other in ("pure_compute", "baseline", "lightning"):
         theirs = results.get("rounds", {}).get(other)
         if pipe and theirs:
-            ratios[f"pipeline_over_{other}"] = round(statistics.median(
-                a / b for a, b in zip(pipe, theirs)), 3)
+            by_round = [a / b for a, b in zip(pipe, theirs)]
+            ratios[f"pipeline_over_{other}"] = round(statistics.median(by_round), 3)
+            spreads[other] = [round(min(by_round), 3), round(max(by_round), 3)]
     results["ratios"] = ratios
+    results["ratio_ranges"] = spreads  # the spread of single rounds: how far a median can be off
     print(f"\n{args.model} at {args.image_size} px, batch {args.batch_size}, on "
           f"{results['machine']} (torch {torch.__version__})\n")
     print(f"medians of {args.rounds} rounds; ratios are medians of per-round ratios\n")
@@ -527,13 +529,6 @@ def main(argv=None) -> int:
         if value is not None:
             ratio = ratios.get(f"pipeline_over_{name}", 1.0 if name == "pipeline" else None)
             print(f"| {name} | {value:.1f} | {'' if ratio is None else f'{ratio:.2f}x'} |")
-    spreads = {}
-    for other in ("pure_compute", "baseline", "lightning"):
-        theirs = results.get("rounds", {}).get(other)
-        if pipe and theirs:
-            by_round = [a / b for a, b in zip(pipe, theirs)]
-            spreads[other] = [round(min(by_round), 3), round(max(by_round), 3)]
-    results["ratio_ranges"] = spreads  # the spread of single rounds: how far a median can be off
     if spreads:
         print("\npipeline / this, single rounds: " + ", ".join(
             f"{name} {lo:.2f}-{hi:.2f}" for name, (lo, hi) in spreads.items()))
