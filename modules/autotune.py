@@ -299,10 +299,9 @@ def _tune_compile(config: TrainConfig, num_classes: int, current: dict[str, Any]
     # Not dropped early: a compiled model's first steps after warm-up can still recompile.
     compiled, result = _challenge(current["probe"], dataclasses.replace(config, compile=True),
                                   num_classes, drop_slow=False)
-    figures = {"false": round(eager_img_s, 2)}
     if compiled is None:
-        figures["true"] = result["error"]
-        return config, {"choice": False, "img_s": figures,
+        return config, {"choice": False,
+                        "img_s": {"false": round(eager_img_s, 2), "true": result["error"]},
                         "reason": f"torch.compile failed here ({result['error']})"}
     eager_img_s, compiled_img_s = result["img_s"]
     figures = {"false": round(eager_img_s, 2), "true": round(compiled_img_s, 2)}
