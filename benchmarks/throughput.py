@@ -313,7 +313,14 @@ def _lightning_package() -> str | None:
 
 def lightning_img_s(index, args, device: torch.device, window: int) -> float:
     """Lightning's Trainer as a user would set it up: ImageFolder and torchvision transforms."""
-    L = importlib.import_module(_lightning_package())
+    package = _lightning_package()
+    L = importlib.import_module(package)
+    # Lightning gives its logger a handler of its own and lets it propagate to ours as well,
+    # so each of its lines came out twice; and its banner (accelerators, a product tip) is
+    # not the benchmark's business. Its warnings still reach our handler, once.
+    lightning_log = logging.getLogger(package)
+    lightning_log.handlers.clear()
+    lightning_log.setLevel(logging.WARNING)
     from torch.utils.data import DataLoader
     from torchvision import datasets, transforms as T
 

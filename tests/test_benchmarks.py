@@ -55,6 +55,8 @@ def test_throughput_benchmark_runs_every_row_trace_and_time_to_accuracy(tmp_path
     tta = result["time_to_accuracy"]
     assert tta["baseline_s"] > 0 and tta["optimized_s"] > 0 and 0 <= tta["target_val_acc"] <= 1
     assert tta["val_images"] == 6 * 4
+    lines = proc.stderr.splitlines()  # no log line twice (Lightning's handler beside ours did that)
+    assert not [a for a, b in zip(lines, lines[1:]) if a == b and a.strip()]
 
 
 def test_throughput_benchmark_refuses_too_few_images_in_one_line(tmp_path):
