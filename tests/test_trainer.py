@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from modules.config import TrainConfig, UserError
 from modules.dataset import EpochSampler
-from modules.trainer import (TIMING_WARMUP_STEPS, DivergedError, autocast_dtype,
+from modules.trainer import (METRIC_BATCHES, TIMING_WARMUP_STEPS, DivergedError, autocast_dtype,
                              load_checkpoint, set_seed, train)
 
 BASE = TrainConfig(model="resnet18", weights="none", image_size=16, epochs=3, batch_size=8,
@@ -122,6 +122,42 @@ def test_a_planted_nan_loss_is_skipped_and_counted():
     assert result.nonfinite_steps == 2
     assert all(torch.isfinite(p).all() for p in result.model.parameters())
     assert math.isfinite(result.history[-1]["train_loss"]) and result.best_val_acc > 0.6
+
+
+def test_train_accuracy_counts_each_committed_batch_once_across_held_groups():
+    """Correct predictions are counted METRIC_BATCHES batches at a time: the epoch's figure is
+    the one counting every batch as it came gives, the NaN batch that was skipped left out."""
+    config = dataclasses.replace(BASE, epochs=2, batch_size=2)
+    data = colour_data()
+    data.tensors[0][5] = float("nan")
+    batches = loader(data, config)
+    assert len(batches) > METRIC_BATCHES  # one full group counted mid-epoch, the rest at its end
+
+    class Recording:  # the loader, noting each training batch's labels as the trainer takes it
+        sampler = batches.sampler
+
+        def __len__(self):
+            return len(batches)
+
+        def __iter__(self):
+            for x, y in batches:
+                labels.append(y)
+                yield x, y
+
+    labels, predicted = [], []
+    set_seed(config.seed)
+    model = TinyNet()
+    model.register_forward_hook(lambda m, _, out: predicted.append(out.detach()) if m.training
+                                else None)
+    result = train(model, Recording(), loader(colour_data(24, seed=1), config, False), config)
+    per_epoch = len(batches)
+    for epoch, row in enumerate(result.history):
+        pairs = list(zip(predicted[epoch * per_epoch:(epoch + 1) * per_epoch],
+                         labels[epoch * per_epoch:(epoch + 1) * per_epoch]))
+        kept = [(out, y) for out, y in pairs if torch.isfinite(out).all()]
+        assert len(kept) == per_epoch - 1  # the poisoned batch
+        correct = sum(int((out.argmax(1) == y).sum()) for out, y in kept)
+        assert row["train_acc"] == correct / sum(len(y) for _, y in kept)
 
 
 def test_a_diverging_run_stops_with_a_clear_message():
