@@ -81,9 +81,14 @@ class StepClock:
             torch.cuda.synchronize(self.device)
         self.stamps.append(time.perf_counter())
 
+    def _ends_window(self) -> bool:
+        """Whether a stamp falls after the step just counted: the warm-up's end opens the first
+        timed window, and every `window` steps after it one closes."""
+        return self.steps >= self.warmup and (self.steps - self.warmup) % self.window == 0
+
     def step(self) -> None:
         self.steps += 1
-        if self.steps >= self.warmup and (self.steps - self.warmup) % self.window == 0:
+        if self._ends_window():
             self._stamp()
 
     def img_s(self, batch_size: int) -> float:
@@ -183,7 +188,7 @@ class PairedClock(StepClock):
         if self.steps < self.warmup:
             self.probe.step()
             return
-        if (self.steps - self.warmup) % self.window:
+        if not self._ends_window():
             return
         self._stamp()
         if self._end is not None:
@@ -494,11 +499,11 @@ def main(argv=None) -> int:
             order = runs if r % 2 == 0 else [runs[i ^ 1] for i in range(len(runs) & ~1)] + \
                 runs[len(runs) & ~1:]
             for name in order:
+                together = paired and name == "pipeline"  # pure compute's figure comes with it
                 log.info("round %d/%d: measuring %s", r + 1, args.rounds,
-                         "pure compute and pipeline, in alternation" if paired and
-                         name == "pipeline" else name)
+                         "pure compute and pipeline, in alternation" if together else name)
                 figure = rows[name]()
-                if paired and name == "pipeline":
+                if together:
                     per_round["pure_compute"].append(round(figure[0], 2))
                     figure = figure[1]
                 per_round[name].append(round(figure, 2))

@@ -171,24 +171,23 @@ def _augment_params(n: int, h: int, w: int, generator: torch.Generator, mean, st
     return torch.from_numpy(packed.astype(np.float32))
 
 
-def augment(x: torch.Tensor, generator: torch.Generator, mean=IMAGENET_MEAN, std=IMAGENET_STD,
-            means: torch.Tensor | None = None) -> torch.Tensor:
+def augment(x: torch.Tensor, generator: torch.Generator, mean=IMAGENET_MEAN, std=IMAGENET_STD
+            ) -> torch.Tensor:
     """Random resized crop, horizontal flip and colour jitter of a uint8 batch, normalised.
 
     Brightness, contrast, saturation and normalisation are all affine in the pixel values, so
     they fold into one 3x3 matrix plus offset per image (one batched matmul); the crop and the
     flip are one resampling (grid_sample). The random numbers come from `generator` (CPU), so
-    a batch depends only on the generator's state, on any device. `means`: the images'
-    image_means, when the caller has them (else they are taken from x)."""
+    a batch depends only on the generator's state, on any device."""
     n, _, h, w = x.shape
-    return augment_with(x, _to(_augment_params(n, h, w, generator, mean, std), x.device), means)
+    return augment_with(x, _to(_augment_params(n, h, w, generator, mean, std), x.device))
 
 
 def augment_with(x: torch.Tensor, params: torch.Tensor, means: torch.Tensor | None = None
                  ) -> torch.Tensor:
     """augment() with its per-image parameters already drawn (rows of _augment_params, on x's
     device): the loader draws them for many batches at once, and gathers the images' means
-    from the cache's."""
+    (image_means) from the cache's; without them they are taken from x."""
     n, _, h, w = x.shape
     matrix, pivot = params[:, :9].view(n, 3, 3), params[:, 9:18].view(n, 3, 3)
     shift = params[:, 18:21]
