@@ -1,6 +1,7 @@
-"""ResolutionTuner: trains the same short budget at each candidate input size, picks the size with
-the best validation accuracy (a tie within noise goes to the cheaper size) and reports what each
-size costs in time. With a journal, every finished size is written down, and a resumed run
+"""ResolutionTuner: trains about the same compute at each candidate input size (more epochs for
+smaller sizes), always including the default size, and picks the size with the best validation accuracy: a size within one
+standard error of the best ties, and a tie keeps the default size when it is among the tied,
+else goes to the cheapest. It reports what each size costs in time. With a journal, every finished size is written down, and a resumed run
 trains only the sizes it has no result for."""
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from modules import distributed
 from modules.config import TrainConfig, UserError
 from modules.dataset import DatasetIndex
 from modules.files import atomic_write_text
+from modules.selection import accuracy_se, tie_margin
 from modules.trainer import fit
 
 log = logging.getLogger(__name__)
@@ -40,19 +42,19 @@ class ResolutionTuner:
     """Which input size buys the most accuracy for the time: one short run per candidate."""
 
     def __init__(self, index: DatasetIndex, base: TrainConfig, resolutions=GPU_RESOLUTIONS, *,
-                 epochs: int | None = None, tolerance: float = 0.01,
-                 journal: str | Path | None = None, resume: bool = False):
-        """journal: a JSON file where each finished size's result is kept; with resume=True the
-        sizes it holds for the same settings and data are taken from it, not trained again."""
-        sizes = sorted(set(int(r) for r in resolutions))
+                 epochs: int | None = None, journal: str | Path | None = None,
+                 resume: bool = False):
+        """base.image_size is the default size, always a candidate. journal: a JSON file where
+        each finished size's result is kept; with resume=True the sizes it holds for the same
+        settings and data are taken from it, not trained again."""
+        sizes = sorted(set(int(r) for r in resolutions) | {base.image_size})
         if not sizes:
             raise UserError("resolutions must name at least one input size.")
         for size in sizes:  # TrainConfig checks each size against the model's minimum
             dataclasses.replace(base, image_size=size)
         self.index, self.base, self.resolutions = index, base, sizes
         self.epochs = epochs or base.epochs
-        # One validation image more or less is noise, whatever the tolerance says.
-        self.tolerance = max(tolerance, 1.0 / max(1, len(index.val)))
+        self.default_size, self.n_val = base.image_size, len(index.val)
         self.journal, self.resume = (Path(journal) if journal else None), resume
         self.trials: list[ResolutionTrial] = []
         self.reused: list[int] = []  # sizes taken from the journal on resume
@@ -65,7 +67,7 @@ class ResolutionTuner:
         done = self._journaled(data) if self.resume else {}
         entries = []
         for size in self.resolutions:
-            config = dataclasses.replace(self.base, image_size=size, epochs=self.epochs,
+            config = dataclasses.replace(self.base, image_size=size, epochs=self.epochs_for(size),
                                          early_stopping_patience=None)
             key = _config_key(config)
             trial = done.get(key)
@@ -85,10 +87,19 @@ class ResolutionTuner:
             self.trials.append(trial)
             entries.append({"config": key, "trial": dataclasses.asdict(trial)})
             self._write_journal(data, entries)
-        best = self.pick(self.trials, self.tolerance)
-        log.info("resolution pick: %d px (ties within %.1f points go to the smaller size)", best,
-                 100 * self.tolerance)
+        best = self.pick(self.trials, self.n_val, self.default_size)
+        top = max(self.trials, key=lambda t: t.val_acc)
+        log.info("resolution pick: %d px (best %d px at %.1f%% +- %.1f on %d validation images; "
+                 "sizes within one standard error of the difference tie, and a tie keeps the "
+                 "default %d px, else the smallest)", best, top.image_size, 100 * top.val_acc,
+                 100 * accuracy_se(top.val_acc, self.n_val), self.n_val, self.default_size)
         return best
+
+    def epochs_for(self, size: int) -> int:
+        """Every size gets about the same compute: `epochs` at the default size, scaled by the
+        pixel count (a step's cost grows with it), so the sizes are compared at equal time,
+        as the final run's time is spent (at least one epoch)."""
+        return max(1, round(self.epochs * (self.default_size / size) ** 2))
 
     def _journaled(self, data: str) -> dict[str, ResolutionTrial]:
         """{config key: trial} from the journal, for the same data; {} when there is none or it
@@ -114,12 +125,14 @@ class ResolutionTuner:
                               self.journal)
 
     @staticmethod
-    def pick(trials: list[ResolutionTrial], tolerance: float) -> int:
-        """The smallest size whose accuracy is within `tolerance` of the best one."""
+    def pick(trials: list[ResolutionTrial], n_val: int, default_size: int | None = None) -> int:
+        """Among the sizes whose accuracy ties with the best one (within one standard error of
+        the difference on n_val images), the default size if it is one, else the smallest."""
         if not trials:
             raise UserError("no resolution was tried.")
         top = max(t.val_acc for t in trials)
-        return min(t.image_size for t in trials if t.val_acc >= top - tolerance)
+        tied = [t.image_size for t in trials if top - t.val_acc <= tie_margin(top, t.val_acc, n_val)]
+        return default_size if default_size in tied else min(tied)
 
     def tradeoff(self) -> list[dict[str, Any]]:
         """Per size: accuracy, speed, and accuracy gained per extra second of epoch time

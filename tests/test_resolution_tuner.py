@@ -1,4 +1,5 @@
-"""ResolutionTuner: one short run per size, the pick, ties to the cheaper size, the trade-off."""
+"""ResolutionTuner: one short run per size (the default's always among them), the pick, ties
+within one standard error to the default or the cheaper size, the trade-off."""
 import pytest
 
 from conftest import make_folder
@@ -6,8 +7,8 @@ from modules.config import TrainConfig, UserError
 from modules.dataset import index_dataset
 from resolution_tuner import ResolutionTrial, ResolutionTuner
 
-BASE = TrainConfig(model="resnet18", weights="none", epochs=2, batch_size=8, device="cpu",
-                   progress=False, seed=0)
+BASE = TrainConfig(model="resnet18", weights="none", image_size=24, epochs=2, batch_size=8,
+                   device="cpu", progress=False, seed=0)
 
 
 def trial(size, acc, epoch_s=1.0):
@@ -15,14 +16,27 @@ def trial(size, acc, epoch_s=1.0):
                            wall_s=2 * epoch_s)
 
 
-def test_pick_takes_the_most_accurate_size():
-    assert ResolutionTuner.pick([trial(32, 0.5), trial(48, 0.8), trial(64, 0.7)], 0.01) == 48
+def test_pick_takes_the_most_accurate_size_when_it_is_clear_of_the_noise():
+    # 1,000 validation images: one standard error of a difference is about 2 points
+    assert ResolutionTuner.pick([trial(32, 0.5), trial(48, 0.8), trial(64, 0.7)], 1000) == 48
+    assert ResolutionTuner.pick([trial(32, 0.5), trial(48, 0.8), trial(64, 0.7)], 1000, 64) == 48
 
 
-def test_a_tie_within_noise_goes_to_the_cheaper_size():
-    trials = [trial(64, 0.795), trial(48, 0.79), trial(96, 0.80)]
-    assert ResolutionTuner.pick(trials, 0.01) == 48
-    assert ResolutionTuner.pick(trials, 0.001) == 96
+def test_a_tie_within_one_standard_error_keeps_the_default_else_the_cheaper_size():
+    trials = [trial(64, 0.78), trial(48, 0.77), trial(96, 0.80)]
+    # 300 images: SE of the difference ~3.3 points, so all three tie
+    assert ResolutionTuner.pick(trials, 300, default_size=64) == 64
+    assert ResolutionTuner.pick(trials, 300, default_size=None) == 48
+    # 100,000 images: a 2-point gap is far outside the noise; the best wins
+    assert ResolutionTuner.pick(trials, 100_000, default_size=64) == 96
+    # equal scores always tie, even on a huge set
+    assert ResolutionTuner.pick([trial(64, 0.8), trial(96, 0.8)], 10**9, default_size=64) == 64
+
+
+def test_the_default_size_is_always_a_candidate(tmp_path):
+    index = index_dataset(make_folder(tmp_path / "d", n_train=4, n_test=2))
+    tuner = ResolutionTuner(index, BASE, [32, 40])
+    assert tuner.resolutions == [24, 32, 40] and tuner.default_size == 24
 
 
 def test_runs_every_candidate_and_reports_the_tradeoff(tmp_path):
@@ -31,8 +45,7 @@ def test_runs_every_candidate_and_reports_the_tradeoff(tmp_path):
     best = tuner.run()
     assert [t.image_size for t in tuner.trials] == [24, 32] and best in (24, 32)
     assert all(0 <= t.val_acc <= 1 and t.samples_per_s > 0 and t.epoch_s > 0 for t in tuner.trials)
-    # one validation image is the noise floor: 6 val images here, so ties within 1/6
-    assert tuner.tolerance == pytest.approx(1 / len(index.val))
+    assert tuner.n_val == len(index.val)
     rows = tuner.tradeoff()
     assert rows[0]["points_per_extra_epoch_s"] is None and "val_acc" in rows[1]
     assert tuner.save_plot(tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
@@ -92,3 +105,10 @@ def test_a_resumed_tuning_trains_only_the_sizes_its_journal_does_not_hold(tmp_pa
     trained.clear()
     ResolutionTuner(index, BASE, [24], journal=journal, resume=True).run()
     assert trained == [24]
+
+
+def test_every_size_gets_about_the_same_compute(tmp_path):
+    index = index_dataset(make_folder(tmp_path / "d", n_train=4, n_test=2))
+    tuner = ResolutionTuner(index, BASE.__class__(**{**BASE.to_dict(), "image_size": 64}),
+                            [48, 96, 256], epochs=4)
+    assert [tuner.epochs_for(s) for s in tuner.resolutions] == [7, 4, 2, 1]

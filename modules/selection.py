@@ -1,0 +1,22 @@
+"""How the tuners compare candidates measured on one validation set: the standard error of
+an accuracy, and when two accuracies are too close to call."""
+from __future__ import annotations
+
+import math
+
+
+def accuracy_se(acc: float, n: int) -> float:
+    """Standard error of an accuracy measured on n images (binomial)."""
+    acc = min(1.0, max(0.0, acc))
+    return math.sqrt(acc * (1 - acc) / max(1, n))
+
+
+def tie_margin(a: float, b: float, n: int) -> float:
+    """One standard error of the difference of two accuracies on n images each: a difference
+    within it is noise. At least one image, so that equal scores always tie."""
+    return max(math.hypot(accuracy_se(a, n), accuracy_se(b, n)), 1.0 / max(1, n))
+
+
+def beats(challenger: float, incumbent: float, n: int) -> bool:
+    """Whether `challenger` is better than `incumbent` by more than the noise."""
+    return challenger - incumbent > tie_margin(challenger, incumbent, n)
