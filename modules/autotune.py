@@ -5,11 +5,16 @@ bf16, for example, bf16 autocast measures several times slower and is rejected b
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
 import math
+import multiprocessing
 import os
+import platform
 import statistics
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import psutil
@@ -18,6 +23,7 @@ import torch.nn.functional as F
 
 from modules import hostmem
 from modules.config import TrainConfig, UserError
+from modules.files import atomic_write_text
 from modules.hardware import max_batch_size
 from modules.models import build_model, has_bytemask_dropout
 from modules.trainer import (apply_process_settings, autocast_dtype, make_optimizer,
@@ -42,15 +48,20 @@ MIN_GAIN = 1.03
 # switch itself: a thread pool resized, freed memory handed back).
 PROCESS_KNOBS = ("cpu_threads", "cpu_allocator")
 TURN_STEPS = 2
-# torch.compile's warm-up for these models is at least this long (measured: 70-105 s on a
-# 2-core CPU, about 40 s on an H200); a run too short to repay it even if compiling halved
-# every step does not try it.
+# torch.compile's warm-up for these models is at least this long; a run whose measuring budget
+# (MEASURE_SHARE of its planned time) has less than this left does not try it, and a warm-up
+# still running when the budget is spent is abandoned (it runs in a child process).
 COMPILE_WARMUP_FLOOR_S = 20.0
 COMPILE_BEST_GAIN = 0.5
 # A DataLoader keeps up when it delivers this much more than the model consumes.
 LOADER_HEADROOM = 1.1
 
-_RESULTS: dict[tuple, tuple[TrainConfig, dict[str, Any]]] = {}
+# Choices made in this process, by speed_key: a later scenario at the same size and batch
+# reuses them instead of measuring again.
+_RESULTS: dict[str, tuple[TrainConfig, dict[str, Any]]] = {}
+# Fields that change what a run learns but not how fast a step runs.
+_NOT_SPEED = ("weights", "epochs", "lr", "weight_decay", "momentum", "scheduler",
+              "early_stopping_patience", "max_nonfinite_steps", "seed", "progress")
 
 
 class ComputeProbe:
@@ -286,19 +297,32 @@ def optimizer_candidates(device: torch.device) -> list[str]:
 
 
 def _tune_compile(config: TrainConfig, num_classes: int, current: dict[str, Any],
-                  planned_steps: int | None) -> tuple[TrainConfig, dict[str, Any]]:
+                  planned_steps: int | None, deadline_s: float | None = None
+                  ) -> tuple[TrainConfig, dict[str, Any]]:
+    """Eager against torch.compile. deadline_s: the measuring budget left; the compiled probe
+    then runs in a child process that is killed when its warm-up has not finished by then."""
     eager_img_s = current["img_s"]
     step_s = config.batch_size / eager_img_s
+    not_tried = {"choice": False, "img_s": {"false": round(eager_img_s, 2)}}
     if planned_steps is not None:
         best_saving = planned_steps * step_s * COMPILE_BEST_GAIN
         if best_saving < COMPILE_WARMUP_FLOOR_S:
-            return config, {"choice": False, "img_s": {"false": round(eager_img_s, 2)}, "reason": (
+            return config, {**not_tried, "reason": (
                 f"not tried: the planned {planned_steps} steps take about {planned_steps * step_s:.0f} "
                 f"s eager; even halving every step saves at most {best_saving:.0f} s, less than "
                 f"compile's warm-up (at least {COMPILE_WARMUP_FLOOR_S:.0f} s)")}
-    # Not dropped early: a compiled model's first steps after warm-up can still recompile.
-    compiled, result = _challenge(current["probe"], dataclasses.replace(config, compile=True),
-                                  num_classes, drop_slow=False)
+    if deadline_s is not None and deadline_s < COMPILE_WARMUP_FLOOR_S:
+        return config, {**not_tried, "reason": (
+            f"not tried: {max(0.0, deadline_s):.0f} s of the measuring budget left, less than "
+            f"compile's warm-up (at least {COMPILE_WARMUP_FLOOR_S:.0f} s)")}
+    if deadline_s is None:
+        # Not dropped early: a compiled model's first steps after warm-up can still recompile.
+        compiled, result = _challenge(current["probe"], dataclasses.replace(config, compile=True),
+                                      num_classes, drop_slow=False)
+    else:
+        compiled, result = None, _race_compile_with_deadline(config, num_classes, deadline_s)
+        if "error" not in result:
+            compiled = current["probe"]  # the child's compiled model is gone with it
     if compiled is None:
         return config, {"choice": False,
                         "img_s": {"false": round(eager_img_s, 2), "true": result["error"]},
@@ -326,6 +350,59 @@ def _tune_compile(config: TrainConfig, num_classes: int, current: dict[str, Any]
               f"{result['warmup_s']:.0f} s warm-up pays back after {payback_steps} steps of {horizon}")
     return dataclasses.replace(config, compile=True), {"choice": True, "img_s": figures,
                                                         "reason": reason}
+
+
+def _race_compile_with_deadline(config: TrainConfig, num_classes: int, deadline_s: float
+                                ) -> dict[str, Any]:
+    """race() of eager against compiled in a child process, or {"error": ...} when it failed
+    or had not finished within deadline_s (then it is killed: a compile cannot be interrupted
+    from inside the process that runs it)."""
+    finished, result = run_with_deadline(_compile_race_child,
+                                         (config.to_dict(), num_classes, MIN_S), deadline_s)
+    if not finished:
+        return {"error": f"abandoned: its warm-up had not finished within the {deadline_s:.0f} s "
+                         "of measuring budget left"}
+    return result
+
+
+def _compile_race_child(config: dict[str, Any], num_classes: int, min_s: float, conn) -> None:
+    """In the child: warm an eager probe, then race a compiled one against it."""
+    try:
+        config = TrainConfig(**config)
+        eager, warm = _first_probe(dataclasses.replace(config, compile=False), num_classes,
+                                   MIN_S_FLOOR)
+        if eager is None:
+            conn.send(warm)
+            return
+        compiled, result = _challenge(eager, dataclasses.replace(config, compile=True),
+                                      num_classes, drop_slow=False, min_s=min_s)
+        conn.send(result)
+    except BaseException as exc:  # the parent must hear something rather than wait
+        conn.send({"error": _error(exc)})
+
+
+def run_with_deadline(target: Callable[..., None], args: tuple, deadline_s: float
+                      ) -> tuple[bool, Any]:
+    """Run target(*args, conn) in a fresh (spawned) process, which answers with conn.send().
+    (True, its answer), or (False, None) when it has not answered within deadline_s seconds:
+    then it is killed."""
+    ctx = multiprocessing.get_context("spawn")  # fork would copy this process's thread pools
+    receiver, sender = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=target, args=(*args, sender), daemon=True)
+    proc.start()
+    sender.close()
+    try:
+        if receiver.poll(max(0.0, deadline_s)):
+            return True, receiver.recv()
+        return False, None
+    except EOFError:  # it died without answering
+        proc.join(5)
+        return True, {"error": f"the measuring process died (exit code {proc.exitcode})"}
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(5)
+        receiver.close()
 
 
 def measuring_time(planned_steps: int | None, samples_per_step: int, img_s: float | None,
@@ -366,17 +443,34 @@ def tune_workers(make_loader: Callable[[int], Any], compute_img_s: float,
 
 def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None = None,
              fixed: frozenset[str] = frozenset(), tune_batch: bool = True,
-             loader_factory: Callable[[TrainConfig], Callable[[int], Any]] | None = None
+             loader_factory: Callable[[TrainConfig], Callable[[int], Any]] | None = None,
+             budget_share: float | None = None, cache_path: str | Path | None = None
              ) -> tuple[TrainConfig, dict[str, Any]]:
     """The fastest measured settings for `config` on its device, and why.
 
     planned_steps: optimizer steps the run will take (compile must pay back within them).
     fixed: knob names the user set explicitly; they are kept and not measured.
     loader_factory: for the streaming data path, config -> (num_workers -> loader).
+    budget_share: all measuring stays within this share of the planned steps' time (estimated
+    from the first measured step): knobs left when it is spent keep their starting value, and
+    compile is tried only under a deadline taken from what is left. None: no bound.
+    cache_path: a JSON file of earlier choices keyed by machine (CPU model and flags, GPU,
+    torch version) and speed settings; a match is reused instead of measured, and said so.
+    A choice made in this process for the same speed settings is reused too (a later scenario).
     Returns (config with the chosen knobs, {"knobs": {name: {choice, reason, img_s}}, ...})."""
-    key = (config, num_classes, planned_steps, fixed, tune_batch, loader_factory is None)
+    key = speed_key(config, num_classes, fixed, tune_batch, loader_factory is None)
     if key in _RESULTS:
-        return _RESULTS[key]
+        tuned, report = _RESULTS[key]
+        log.info("autotune: reusing the choice measured earlier in this run at %d px, batch %d",
+                 config.image_size, config.batch_size)
+        return _with_run_fields(tuned, config), {**report, "reused_from": "this run",
+                                                 "seconds": 0.0}
+    cached = _from_cache(cache_path, key) if cache_path else None
+    if cached is not None:
+        tuned, report = cached
+        _RESULTS[key] = (tuned, report)
+        apply_process_settings(tuned, resolve_device(tuned.device))
+        return _with_run_fields(tuned, config), {**report, "seconds": 0.0}
     started = time.perf_counter()
     device = resolve_device(config.device)
     effective = config.effective_batch_size  # what the batch fitting must hold
@@ -409,12 +503,21 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
     del first  # `current` holds the best probe so far, and only that one
     min_s = measuring_time(planned_steps, config.effective_batch_size, warm.get("img_s"),
                            sum(len(c) for k, c in plan if k not in fixed))
+    budget_s = None
+    if budget_share is not None and planned_steps and warm.get("img_s"):
+        budget_s = budget_share * planned_steps * config.effective_batch_size / warm["img_s"]
+        log.info("autotune: measuring budget %.0f s (%.0f%% of the planned %d steps)", budget_s,
+                 100 * budget_share, planned_steps)
     if min_s < MIN_S:
         log.info("autotune: a short planned run: %.1f s per candidate, to measure within %.0f%% "
                  "of its time", min_s, 100 * MEASURE_SHARE)
     for knob, candidates in plan:
         if knob in fixed:
             knobs[knob] = _set_by_user(config, knob)
+            continue
+        if budget_s is not None and time.perf_counter() - started >= budget_s:
+            knobs[knob] = {"choice": getattr(config, knob), "img_s": {}, "reason": (
+                f"not measured: the measuring budget ({budget_s:.0f} s) was spent")}
             continue
         config, knobs[knob] = _pick(knob, candidates, config, num_classes, current, min_s)
         log.info("autotune: %s = %s (%s)", knob, _label(knobs[knob]["choice"]),
@@ -424,7 +527,8 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
     if "compile" in fixed:
         knobs["compile"] = _set_by_user(config, "compile")
     else:
-        config, knobs["compile"] = _tune_compile(config, num_classes, current, planned_steps)
+        left = None if budget_s is None else budget_s - (time.perf_counter() - started)
+        config, knobs["compile"] = _tune_compile(config, num_classes, current, planned_steps, left)
         log.info("autotune: compile = %s (%s)", _label(config.compile), knobs["compile"]["reason"])
     compute_img_s = current["img_s"]
     del current["probe"]  # its memory is not the batch probe's to count
@@ -447,17 +551,87 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
         log.info("autotune: num_workers = %d (%s)", n, knobs["num_workers"]["reason"])
     if "batch_size" in fixed:
         knobs["batch_size"] = _set_by_user(config, "batch_size")
+    elif tune_batch and budget_s is not None and time.perf_counter() - started >= budget_s:
+        knobs["batch_size"] = {"choice": config.batch_size, "img_s": {}, "reason": (
+            f"not refitted for the chosen knobs: the measuring budget ({budget_s:.0f} s) was "
+            f"spent; batch {config.batch_size} x {config.grad_accum_steps} accumulation")}
     elif tune_batch:
         config, knobs["batch_size"] = _fit_batch(config, num_classes, device, effective)
         log.info("autotune: batch = %d x %d accumulation (%s)", config.batch_size,
                  config.grad_accum_steps, knobs["batch_size"]["reason"])
     report = {"device": str(device), "image_size": config.image_size,
               "compute_img_s": round(compute_img_s, 2), "seconds": round(time.perf_counter() - started, 1),
-              "seconds_per_candidate": round(min_s, 2), "knobs": knobs}
+              "seconds_per_candidate": round(min_s, 2),
+              "budget_s": None if budget_s is None else round(budget_s, 1), "knobs": knobs}
     log.info("autotune: %.1f img/s pure compute after %.0f s of measuring", compute_img_s,
              report["seconds"])
     _RESULTS[key] = (config, report)
+    if cache_path:
+        _to_cache(cache_path, key, config, report)
     return config, report
+
+
+def speed_key(config: TrainConfig, num_classes: int, fixed: frozenset[str] = frozenset(),
+              tune_batch: bool = True, cached_data: bool = True) -> str:
+    """What an autotune choice depends on: the settings that change a step's speed (device,
+    model, size, batch, the starting knobs), not what the run learns (lr, epochs ...)."""
+    speed = {k: v for k, v in config.to_dict().items() if k not in _NOT_SPEED}
+    return json.dumps({"config": speed, "classes": num_classes, "fixed": sorted(fixed),
+                       "tune_batch": tune_batch, "cached_data": cached_data}, sort_keys=True)
+
+
+def _with_run_fields(tuned: TrainConfig, start: TrainConfig) -> TrainConfig:
+    """A reused choice, with this run's own training settings (lr, epochs, seed ...)."""
+    return dataclasses.replace(tuned, **{k: getattr(start, k) for k in _NOT_SPEED})
+
+
+def machine_key() -> str:
+    """The machine an autotune choice was measured on: CPU model and flags, core count, GPU
+    name and torch version. A change in any of them measures again."""
+    cpu = platform.processor()
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        lines = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+        cpu = " ".join(lines.get(k, "").strip() for k in ("model name\t", "flags\t\t"))
+    except (OSError, ValueError):
+        pass
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no gpu"
+    parts = [cpu, str(os.cpu_count()), gpu, torch.__version__,
+             os.environ.get("ONEDNN_MAX_CPU_ISA", ""), os.environ.get("ATEN_CPU_CAPABILITY", "")]
+    return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
+
+
+def _read_cache(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(Path(path).read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _from_cache(path: str | Path, key: str) -> tuple[TrainConfig, dict[str, Any]] | None:
+    entry = _read_cache(Path(path)).get(machine_key(), {}).get(key)
+    if not entry:
+        return None
+    try:
+        tuned = TrainConfig(**entry["config"])
+    except (KeyError, TypeError, UserError) as exc:
+        log.info("autotune: cannot reuse the entry in %s (%s); measuring again", path, exc)
+        return None
+    log.info("autotune: reusing the choice measured on this machine on %s (%s)",
+             entry.get("measured", "?"), path)
+    return tuned, {**entry["report"], "reused_from": f"{path} ({entry.get('measured', '?')})"}
+
+
+def _to_cache(path: str | Path, key: str, config: TrainConfig, report: dict[str, Any]) -> None:
+    data = _read_cache(Path(path))
+    data.setdefault(machine_key(), {})[key] = {
+        "config": config.to_dict(), "report": report,
+        "measured": time.strftime("%Y-%m-%d %H:%M")}
+    try:
+        atomic_write_text(json.dumps(data, indent=1, default=str), Path(path))
+    except OSError as exc:  # a cache that cannot be written costs a measurement next time
+        log.info("autotune: could not write %s (%s)", path, exc)
 
 
 def _fit_batch(config: TrainConfig, num_classes: int, device: torch.device,

@@ -267,3 +267,74 @@ def test_bf16_is_rejected_by_measurement_on_an_avx2_cpu(tmp_path):
     assert amp["choice"] == "off", amp
     assert amp["img_s"]["bf16"] < 0.5 * amp["img_s"]["off"], amp
     assert "off measured" in amp["reason"]
+
+
+def _never_answers(seconds, conn):
+    """A child that takes far longer than any deadline (a compile warm-up of minutes)."""
+    import time
+    time.sleep(seconds)
+    conn.send("late")
+
+
+def test_a_child_past_its_deadline_is_killed():
+    import time
+    started = time.perf_counter()
+    finished, answer = at.run_with_deadline(_never_answers, (60,), 2.0)
+    assert (finished, answer) == (False, None)
+    assert time.perf_counter() - started < 15  # spawn start-up included, not the 60 s
+
+
+def test_a_real_compile_warm_up_past_the_deadline_is_abandoned(monkeypatch):
+    """torch.compile of the model takes far longer than 3 s here: the child is killed then and
+    eager is kept, with the reason saying so."""
+    import time
+    monkeypatch.setattr(at, "COMPILE_WARMUP_FLOOR_S", 1.0)  # so that 3 s is tried at all
+    probe = at.ComputeProbe(_config(), 3)
+    current = {"probe": probe, "img_s": 100.0}
+    started = time.perf_counter()
+    config, entry = at._tune_compile(_config(), 3, current, planned_steps=None, deadline_s=3.0)
+    assert config.compile is False and entry["reason"].startswith("torch.compile failed here")
+    assert "abandoned" in entry["reason"] and "3 s" in entry["reason"]
+    assert time.perf_counter() - started < 20
+
+
+def test_measuring_stays_within_its_budget_share():
+    """A planned run of 10 steps of batch 4 takes well under a second: 10% of it leaves no time
+    for the knobs after the first probe, and none for compile."""
+    config, report = at.autotune(_config(), 3, planned_steps=10, budget_share=0.1)
+    knobs = report["knobs"]
+    assert report["budget_s"] < 1
+    skipped = [k for k, v in knobs.items() if v["reason"].startswith("not measured: the measuring budget")]
+    assert skipped and config.compile is False
+    assert knobs["compile"]["reason"].startswith("not tried")
+    for name in skipped:  # kept at its starting value (its first candidate), as reported
+        assert knobs[name]["choice"] == getattr(config, name) and knobs[name]["img_s"] == {}
+
+
+def test_a_choice_is_reused_by_a_later_scenario_and_from_the_machine_cache(tmp_path, monkeypatch):
+    cache = tmp_path / "autotune_cache.json"
+    first, report = at.autotune(_config(), 3, planned_steps=10, cache_path=cache)
+    assert "reused_from" not in report and cache.exists()
+    # a later scenario: other lr and epochs, same speed settings: reused, not measured
+    def measure_again(*a, **k):
+        raise AssertionError("measured again")
+    monkeypatch.setattr(at, "_first_probe", measure_again)
+    later, again = at.autotune(_config(lr=0.05, epochs=7), 3, planned_steps=99, cache_path=cache)
+    assert again["reused_from"] == "this run" and again["seconds"] == 0.0
+    assert (later.lr, later.epochs) == (0.05, 7) and later.amp == first.amp
+    # a later run (a new process): from the cache file, keyed by this machine
+    at._RESULTS.clear()
+    _, cached = at.autotune(_config(), 3, planned_steps=10, cache_path=cache)
+    assert str(cache) in cached["reused_from"] and cached["knobs"] == report["knobs"]
+    # another machine (another CPU, GPU or torch): measured again
+    at._RESULTS.clear()
+    monkeypatch.undo()
+    monkeypatch.setattr(at, "machine_key", lambda: "another machine")
+    _, fresh = at.autotune(_config(), 3, planned_steps=10, cache_path=cache)
+    assert "reused_from" not in fresh
+    assert set(json.loads(cache.read_text())) == {"another machine", *[
+        k for k in json.loads(cache.read_text()) if k != "another machine"]}
+    # another size: measured again
+    at._RESULTS.clear()
+    _, other = at.autotune(_config(image_size=32), 3, planned_steps=10, cache_path=cache)
+    assert "reused_from" not in other
