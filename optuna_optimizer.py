@@ -1,5 +1,6 @@
-"""Optuna hyperparameter search over the trainer: pruning on validation accuracy, a persistent
-(resumable, crash-tolerant) RDB study, out-of-memory trials recorded as pruned, and plots."""
+"""Optuna hyperparameter search over the trainer: the default configuration as the first
+trial, successive halving over epochs, a persistent (resumable, crash-tolerant) RDB study,
+out-of-memory trials recorded as pruned, and plots."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,11 +15,17 @@ import optuna
 
 from modules.config import TrainConfig, UserError
 from modules.oom import is_out_of_memory, release
+from modules.selection import accuracy_se, beats, tie_margin
 from modules.trainer import DivergedError, fit, resolve_device
 
 log = logging.getLogger(__name__)
 
-PRUNERS = ("median", "hyperband")
+# asha: Optuna's asynchronous successive halving, epochs as the resource (rungs at 1, 3, 9 ...
+# epochs, each keeping the top third of the trials that reached it); hyperband runs several such
+# brackets; median stops a trial below the median of earlier ones at the same epoch.
+# none: every trial trains its whole budget (plain TPE, for comparison).
+PRUNERS = ("asha", "hyperband", "median", "none")
+REDUCTION_FACTOR = 3
 # Seconds between heartbeats of a running trial, and silence after which it counts as dead (a
 # killed Colab kernel) and is retried. Several heartbeats fit in the grace period, so a busy
 # epoch does not look like a crash.
@@ -67,12 +74,13 @@ class _Storage(optuna.storages.RDBStorage):
 class OptunaTuner:
     """An Optuna study maximising validation accuracy over training hyperparameters."""
 
-    SEARCHED = ("lr", "batch_size", "epochs", "optimizer", "weight_decay")  # see suggest()
+    SEARCHED = ("lr", "batch_size", "optimizer", "weight_decay")  # see suggest()
+    LR_RANGE, WEIGHT_DECAY_RANGE = (1e-4, 1e-2), (1e-6, 1e-2)
 
     def __init__(self, index, base: TrainConfig, *, output_dir, n_trials: int = 10,
                  timeout_s: float | None = None, storage: str | None = None,
-                 study_name: str = "hpo", pruner: str = "median", resume: bool = False,
-                 epochs: tuple[int, int] = (2, 6),
+                 study_name: str = "hpo", pruner: str = "asha", resume: bool = False,
+                 epochs: int | None = None,
                  batch_sizes: tuple[int, ...] = BATCH_SIZES,
                  max_batch_size: int | None = None, seed: int | None = None):
         if isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials < 1:
@@ -84,16 +92,17 @@ class OptunaTuner:
                             f"timeout_s={timeout_s!r}.")
         if pruner not in PRUNERS:
             raise UserError(f"pruner must be one of {', '.join(PRUNERS)}, but got {pruner!r}.")
-        lo, hi = epochs
-        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
-            raise UserError(f"epochs must be a range (low, high) with 1 <= low <= high, but got "
+        epochs = base.epochs if epochs is None else epochs
+        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+            raise UserError(f"epochs must be an integer >= 1 (every trial's budget), but got "
                             f"epochs={epochs!r}.")
         self.batch_sizes = tuple(b for b in batch_sizes
                                  if max_batch_size is None or b <= max_batch_size)
         if not self.batch_sizes:
             raise UserError(f"no batch size in {tuple(batch_sizes)} fits "
                             f"max_batch_size={max_batch_size!r}.")
-        self.index, self.base, self.epochs = index, base, (lo, hi)
+        # Every trial trains the same epochs, so trials are compared at equal budgets.
+        self.index, self.base, self.epochs = index, base, epochs
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.n_trials, self.timeout_s, self.resume = n_trials, timeout_s, resume
@@ -107,15 +116,26 @@ class OptunaTuner:
     # ------------------------------------------------------------------------- one trial
 
     def suggest(self, trial) -> TrainConfig:
-        """The base config with this trial's hyperparameters."""
-        return dataclasses.replace(
-            self.base,
-            lr=trial.suggest_float("lr", 1e-4, 1e-2, log=True),
+        """The base config with this trial's hyperparameters (the default trial: the base
+        config itself, whose weight decay may lie below the searched range)."""
+        config = dataclasses.replace(
+            self.base, epochs=self.epochs,
+            lr=trial.suggest_float("lr", *self.LR_RANGE, log=True),
             batch_size=trial.suggest_categorical("batch_size", list(self.batch_sizes)),
-            epochs=trial.suggest_int("epochs", *self.epochs),
             optimizer=trial.suggest_categorical("optimizer", ["adam", "adamw", "sgd"]),
-            weight_decay=trial.suggest_float("weight_decay", 1e-6, 1e-2, log=True),
+            weight_decay=trial.suggest_float("weight_decay", *self.WEIGHT_DECAY_RANGE, log=True),
         )
+        if trial.user_attrs.get("default"):
+            config = dataclasses.replace(config, weight_decay=self.base.weight_decay)
+        return config
+
+    def default_params(self) -> dict:
+        """The base configuration as a point of the search space: the first trial."""
+        b = self.base
+        lr = min(max(b.lr, self.LR_RANGE[0]), self.LR_RANGE[1])
+        wd = min(max(b.weight_decay, self.WEIGHT_DECAY_RANGE[0]), self.WEIGHT_DECAY_RANGE[1])
+        batch = min(self.batch_sizes, key=lambda n: (abs(n - b.batch_size), n))
+        return {"lr": lr, "batch_size": batch, "optimizer": b.optimizer, "weight_decay": wd}
 
     def objective(self, trial) -> float:
         """Train one candidate; return its best validation accuracy."""
@@ -168,7 +188,13 @@ class OptunaTuner:
     def _make_pruner(self) -> optuna.pruners.BasePruner:
         if self.pruner == "median":
             return optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=1)
-        return optuna.pruners.HyperbandPruner(min_resource=1, max_resource=self.epochs[1])
+        if self.pruner == "none":
+            return optuna.pruners.NopPruner()
+        if self.pruner == "hyperband":
+            return optuna.pruners.HyperbandPruner(min_resource=1, max_resource=self.epochs,
+                                                  reduction_factor=REDUCTION_FACTOR)
+        return optuna.pruners.SuccessiveHalvingPruner(min_resource=1,
+                                                      reduction_factor=REDUCTION_FACTOR)
 
     def _log_trial(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
         value = "-" if trial.value is None else f"{trial.value:.4f}"
@@ -196,6 +222,10 @@ class OptunaTuner:
                 raise UserError(f"cannot resume study {self.study_name!r}: its batch sizes were "
                                 f"{tuple(old.choices)}, now {self.batch_sizes} (keep batch_sizes "
                                 "and max_batch_size, or run without resume to start over).")
+        if not any(t.user_attrs.get("default") for t in self.study.trials):
+            # The default configuration is always a candidate, so the search can only keep or
+            # beat it (see choice()).
+            self.study.enqueue_trial(self.default_params(), user_attrs={"default": True})
         if not extend and self.resume and self.study.trials:
             log.info("study %r: its %d trials as they are, none added", self.study_name,
                      len(self.study.trials))
@@ -209,11 +239,57 @@ class OptunaTuner:
         study = self._require_study()
         states = [t.state for t in study.trials]
         complete = states.count(optuna.trial.TrialState.COMPLETE)
+        default = next((t for t in study.trials if t.user_attrs.get("default")
+                        and t.state == optuna.trial.TrialState.COMPLETE), None)
+        best_value = study.best_value if complete else None
+        n_val = len(self.index.val)
+        params, reason = self.choice()
         return {"best_params": study.best_params if complete else {},
-                "best_value": study.best_value if complete else None,
+                "best_value": best_value,
+                "best_value_se": None if best_value is None else accuracy_se(best_value, n_val),
+                "default_value": default.value if default else None,
+                "n_val": n_val, "trial_epochs": self.epochs,
+                "chosen_params": params, "keeps_default": params is None, "choice": reason,
+                "chosen_epoch_s": self.epoch_seconds(params),
                 "n_trials": len(states), "n_pruned": states.count(optuna.trial.TrialState.PRUNED),
                 "n_complete": complete, "study_name": self.study_name,
                 "storage": _without_password(self.storage_url)}
+
+    def epoch_seconds(self, params: dict | None) -> float | None:
+        """Seconds per epoch (validation included) measured by the trial of `params` (None:
+        the default trial), or None when no such trial recorded it."""
+        for t in self._require_study().trials:
+            if t.state != optuna.trial.TrialState.COMPLETE:
+                continue
+            if (params is None and t.user_attrs.get("default")) or \
+                    (params is not None and t.params == params):
+                epochs, wall = t.user_attrs.get("epochs_run"), t.user_attrs.get("wall_s")
+                return wall / epochs if epochs and wall else None
+        return None
+
+    def choice(self) -> tuple[dict | None, str]:
+        """(the parameters the final run should train, why); None keeps the default
+        configuration: the search's best must beat the default trial on validation by more
+        than one standard error of the difference."""
+        study = self._require_study()
+        complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+        if not complete:
+            return None, "no trial completed: keeping the default configuration"
+        best = max(complete, key=lambda t: t.value)
+        default = next((t for t in complete if t.user_attrs.get("default")), None)
+        n = len(self.index.val)
+        if default is None:
+            return None, ("the default configuration has no completed trial to compare with: "
+                          "keeping it")
+        if best.number == default.number or not beats(best.value, default.value, n):
+            return None, (f"the search's best ({100 * best.value:.1f}%, trial {best.number}) does "
+                          f"not beat the default ({100 * default.value:.1f}%) by more than "
+                          f"{100 * tie_margin(best.value, default.value, n):.1f} points on {n} "
+                          "validation images: keeping the default")
+        return dict(best.params), (
+            f"trial {best.number} ({100 * best.value:.1f}%) beats the default "
+            f"({100 * default.value:.1f}%) by more than "
+            f"{100 * tie_margin(best.value, default.value, n):.1f} points on {n} validation images")
 
     def _require_study(self) -> optuna.Study:
         if self.study is None:

@@ -17,7 +17,7 @@ from optuna_optimizer import OptunaTuner
 
 BASE = TrainConfig(model="resnet18", weights="none", image_size=24, epochs=1, batch_size=8,
                    scheduler="none", device="cpu", progress=False, seed=0)
-PARAMS = {"lr": 1e-3, "batch_size": 8, "epochs": 1, "optimizer": "adamw", "weight_decay": 1e-4}
+PARAMS = {"lr": 1e-3, "batch_size": 8, "optimizer": "adamw", "weight_decay": 1e-4}
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,7 @@ def index(tmp_path_factory):
 
 
 def tuner(index, tmp_path, **kwargs) -> OptunaTuner:
-    kwargs = {"epochs": (1, 2), "batch_sizes": (8, 16), "n_trials": 2, **kwargs}
+    kwargs = {"epochs": 2, "batch_sizes": (8, 16), "n_trials": 2, **kwargs}
     return OptunaTuner(index, BASE, output_dir=tmp_path / "hpo", **kwargs)
 
 
@@ -43,7 +43,7 @@ def test_fixed_trial_suggests_and_trains_without_a_study(index, tmp_path):
     t = tuner(index, tmp_path)
     config = t.suggest(optuna.trial.FixedTrial(PARAMS))
     assert (config.lr, config.batch_size, config.epochs, config.optimizer,
-            config.weight_decay) == (1e-3, 8, 1, "adamw", 1e-4)
+            config.weight_decay) == (1e-3, 8, 2, "adamw", 1e-4)
     assert config.model == BASE.model and config.image_size == BASE.image_size
     acc = t.objective(optuna.trial.FixedTrial(PARAMS))
     assert 0.0 <= acc <= 1.0
@@ -60,7 +60,7 @@ def test_second_trial_pruned_and_counted(index, tmp_path, monkeypatch):
     summary = t.run()
     assert (summary["n_trials"], summary["n_complete"], summary["n_pruned"]) == (2, 1, 1)
     first, second = t.study.trials
-    assert first.user_attrs["epochs_run"] == first.params["epochs"]
+    assert first.user_attrs["epochs_run"] == t.epochs == 2  # every trial: the same budget
     assert first.user_attrs["samples_per_s"] > 0 and first.user_attrs["wall_s"] > 0
     assert second.user_attrs["pruned_reason"] == "pruned after epoch 1"
     assert summary["best_value"] == first.value and summary["best_params"] == first.params
@@ -88,12 +88,13 @@ def test_trial_of_a_killed_process_is_retried(index, tmp_path, monkeypatch):
     dead = study.ask({"lr": optuna.distributions.FloatDistribution(1e-4, 1e-2, log=True)})
     t.storage.record_heartbeat(dead._trial_id)  # then the process "dies": no more heartbeats
     time.sleep(2.2)  # SQLite timestamps have 1 s resolution; must exceed GRACE_S
-    t = tuner(index, tmp_path, n_trials=1, resume=True)
+    t = tuner(index, tmp_path, n_trials=2, resume=True)  # the default trial, then the retry
     t.run()
-    failed, retried = t.study.trials
+    failed = t.study.trials[0]
+    retried = [x for x in t.study.trials if x.system_attrs.get("failed_trial") == failed.number]
     assert failed.state == optuna.trial.TrialState.FAIL
-    assert retried.state == optuna.trial.TrialState.COMPLETE
-    assert retried.params["lr"] == failed.params["lr"]
+    assert len(retried) == 1 and retried[0].state == optuna.trial.TrialState.COMPLETE
+    assert retried[0].params["lr"] == failed.params["lr"]
 
 
 @pytest.mark.filterwarnings("ignore:Heartbeat of storage")  # our study.ask() plays the dead run
@@ -111,7 +112,7 @@ def test_a_trial_killed_before_its_first_heartbeat_is_retried_too(index, tmp_pat
     time.sleep(2.3)  # both started longer ago than the grace period
     t.storage.record_heartbeat(beating._trial_id)  # but this one beats: alive
     young = study.ask(lr)  # just started, no heartbeat yet: alive as far as anyone knows
-    t = tuner(index, tmp_path, n_trials=1, resume=True)
+    t = tuner(index, tmp_path, n_trials=2, resume=True)  # the default trial, then the retry
     t.run()
     trials = {trial.number: trial for trial in t.study.trials}
     assert trials[dead.number].state == optuna.trial.TrialState.FAIL
@@ -174,7 +175,66 @@ def test_bad_storage_url_is_a_one_line_user_error(index, tmp_path, url):
 
 @pytest.mark.parametrize("kwargs, named", [({"n_trials": 0}, "n_trials=0"),
                                            ({"timeout_s": -1}, "timeout_s=-1"),
-                                           ({"pruner": "asha"}, "'asha'")])
+                                           ({"pruner": "bogus"}, "'bogus'"),
+                                           ({"epochs": (1, 2)}, r"epochs=\(1, 2\)")])
 def test_bad_arguments_are_user_errors(index, tmp_path, kwargs, named):
     with pytest.raises(UserError, match=named):
         OptunaTuner(index, BASE, output_dir=tmp_path, **kwargs)
+
+
+def test_the_default_configuration_is_the_first_trial(index, tmp_path, monkeypatch):
+    trained = []
+    monkeypatch.setattr(optuna_optimizer, "fit",
+                        lambda idx, config, report: trained.append(config) or fake_fit(idx, config, report))
+    base = BASE.__class__(**{**BASE.to_dict(), "weight_decay": 0.0})
+    t = OptunaTuner(index, base, output_dir=tmp_path / "hpo", epochs=2, batch_sizes=(8, 16),
+                    n_trials=2)
+    t.run()
+    first = t.study.trials[0]
+    assert first.user_attrs["default"] is True and first.params == t.default_params()
+    # trained exactly as the base configuration, weight decay 0 included (below the range)
+    assert trained[0] == base.__class__(**{**base.to_dict(), "epochs": 2})
+    # resumed: the default is not queued a second time
+    t2 = OptunaTuner(index, base, output_dir=tmp_path / "hpo", epochs=2, batch_sizes=(8, 16),
+                     n_trials=1, resume=True)
+    t2.run()
+    assert sum(bool(x.user_attrs.get("default")) for x in t2.study.trials) == 1
+
+
+@pytest.mark.parametrize("gain, keeps", [(0.01, True), (0.2, False)])
+def test_the_winner_is_trained_only_when_it_beats_the_default(index, tmp_path, monkeypatch,
+                                                               gain, keeps):
+    """1,000 validation images: one standard error of a difference near 50% is ~2.2 points."""
+    def scored(idx, config, report):
+        acc = 0.5 if config.lr == BASE.lr else 0.5 + gain
+        report(1, {"val_acc": acc})
+        return SimpleNamespace(best_val_acc=acc, epochs_run=1, wall_s=0.01, timing={})
+    monkeypatch.setattr(optuna_optimizer, "fit", scored)
+    t = tuner(index, tmp_path, n_trials=3, pruner="median")
+    t.index = SimpleNamespace(val=[None] * 1000)
+    summary = t.run()
+    assert summary["default_value"] == 0.5 and summary["keeps_default"] is keeps
+    assert summary["n_val"] == 1000 and summary["best_value_se"] > 0
+    if keeps:
+        assert summary["chosen_params"] is None and "keeping the default" in summary["choice"]
+    else:
+        assert summary["chosen_params"] == summary["best_params"]
+        assert summary["chosen_params"]["lr"] != BASE.lr and "beats the default" in summary["choice"]
+
+
+def test_asha_prunes_on_equal_epochs(index, tmp_path, monkeypatch):
+    """Successive halving compares trials at the same epoch: a trial worse than the default at
+    epoch 1 stops there."""
+    def curve(idx, config, report):
+        good = config.lr == BASE.lr
+        for epoch in (1, 2, 3):
+            report(epoch, {"val_acc": (0.6 if good else 0.2) + 0.01 * epoch})
+        return SimpleNamespace(best_val_acc=0.63 if good else 0.23, epochs_run=3, wall_s=0.01,
+                               timing={})
+    monkeypatch.setattr(optuna_optimizer, "fit", curve)
+    t = tuner(index, tmp_path, n_trials=3, epochs=3)
+    t.run()
+    default, *others = t.study.trials
+    assert default.state == optuna.trial.TrialState.COMPLETE
+    for trial in others:
+        assert trial.state == optuna.trial.TrialState.PRUNED and max(trial.intermediate_values) == 1
