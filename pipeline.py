@@ -20,7 +20,7 @@ import torch
 from modules import distributed
 from modules.config import (CPU_ALLOCATORS, DISPLAY_ONLY, DROPOUT_IMPLS, MODELS, TrainConfig,
                             UserError)
-from modules.autotune import autotune
+from modules.autotune import MEASURE_SHARE, autotune
 from modules.dataset import (DatasetIndex, data_path_of, index_dataset, make_loader,
                              resolve_source, subset, train_transform)
 from modules.fastdata import CachedLoader, cache_fits
@@ -28,6 +28,7 @@ from modules.files import atomic_write_text
 from modules.hardware import max_batch_size
 from modules.profiler import SystemSampler, TorchProfiler, diagnose, native_bf16_cpu
 from modules.report import write_report
+from modules.selection import accuracy_se
 from modules.trainer import (TrainResult, autocast_dtype, load_checkpoint, prepare,
                              resolve_device, train)
 from modules.utility import (evaluate, load_model, plot_comparison, results_table, save_model,
@@ -40,12 +41,18 @@ log = logging.getLogger("pipeline")
 
 SCENARIOS = ("baseline", "resolution", "hpo")
 # --quick: images per class and split, and epochs; small enough for minutes on a 2-core CPU.
-QUICK_PER_CLASS = {"train": 200, "val": 20, "test": 40}
-QUICK_EPOCHS = 15
+# Validation and test are large enough to tell candidates apart: 360 validation images give a
+# standard error of about 2.6 points at 50% accuracy, 1,200 test images about 1.4.
+QUICK_PER_CLASS = {"train": 200, "val": 60, "test": 200}
+QUICK_EPOCHS = 12
 QUICK_IMAGE_SIZE = {"cpu": 64, "cuda": 150}   # pixels; CPU time grows with the square
 SYNTHETIC_PER_CLASS = (400, 100)              # train, test images per class when generated
 QUICK_N_TRIALS = 4
 N_TRIALS = 20
+# A tuned scenario's final run fills this share of the baseline's total time with epochs, up to
+# MAX_EPOCH_FACTOR times its own (fill_time).
+TIME_SHARE, MAX_EPOCH_FACTOR = 0.8, 3
+AUTOTUNE_CACHE = "autotune_cache.json"  # in the output dir: choices by machine, reused by later runs
 QUICK_SYNTHETIC_PER_CLASS = (QUICK_PER_CLASS["train"] + QUICK_PER_CLASS["val"],
                              QUICK_PER_CLASS["test"])
 
@@ -135,6 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
     train_.add_argument("--lr", type=_bounded(float, 0.0, 10.0, strict=True))
     train_.add_argument("--grad-accum-steps", type=_bounded(int, 1, 1 << 16))
     train_.add_argument("--max-grad-norm", type=_bounded(float, 0.0, strict=True))
+    train_.add_argument("--match-time", action=argparse.BooleanOptionalAction, default=True,
+                        help=f"tuned scenarios train as many epochs as fit in "
+                             f"{100 * TIME_SHARE:.0f}%% of the baseline's total time, tuning "
+                             f"included (at least their own, at most {MAX_EPOCH_FACTOR}x; "
+                             "default: on; --epochs fixes the count)")
     train_.add_argument("--early-stopping", type=_bounded(int, 1), metavar="PATIENCE",
                         help="stop after PATIENCE epochs without a better val accuracy")
     train_.add_argument("--amp", choices=("auto", "off", "fp16", "bf16"))
@@ -245,7 +257,8 @@ def autotune_scenario(config: TrainConfig, args: argparse.Namespace, index: Data
                 dataclasses.replace(cfg, num_workers=n, persistent_workers=False,
                                     prefetch_factor=None), train=True)
     tuned, report = autotune(config, len(index.classes), planned_steps=planned_steps,
-                             fixed=fixed, loader_factory=factory)
+                             fixed=fixed, loader_factory=factory, budget_share=MEASURE_SHARE,
+                             cache_path=saved.parent.parent / AUTOTUNE_CACHE)
     if distributed.is_main():
         saved.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(json.dumps({"start": config.to_dict(), "config": tuned.to_dict(),
@@ -280,12 +293,16 @@ def planned_steps(config: TrainConfig, n_train: int, runs: int = 1, epochs: int 
     return runs * per_epoch * (epochs or config.epochs)
 
 
-def tuned_resolutions(args: argparse.Namespace, device: torch.device) -> list[int]:
+def tuned_resolutions(args: argparse.Namespace, device: torch.device, default: int) -> list[int]:
+    """The ResolutionTuner's candidates: the user's or the device's, and always the default
+    size (the baseline's), so tuning can keep it."""
     if args.resolutions:
-        return args.resolutions
-    if device.type == "cuda":
-        return list(GPU_RESOLUTIONS)
-    return list(QUICK_CPU_RESOLUTIONS if args.quick else CPU_RESOLUTIONS)
+        sizes = args.resolutions
+    elif device.type == "cuda":
+        sizes = GPU_RESOLUTIONS
+    else:
+        sizes = QUICK_CPU_RESOLUTIONS if args.quick else CPU_RESOLUTIONS
+    return sorted(set(sizes) | {default})
 
 
 def short_budget(config: TrainConfig) -> int:
@@ -319,7 +336,8 @@ def run_scenario(name: str, args: argparse.Namespace, index: DatasetIndex, outpu
         size = tuned.get("image_size") or _previous_resolution(output_dir, index.name)
         config = dataclasses.replace(config, image_size=size or config.image_size)
     if name != "baseline":
-        tuning_runs = (len(tuned_resolutions(args, device)) if name == "resolution"
+        tuning_runs = (len(tuned_resolutions(args, device, config.image_size))
+                       if name == "resolution"
                        else args.n_trials or (QUICK_N_TRIALS if args.quick else N_TRIALS))
         steps = (planned_steps(config, len(index.train)) +
                  planned_steps(config, len(index.train), tuning_runs, short_budget(config)))
@@ -335,6 +353,9 @@ def run_scenario(name: str, args: argparse.Namespace, index: DatasetIndex, outpu
         config, tuning = tune_hyperparameters(config, args, index, output_dir, device)
         extra.update(tuning)
     tuning_s = time.perf_counter() - started
+    if name != "baseline":
+        config = fill_time(config, name, args, output_dir, index, tuned, tuning_s,
+                           _epoch_seconds(name, config, extra))
     log.info("== scenario %s: %s, %d px, batch %d, %d epochs on %s", name, config.model,
              config.image_size, config.batch_size, config.epochs, device)
     model, train_loader, val_loader, test_loader = prepare(index, config)
@@ -362,20 +383,64 @@ def run_scenario(name: str, args: argparse.Namespace, index: DatasetIndex, outpu
                  if carried else "its machine figures cover only the test evaluation")
     row = result_row(name, config, result, test, index, device, system,
                      data_path_of(train_loader), carried)
-    row.update(extra, tuning_s=tuning_s, wall_s=tuning_s + result.wall_s)
-    log.info("%s: test accuracy %.1f%% (val %.1f%% at epoch %d) in %.0f s", name,
-             100 * row["test_acc"], 100 * row["val_acc"], row["best_epoch"], row["wall_s"])
+    row.update(extra, tuning_s=tuning_s, total_s=tuning_s + result.wall_s)
+    log.info("%s: test accuracy %.1f%% (val %.1f%% +- %.1f at epoch %d) in %.0f s, %.0f s of "
+             "it tuning", name, 100 * row["test_acc"], 100 * row["val_acc"],
+             100 * row["val_acc_se"], row["best_epoch"], row["total_s"], tuning_s)
     log.info("%s: %s", name, row["diagnosis"]["summary"])
     if distributed.is_main():
         _keep_best_model(result, config, index, row, output_dir)
     return row
 
 
+def fill_time(config: TrainConfig, name: str, args: argparse.Namespace, output_dir: Path,
+              index: DatasetIndex, tuned: dict[str, Any], tuning_s: float,
+              epoch_s: float | None) -> TrainConfig:
+    """A tuned scenario's final run trains as many epochs as fit in TIME_SHARE of the
+    baseline's total time, tuning included (at least the scenario's epochs, at most
+    MAX_EPOCH_FACTOR times them): the time the faster setup saves buys a better model. Kept
+    as they are with --epochs, --no-match-time, no baseline time or no measured epoch time,
+    and on --resume of a final run that has started (its checkpoint fixes them)."""
+    if args.epochs is not None or not args.match_time or not epoch_s:
+        return config
+    ckpt = checkpoint_file(output_dir, name)
+    if args.resume and ckpt.exists():
+        try:
+            return dataclasses.replace(config, epochs=int(load_checkpoint(ckpt)["config"]["epochs"]))
+        except (OSError, KeyError, TypeError, ValueError, RuntimeError, UserError):
+            return config  # the trainer says what is wrong with it
+    baseline_s = tuned.get("baseline_total_s")
+    if baseline_s is None:
+        row = _previous_row(output_dir / "results.json", "baseline", index.name)
+        baseline_s = (row or {}).get("total_s") or (row or {}).get("wall_s")
+    if not baseline_s:
+        return config
+    left = TIME_SHARE * baseline_s - tuning_s
+    epochs = min(MAX_EPOCH_FACTOR * config.epochs, max(config.epochs, int(left // epoch_s)))
+    if epochs != config.epochs:
+        log.info("%s: %d epochs instead of %d: they fit in %.0f%% of the baseline's %.0f s with "
+                 "%.0f s of tuning, at %.1f s per epoch measured while tuning (--epochs N or "
+                 "--no-match-time keeps the count)", name, epochs, config.epochs,
+                 100 * TIME_SHARE, baseline_s, tuning_s, epoch_s)
+    return dataclasses.replace(config, epochs=epochs)
+
+
+def _epoch_seconds(name: str, config: TrainConfig, extra: dict[str, Any]) -> float | None:
+    """Seconds per epoch of the final run's settings, as its tuning measured them."""
+    if name == "resolution":
+        return next((t["epoch_s"] for t in extra.get("resolution_trials", [])
+                     if t["image_size"] == config.image_size), None)
+    if name == "hpo":
+        return (extra.get("hpo") or {}).get("chosen_epoch_s")
+    return None
+
+
 def tune_resolution(config: TrainConfig, args: argparse.Namespace, index: DatasetIndex,
                     output_dir: Path, device: torch.device) -> tuple[TrainConfig, dict[str, Any]]:
-    sizes = tuned_resolutions(args, device)
-    log.info("== resolution tuning: %s px, %d epochs each", ",".join(map(str, sizes)),
-             short_budget(config))
+    sizes = tuned_resolutions(args, device, config.image_size)
+    log.info("== resolution tuning: %s px, %d epochs at the default %d px and about the same "
+             "time at the others", ",".join(map(str, sizes)), short_budget(config),
+             config.image_size)
     # Each finished size is journaled: --resume trains only the sizes not yet done.
     tuner = ResolutionTuner(index, dataclasses.replace(config, progress=False), sizes,
                             epochs=short_budget(config), resume=args.resume,
@@ -388,32 +453,48 @@ def tune_resolution(config: TrainConfig, args: argparse.Namespace, index: Datase
 def tune_hyperparameters(config: TrainConfig, args: argparse.Namespace, index: DatasetIndex,
                          output_dir: Path, device: torch.device
                          ) -> tuple[TrainConfig, dict[str, Any]]:
+    """The search, then the final run's configuration: the search's winner only when it beat
+    the default configuration (its first trial) on validation, else the default."""
     n_trials = args.n_trials or (QUICK_N_TRIALS if args.quick else N_TRIALS)
-    log.info("== hyperparameter search: %d trials at %d px", n_trials, config.image_size)
+    trial_epochs = short_budget(config)
+    log.info("== hyperparameter search: %d trials of %d epochs at %d px (the default "
+             "configuration first), successive halving over epochs", n_trials, trial_epochs,
+             config.image_size)
     # Batch sizes are searched only up to what the GPU holds at this resolution.
     largest = max_batch_size(config, len(index.classes), device, upto=max(BATCH_SIZES))
     tuner = OptunaTuner(index, config, output_dir=output_dir, n_trials=n_trials,
                         timeout_s=args.time_budget, storage=args.storage, resume=args.resume,
-                        epochs=(2, short_budget(config) + 1), seed=args.seed,
-                        max_batch_size=largest)
+                        epochs=trial_epochs, seed=args.seed, max_batch_size=largest)
     # Once the final run has started, its checkpoint holds the parameters it trains with: more
     # trials (this process's, or another worker's on a shared --storage) could only change the
-    # study's best, and the checkpoint would then refuse to resume.
+    # study's best, and the checkpoint would then refuse to resume. `--resume --n-trials K`
+    # asks for K more trials all the same (growing a finished study): the final run is then
+    # trained again only when the choice changed.
     final = checkpoint_file(output_dir, "hpo")
-    extend = not (args.resume and final.exists())
-    if not extend:
+    started = load_checkpoint(final)["config"] if args.resume and final.exists() else None
+    grow = started is not None and args.n_trials is not None
+    if started is not None and not grow:
         log.info("hpo: the final run had started (%s): resuming it with the parameters it "
-                 "started with; the study is not extended (delete that file to search further)",
+                 "started with; the study is not extended (add --n-trials K to search K more)",
                  final)
-    summary = tuner.run(extend=extend)
+    summary = tuner.run(extend=started is None or grow)
     tuner.save_plots()
-    # Trials train a short budget; the final run keeps the scenario's full epochs.
-    if extend:
-        best = {k: v for k, v in summary["best_params"].items() if k != "epochs"}
-    else:
-        started = load_checkpoint(final)["config"]
-        best = {k: started[k] for k in OptunaTuner.SEARCHED if k != "epochs" and k in started}
-    return dataclasses.replace(config, **best), {"hpo": summary}
+    log.info("hpo: %s", summary["choice"])
+    params = summary["chosen_params"] or {k: getattr(config, k) for k in OptunaTuner.SEARCHED}
+    chosen = dataclasses.replace(config, **params)
+    if started is not None:
+        before = dataclasses.replace(config, **{k: started[k] for k in OptunaTuner.SEARCHED
+                                                if k in started})
+        if not grow or all(getattr(before, k) == getattr(chosen, k) for k in OptunaTuner.SEARCHED):
+            if grow:
+                log.info("hpo: the choice did not change: the final run is not trained again")
+            chosen = before
+        else:
+            aside = final.with_name(f"hpo.before-{time.strftime('%Y%m%d-%H%M%S')}.pt")
+            final.rename(aside)
+            log.info("hpo: the choice changed with the new trials: training the final run "
+                     "again (the earlier one is kept as %s)", aside)
+    return chosen, {"hpo": summary}
 
 
 def _previous_resolution(output_dir: Path, dataset: str) -> int | None:
@@ -457,7 +538,10 @@ def result_row(name: str, config: TrainConfig, result: TrainResult, test: dict[s
         "scenario": name, "dataset": index.name, "model": config.model,
         "train_acc": best.get("train_acc"), "train_loss": best.get("train_loss"),
         "val_acc": best.get("val_acc"), "val_loss": best.get("val_loss"),
+        "val_acc_se": accuracy_se(best.get("val_acc") or 0.0, len(index.val)),
+        "n_val": len(index.val), "n_test": len(index.test),
         "test_acc": test["acc"], "test_loss": test["loss"],
+        "test_acc_se": accuracy_se(test["acc"], len(index.test)),
         "per_class_test_acc": dict(zip(index.classes, test["per_class_acc"])),
         "confusion_matrix": test["confusion"],
         "best_resolution": config.image_size, "epochs": result.epochs_run,
@@ -545,6 +629,25 @@ def _previous_row(path: Path, scenario: str, dataset: str) -> dict[str, Any] | N
     return rows[-1] if rows else None
 
 
+def compare_to_baseline(rows: list[dict[str, Any]], baseline: dict[str, Any] | None) -> None:
+    """Each row against the baseline of its dataset, in place: test accuracy difference
+    (points), total time ratio, and time_to_baseline_acc_s: seconds, tuning included, until
+    its validation accuracy first reached the baseline's (None when it never did)."""
+    if baseline is None:
+        return
+    target = baseline.get("val_acc")
+    for row in rows:
+        reached = next((h["elapsed_s"] for h in row.get("history") or []
+                        if target is not None and (h.get("val_acc") or 0) >= target), None)
+        row["time_to_baseline_acc_s"] = (None if reached is None
+                                         else (row.get("tuning_s") or 0.0) + reached)
+        row["test_acc_vs_baseline"] = 100 * (row["test_acc"] - baseline["test_acc"])
+        base_total = baseline.get("total_s") or baseline.get("wall_s")
+        total = row.get("total_s") or row.get("wall_s")
+        row["total_vs_baseline"] = total / base_total if total and base_total else None
+        row["baseline_acc_target"] = target
+
+
 def merge_results(path: Path, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Earlier rows of the same dataset stay; a scenario run again replaces its row."""
     names = {r["scenario"] for r in rows}
@@ -591,6 +694,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
     for name in args.scenarios:
         rows.append(run_scenario(name, args, index, output_dir, device, tuned))
+        if name == "baseline":
+            tuned["baseline_total_s"] = rows[-1]["total_s"]
+        baseline = next((r for r in rows if r["scenario"] == "baseline"), None) or \
+            _previous_row(output_dir / "results.json", "baseline", index.name)
+        compare_to_baseline(rows, baseline)
         if distributed.is_main():  # as each scenario ends: a crash in the next one loses no row
             path = output_dir / "results.json"
             results = merge_results(path, rows)

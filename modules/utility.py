@@ -333,7 +333,12 @@ _COLUMNS = (
     ("samples_per_s", "Throughput (img/s)", "1f"),
     ("peak_mem_mb", "Peak Mem (MB)", "0f"),
     ("data_wait_frac", "Data Wait (%)", "pct"),
-    ("wall_s", "Wall (s)", "1f"),
+    ("wall_s", "Train (s)", "1f"),
+    ("tuning_s", "Tuning (s)", "1f"),
+    ("total_s", "Total (s)", "1f"),
+    ("test_acc_vs_baseline", "Test Acc vs Baseline (pts)", "signed"),
+    ("total_vs_baseline", "Time vs Baseline (x)", "2f"),
+    ("time_to_baseline_acc_s", "To Baseline Val Acc (s)", "1f"),
     ("skipped_files", "Skipped Files", "int"),
     ("diagnosis", "Bottleneck", "diagnosis"),
 )
@@ -366,6 +371,8 @@ def _cell(value: Any, kind: str) -> str:
         return str(value)  # a diverged loss shows as nan/inf rather than vanishing
     if kind == "pct":
         return f"{value * 100:.1f}"
+    if kind == "signed":
+        return f"{value:+.1f}"
     if kind == "loss":
         return f"{value:.4f}"
     if kind == "int":

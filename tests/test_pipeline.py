@@ -295,10 +295,10 @@ def test_resume_after_the_search_finished_does_not_extend_the_study(small, tmp_p
     parameters (and the final checkpoint would then refuse to resume)."""
     out = tmp_path / "out"
     argv = ("--data-dir", str(small), "--scenarios", "hpo", "--image-size", "32", "--epochs", "2",
-            "--n-trials", "2", "--weights", "none", "--no-progress", "--no-autotune",
-            "--output-dir", str(out))
-    assert run_main(*argv) == 0
+            "--weights", "none", "--no-progress", "--no-autotune", "--output-dir", str(out))
+    assert run_main(*argv, "--n-trials", "2") == 0
     first = json.loads((out / "results.json").read_text())[-1]
+    assert first["hpo"]["default_value"] is not None and first["hpo"]["n_trials"] == 2
 
     # another worker sharing the study finishes a better trial meanwhile
     import optuna
@@ -318,10 +318,43 @@ def test_resume_after_the_search_finished_does_not_extend_the_study(small, tmp_p
     assert resumed["resumed_from_epoch"] == 2 and resumed["test_acc"] == first["test_acc"]
 
     # while the search itself was interrupted (no final checkpoint yet), --resume extends it
-    pipeline.checkpoint_file(out, "hpo").unlink()
+    final = pipeline.checkpoint_file(out, "hpo")
+    final.unlink()
     monkeypatch.undo()
-    assert run_main(*argv, "--resume") == 0
+    assert run_main(*argv, "--resume", "--n-trials", "2") == 0
     assert json.loads((out / "results.json").read_text())[-1]["hpo"]["n_trials"] == 5
+
+
+def test_resume_with_more_trials_grows_a_finished_study(small, tmp_path, monkeypatch):
+    """`--resume --n-trials K` after a finished hpo scenario: K more trials in the same study;
+    the final run is trained again only when the choice changed (the earlier one kept aside)."""
+    out = tmp_path / "out"
+    argv = ("--data-dir", str(small), "--scenarios", "hpo", "--image-size", "32", "--epochs", "2",
+            "--weights", "none", "--no-progress", "--no-autotune", "--output-dir", str(out))
+    assert run_main(*argv, "--n-trials", "2") == 0
+    first = json.loads((out / "results.json").read_text())[-1]
+
+    # one more trial that cannot beat the default: the finished final run is not trained again
+    def no_better(self, trial):
+        self.suggest(trial)
+        return -1.0
+    monkeypatch.setattr(pipeline.OptunaTuner, "objective", no_better)
+    monkeypatch.setattr(pipeline.OptunaTuner, "choice", lambda self: (
+        None, "keeping the default") if first["hpo"]["keeps_default"] else (
+        first["hpo"]["chosen_params"], "unchanged"))
+    assert run_main(*argv, "--resume", "--n-trials", "1") == 0
+    grown = json.loads((out / "results.json").read_text())[-1]
+    assert grown["hpo"]["n_trials"] == 3
+    assert grown["resumed_from_epoch"] == 2 and grown["test_acc"] == first["test_acc"]
+
+    # one more trial that wins: trained again from the start, the earlier final run kept aside
+    better = {"lr": 0.005, "batch_size": 16, "optimizer": "sgd", "weight_decay": 1e-4}
+    monkeypatch.setattr(pipeline.OptunaTuner, "choice", lambda self: (better, "a new winner"))
+    assert run_main(*argv, "--resume", "--n-trials", "1") == 0
+    changed = json.loads((out / "results.json").read_text())[-1]
+    assert changed["hpo"]["n_trials"] == 4 and changed["resumed_from_epoch"] is None
+    assert (changed["settings"]["lr"], changed["settings"]["optimizer"]) == (0.005, "sgd")
+    assert list((out / "checkpoints").glob("hpo.before-*.pt"))
 
 
 def test_a_saved_autotune_is_reused_only_for_the_same_start(tmp_path):
@@ -343,3 +376,41 @@ def test_a_saved_autotune_is_reused_only_for_the_same_start(tmp_path):
     path.write_text(json.dumps({"start": start.to_dict(), "config": {"amp": "fp8"},
                                 "report": {}}))  # a value this version rejects
     assert pipeline._saved_autotune(path, start) is None
+
+
+def _ns(**kw):
+    from types import SimpleNamespace
+    return SimpleNamespace(**{"epochs": None, "match_time": True, "resume": False, **kw})
+
+
+def test_a_tuned_final_run_fills_the_baselines_time_with_epochs(tmp_path):
+    config = pipeline.TrainConfig(epochs=10, device="cpu")
+    index = type("Index", (), {"name": "d"})()
+    tuned = {"baseline_total_s": 100.0}
+
+    def fill(args=None, **kw):
+        return pipeline.fill_time(config, "hpo", _ns(**(args or {})), tmp_path, index,
+                                  kw.get("tuned", tuned), kw.get("tuning_s", 20.0),
+                                  kw.get("epoch_s", 2.0))
+    # 80% of 100 s, less 20 s of tuning, leaves 60 s: 30 epochs of 2 s, within 3x the 10
+    assert fill().epochs == 30
+    assert fill(epoch_s=1.0).epochs == 30        # 60 would exceed 3x: capped
+    assert fill(tuning_s=70.0).epochs == 10      # no time left: never fewer than its own
+    assert fill(args={"epochs": 10}).epochs == 10 and fill(args={"match_time": False}).epochs == 10
+    assert fill(epoch_s=None).epochs == 10 and fill(tuned={}).epochs == 10  # nothing to go by
+
+
+def test_each_row_is_compared_with_the_baseline():
+    hist = lambda *accs: [{"epoch": i + 1, "val_acc": a, "elapsed_s": 10.0 * (i + 1)}  # noqa: E731
+                          for i, a in enumerate(accs)]
+    base = {"scenario": "baseline", "val_acc": 0.6, "test_acc": 0.55, "total_s": 100.0,
+            "tuning_s": 0.0, "history": hist(0.3, 0.6)}
+    fast = {"scenario": "resolution", "test_acc": 0.6, "total_s": 50.0, "tuning_s": 5.0,
+            "history": hist(0.5, 0.65, 0.7)}
+    slow = {"scenario": "hpo", "test_acc": 0.5, "total_s": 150.0, "tuning_s": 30.0,
+            "history": hist(0.4, 0.5)}
+    pipeline.compare_to_baseline([base, fast, slow], base)
+    assert base["time_to_baseline_acc_s"] == 20.0 and base["test_acc_vs_baseline"] == 0.0
+    assert fast["time_to_baseline_acc_s"] == 25.0  # tuning included: 5 + 20
+    assert fast["test_acc_vs_baseline"] == pytest.approx(5.0) and fast["total_vs_baseline"] == 0.5
+    assert slow["time_to_baseline_acc_s"] is None and slow["total_vs_baseline"] == 1.5

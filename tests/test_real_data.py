@@ -3,33 +3,20 @@
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
-import numpy as np
 import pytest
-from PIL import Image
 
 import pipeline
 
-datasets = pytest.importorskip("sklearn.datasets")
-
-
-def export_digits(root, per_class: int = 100):
-    """Class folders of 32x32 grayscale PNGs, the first `per_class` digits of each class."""
-    digits = datasets.load_digits()
-    counts: dict[int, int] = {}
-    for image, label in zip(digits.images, digits.target):
-        if counts.get(label, 0) >= per_class:
-            continue
-        counts[label] = counts.get(label, 0) + 1
-        pixels = (image * (255 / 16)).astype(np.uint8)  # the set stores 0..16
-        path = root / str(label) / f"{counts[label]}.png"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        Image.fromarray(pixels).resize((32, 32), Image.NEAREST).save(path)
-    return root
+pytest.importorskip("sklearn.datasets")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from real_data import export_digits  # noqa: E402
 
 
 def test_baseline_learns_handwritten_digits(tmp_path):
-    data = export_digits(tmp_path / "digits")
+    data = export_digits(tmp_path / "digits", per_class=100)
     out = tmp_path / "out"
     assert pipeline.main(["--scenarios", "baseline", "--data-dir", str(data), "--epochs", "15", "--image-size", "32",
                           "--weights", "none", "--no-progress", "--output-dir", str(out)]) == 0
