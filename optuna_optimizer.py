@@ -15,7 +15,7 @@ import optuna
 
 from modules.config import TrainConfig, UserError
 from modules.oom import is_out_of_memory, release
-from modules.selection import accuracy_se, beats, tie_margin
+from modules.selection import accuracy_se, beats, informative, tie_margin
 from modules.trainer import DivergedError, fit, resolve_device
 
 log = logging.getLogger(__name__)
@@ -281,6 +281,10 @@ class OptunaTuner:
         if default is None:
             return None, ("the default configuration has no completed trial to compare with: "
                           "keeping it")
+        if not informative(default.value, n, len(self.index.classes)):
+            return None, (f"the default trial ({100 * default.value:.1f}%) is still at chance for "
+                          f"{len(self.index.classes)} classes after {self.epochs} epochs: the "
+                          "trials are too short to rank configurations; keeping the default")
         if best.number == default.number or not beats(best.value, default.value, n):
             return None, (f"the search's best ({100 * best.value:.1f}%, trial {best.number}) does "
                           f"not beat the default ({100 * default.value:.1f}%) by more than "

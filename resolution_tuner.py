@@ -18,7 +18,7 @@ from modules import distributed
 from modules.config import TrainConfig, UserError
 from modules.dataset import DatasetIndex
 from modules.files import atomic_write_text
-from modules.selection import accuracy_se, tie_margin
+from modules.selection import accuracy_se, informative, tie_margin
 from modules.trainer import fit
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ class ResolutionTuner:
             self.trials.append(trial)
             entries.append({"config": key, "trial": dataclasses.asdict(trial)})
             self._write_journal(data, entries)
-        best = self.pick(self.trials, self.n_val, self.default_size)
+        best = self.pick(self.trials, self.n_val, self.default_size, len(self.index.classes))
         top = max(self.trials, key=lambda t: t.val_acc)
         log.info("resolution pick: %d px (best %d px at %.1f%% +- %.1f on %d validation images; "
                  "sizes within one standard error of the difference tie, and a tie keeps the "
@@ -125,11 +125,21 @@ class ResolutionTuner:
                               self.journal)
 
     @staticmethod
-    def pick(trials: list[ResolutionTrial], n_val: int, default_size: int | None = None) -> int:
+    def pick(trials: list[ResolutionTrial], n_val: int, default_size: int | None = None,
+             num_classes: int | None = None) -> int:
         """Among the sizes whose accuracy ties with the best one (within one standard error of
-        the difference on n_val images), the default size if it is one, else the smallest."""
+        the difference on n_val images), the default size if it is one, else the smallest.
+        The default size also stays when its own trial is still at chance (num_classes given):
+        then the short trials say nothing about where the sizes end."""
         if not trials:
             raise UserError("no resolution was tried.")
+        default = next((t for t in trials if t.image_size == default_size), None)
+        if default is not None and num_classes and \
+                not informative(default.val_acc, n_val, num_classes):
+            log.info("resolution: the default size's trial (%.1f%%) is still at chance for %d "
+                     "classes: the short trials cannot rank the sizes; keeping the default",
+                     100 * default.val_acc, num_classes)
+            return default_size
         top = max(t.val_acc for t in trials)
         tied = [t.image_size for t in trials if top - t.val_acc <= tie_margin(top, t.val_acc, n_val)]
         return default_size if default_size in tied else min(tied)

@@ -20,3 +20,11 @@ def tie_margin(a: float, b: float, n: int) -> float:
 def beats(challenger: float, incumbent: float, n: int) -> bool:
     """Whether `challenger` is better than `incumbent` by more than the noise."""
     return challenger - incumbent > tie_margin(challenger, incumbent, n)
+
+
+def informative(acc: float, n: int, num_classes: int) -> bool:
+    """Whether an accuracy on n images is clear of chance (1 / num_classes) by two standard
+    errors: a short trial still at chance (a model from scratch that has not started to
+    learn) ranks candidates by noise and by who leaves chance first, not by where they end."""
+    chance = 1.0 / max(1, num_classes)
+    return acc - chance > 2 * accuracy_se(chance, n)

@@ -211,7 +211,7 @@ def test_the_winner_is_trained_only_when_it_beats_the_default(index, tmp_path, m
         return SimpleNamespace(best_val_acc=acc, epochs_run=1, wall_s=0.01, timing={})
     monkeypatch.setattr(optuna_optimizer, "fit", scored)
     t = tuner(index, tmp_path, n_trials=3, pruner="median")
-    t.index = SimpleNamespace(val=[None] * 1000)
+    t.index = SimpleNamespace(val=[None] * 1000, classes=index.classes)
     summary = t.run()
     assert summary["default_value"] == 0.5 and summary["keeps_default"] is keeps
     assert summary["n_val"] == 1000 and summary["best_value_se"] > 0
@@ -238,3 +238,15 @@ def test_asha_prunes_on_equal_epochs(index, tmp_path, monkeypatch):
     assert default.state == optuna.trial.TrialState.COMPLETE
     for trial in others:
         assert trial.state == optuna.trial.TrialState.PRUNED and max(trial.intermediate_values) == 1
+
+
+def test_a_default_trial_still_at_chance_keeps_the_default(index, tmp_path, monkeypatch):
+    def scored(idx, config, report):
+        acc = 0.34 if config.lr == BASE.lr else 0.6  # three classes: chance is 0.33
+        report(1, {"val_acc": acc})
+        return SimpleNamespace(best_val_acc=acc, epochs_run=1, wall_s=0.01, timing={})
+    monkeypatch.setattr(optuna_optimizer, "fit", scored)
+    t = tuner(index, tmp_path, n_trials=3, pruner="median")
+    t.index = SimpleNamespace(val=[None] * 1000, classes=index.classes)
+    summary = t.run()
+    assert summary["keeps_default"] and "still at chance" in summary["choice"]

@@ -112,3 +112,13 @@ def test_every_size_gets_about_the_same_compute(tmp_path):
     tuner = ResolutionTuner(index, BASE.__class__(**{**BASE.to_dict(), "image_size": 64}),
                             [48, 96, 256], epochs=4)
     assert [tuner.epochs_for(s) for s in tuner.resolutions] == [7, 4, 2, 1]
+
+
+def test_a_default_trial_still_at_chance_keeps_the_default_size():
+    """Six classes, 360 images: chance is 16.7%, two standard errors 3.9 points. A default at
+    19% has not started to learn, so a smaller size that left chance sooner does not win."""
+    trials = [trial(48, 0.33), trial(64, 0.19), trial(96, 0.18)]
+    assert ResolutionTuner.pick(trials, 360, 64, num_classes=6) == 64
+    assert ResolutionTuner.pick(trials, 360, 64) == 48  # without the check: 48 beats it
+    learning = [trial(48, 0.45), trial(64, 0.30), trial(96, 0.28)]
+    assert ResolutionTuner.pick(learning, 360, 64, num_classes=6) == 48
