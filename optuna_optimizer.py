@@ -71,6 +71,26 @@ class _Storage(optuna.storages.RDBStorage):
             return True
 
 
+class _PastChance(optuna.pruners.BasePruner):
+    """`pruner`, consulted only at an epoch where some trial has left chance (two standard
+    errors above 1 / classes on the validation set). Before that, every trial is at chance and
+    ranking them prunes by noise: from scratch, good configurations can sit there for an epoch
+    or two."""
+
+    def __init__(self, pruner: optuna.pruners.BasePruner, n_val: int, num_classes: int):
+        self.pruner, self.n_val, self.num_classes = pruner, n_val, num_classes
+
+    def prune(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> bool:
+        step = trial.last_step
+        if step is None:
+            return False
+        values = [t.intermediate_values[step] for t in study.get_trials(deepcopy=False)
+                  if step in t.intermediate_values]
+        if not any(informative(v, self.n_val, self.num_classes) for v in values):
+            return False
+        return self.pruner.prune(study, trial)
+
+
 class OptunaTuner:
     """An Optuna study maximising validation accuracy over training hyperparameters."""
 
@@ -187,14 +207,16 @@ class OptunaTuner:
 
     def _make_pruner(self) -> optuna.pruners.BasePruner:
         if self.pruner == "median":
-            return optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=1)
-        if self.pruner == "none":
+            pruner = optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=1)
+        elif self.pruner == "none":
             return optuna.pruners.NopPruner()
-        if self.pruner == "hyperband":
-            return optuna.pruners.HyperbandPruner(min_resource=1, max_resource=self.epochs,
-                                                  reduction_factor=REDUCTION_FACTOR)
-        return optuna.pruners.SuccessiveHalvingPruner(min_resource=1,
-                                                      reduction_factor=REDUCTION_FACTOR)
+        elif self.pruner == "hyperband":
+            pruner = optuna.pruners.HyperbandPruner(min_resource=1, max_resource=self.epochs,
+                                                    reduction_factor=REDUCTION_FACTOR)
+        else:
+            pruner = optuna.pruners.SuccessiveHalvingPruner(min_resource=1,
+                                                            reduction_factor=REDUCTION_FACTOR)
+        return _PastChance(pruner, len(self.index.val), len(self.index.classes))
 
     def _log_trial(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
         value = "-" if trial.value is None else f"{trial.value:.4f}"

@@ -233,6 +233,7 @@ def test_asha_prunes_on_equal_epochs(index, tmp_path, monkeypatch):
                                timing={})
     monkeypatch.setattr(optuna_optimizer, "fit", curve)
     t = tuner(index, tmp_path, n_trials=3, epochs=3)
+    t.index = SimpleNamespace(val=[None] * 1000, classes=index.classes)
     t.run()
     default, *others = t.study.trials
     assert default.state == optuna.trial.TrialState.COMPLETE
@@ -250,3 +251,23 @@ def test_a_default_trial_still_at_chance_keeps_the_default(index, tmp_path, monk
     t.index = SimpleNamespace(val=[None] * 1000, classes=index.classes)
     summary = t.run()
     assert summary["keeps_default"] and "still at chance" in summary["choice"]
+
+
+def test_no_trial_is_pruned_while_every_trial_is_still_at_chance(index, tmp_path, monkeypatch):
+    """Three classes, 1,000 validation images: chance 33%, two standard errors 3 points. At
+    epoch 1 everyone is at chance (the default by luck a little higher): nobody is pruned; at
+    epoch 2 the default has left chance, and a trial still there is."""
+    def curve(idx, config, report):
+        good = config.lr == BASE.lr
+        report(1, {"val_acc": 0.35 if good else 0.33})
+        report(2, {"val_acc": 0.6 if good else 0.33})
+        return SimpleNamespace(best_val_acc=0.6 if good else 0.33, epochs_run=2, wall_s=0.01,
+                               timing={})
+    monkeypatch.setattr(optuna_optimizer, "fit", curve)
+    t = tuner(index, tmp_path, n_trials=3, epochs=2)
+    t.index = SimpleNamespace(val=[None] * 1000, classes=index.classes)
+    t.run()
+    default, *others = t.study.trials
+    for trial in others:
+        assert trial.state == optuna.trial.TrialState.PRUNED
+        assert max(trial.intermediate_values) == 2  # not after epoch 1
