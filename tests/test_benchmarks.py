@@ -162,3 +162,24 @@ def test_the_lightning_row_takes_either_package_name(monkeypatch):
     assert tp._lightning_package() == "lightning"  # the 2.x name first
     present.clear()
     assert tp._lightning_package() is None
+
+
+def test_scenarios_benchmark_prints_the_table_and_the_targets(tmp_path):
+    from conftest import make_folder
+    data = make_folder(tmp_path / "data", n_train=10, n_test=4)
+    out = tmp_path / "scen.json"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/scenarios.py", "--dataset", str(data), "--device", "cpu",
+         "--output-dir", str(tmp_path / "bench"), "--json", str(out), "--",
+         "--epochs", "2", "--image-size", "24", "--resolutions", "24,32", "--n-trials", "2",
+         "--weights", "none", "--no-autotune"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert [r["scenario"] for r in result["rows"]] == ["baseline", "resolution", "hpo"]
+    for name in ("baseline", "resolution", "hpo"):
+        assert f"| {name} |" in proc.stdout
+    for target in ("resolution at least as accurate", "reaches the baseline's val accuracy",
+                   "hpo at least 3 points above", "test set:"):
+        assert any(target in line for line in result["lines"]), target
+    assert "torch " in result["lines"][1]  # the provenance line

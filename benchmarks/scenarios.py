@@ -1,0 +1,211 @@
+"""End to end: the three scenarios on one data set, each against the baseline.
+
+Runs `pipeline.py` (baseline, resolution, hpo) on a folder, the synthetic set or a real set
+exported offline (benchmarks/real_data.py), then prints one table: test accuracy with its
+standard error, the difference to the baseline, total and tuning seconds, the share of each
+scenario spent measuring (autotune), and the time until its validation first reached the
+baseline's. The targets of issue 16 are checked under the table. `--compare-search` also runs
+the Optuna search twice on the same data, ours (default first, successive halving) against
+plain TPE without pruning, and prints how many trial seconds ours took to come within 0.5
+points of plain TPE's best.
+
+  python benchmarks/scenarios.py --dataset synthetic --quick
+  python benchmarks/scenarios.py --dataset digits --quick --json others/bench_digits.json
+  pip install --no-deps animal-mnist==0.4   # its data only; its loader would pull TensorFlow
+  python benchmarks/scenarios.py --dataset animals --quick
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import pipeline  # noqa: E402
+from modules.selection import accuracy_se  # noqa: E402
+
+log = logging.getLogger("scenarios")
+
+
+def provenance() -> str:
+    """The machine and software the figures came from."""
+    flags = ""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        model = next(line.split(":", 1)[1].strip() for line in info.splitlines()
+                     if line.startswith("model name"))
+        have = set(next(line.split(":", 1)[1].split() for line in info.splitlines()
+                        if line.startswith("flags")))
+        isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in have]
+        flags = f"{model}, {', '.join(isa)}"
+    except (OSError, StopIteration):
+        flags = platform.processor() or platform.machine()
+    capped = os.environ.get("ONEDNN_MAX_CPU_ISA")
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    return (f"{time.strftime('%Y-%m-%d')}: {os.cpu_count()} cores ({flags})"
+            f"{f', capped to {capped}' if capped else ''}, {gpu}, torch {torch.__version__}")
+
+
+def data_folder(name: str, root: Path) -> list[str]:
+    """pipeline.py's data options for a benchmark data set name."""
+    if name in ("synthetic", "intel"):
+        return ["--dataset", name]
+    if Path(name).is_dir():
+        return ["--data-dir", name]
+    from real_data import REAL_SETS  # beside this file
+    if name not in REAL_SETS:
+        raise SystemExit(f"unknown data set {name!r}: synthetic, intel, a folder, or one of "
+                         f"{', '.join(REAL_SETS)}")
+    folder = root / name
+    if not folder.exists():
+        REAL_SETS[name](folder)
+    return ["--data-dir", str(folder)]
+
+
+def rows_table(rows: list[dict]) -> list[str]:
+    lines = ["| scenario | test acc | vs baseline | total s | tuning s | measuring share | "
+             "to baseline val acc | best size |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    base_total = next((r["total_s"] for r in rows if r["scenario"] == "baseline"), None)
+    for r in rows:
+        measuring = (r.get("autotune") or {}).get("seconds") or 0.0
+        reached = r.get("time_to_baseline_acc_s")
+        ratio = f" ({reached / base_total:.2f}x)" if reached and base_total else ""
+        lines.append(
+            f"| {r['scenario']} | {100 * r['test_acc']:.1f}% +- {100 * r['test_acc_se']:.1f} | "
+            f"{r.get('test_acc_vs_baseline', 0):+.1f} | {r['total_s']:.0f} | "
+            f"{r.get('tuning_s') or 0:.0f} | {100 * measuring / r['total_s']:.1f}% | "
+            f"{'never' if reached is None else f'{reached:.0f} s'}{ratio} | "
+            f"{r['best_resolution']} |")
+    return lines
+
+
+def targets(rows: list[dict]) -> list[str]:
+    """Issue 16's targets, each met or missed, with the figure."""
+    by = {r["scenario"]: r for r in rows}
+    base = by.get("baseline")
+    out = []
+    if base is None:
+        return ["no baseline row: nothing to compare"]
+    if "resolution" in by:
+        r = by["resolution"]
+        diff = 100 * (r["test_acc"] - base["test_acc"])
+        out.append(f"{'met' if diff >= 0 else 'MISSED'}: resolution at least as accurate as the "
+                   f"baseline ({diff:+.1f} points)")
+        reached = r.get("time_to_baseline_acc_s")
+        ratio = None if reached is None else reached / base["total_s"]
+        out.append(f"{'met' if ratio is not None and ratio <= 0.5 else 'MISSED'}: resolution "
+                   f"reaches the baseline's val accuracy in <= 0.5x its time "
+                   f"({'never' if ratio is None else f'{ratio:.2f}x'})")
+    if "hpo" in by:
+        diff = 100 * (by["hpo"]["test_acc"] - base["test_acc"])
+        out.append(f"{'met' if diff >= 3 else 'MISSED'}: hpo at least 3 points above the "
+                   f"baseline ({diff:+.1f} points)")
+    for r in rows:
+        measuring = (r.get("autotune") or {}).get("seconds")
+        if measuring is not None:
+            share = measuring / r["total_s"]
+            out.append(f"{'met' if share < 0.1 else 'MISSED'}: {r['scenario']} measuring under "
+                       f"10% of its wall time ({100 * share:.1f}%)")
+    n_test = base.get("n_test")
+    if n_test:
+        se = 100 * accuracy_se(base["test_acc"], n_test)
+        out.append(f"test set: {n_test} images, standard error {se:.1f} points "
+                   f"({'3 points >= 2 SE' if 3 >= 2 * se else '3 points < 2 SE: too small'})")
+    return out
+
+
+def compare_search(data: list[str], args, out: Path) -> list[str]:
+    """Our search (default first, successive halving) against plain TPE without pruning,
+    same data, trials and seed: trial seconds for ours to come within 0.5 points of plain
+    TPE's best validation accuracy."""
+    import optuna
+
+    from optuna_optimizer import OptunaTuner
+    ns = pipeline.parse_args(data + (["--quick"] if args.quick else []) + ["--no-progress"])
+    index = pipeline.load_data(ns, out)
+    device = pipeline.resolve_device(ns.device)
+    config = pipeline.scenario_config("hpo", ns, device)
+    config = pipeline.dataclasses.replace(config, progress=False)
+    epochs = pipeline.short_budget(config)
+    results = {}
+    for name, pruner in (("ours", "asha"), ("plain TPE", "none")):
+        tuner = OptunaTuner(index, config, output_dir=out / name.replace(" ", "_"),
+                            n_trials=args.search_trials, epochs=epochs, seed=ns.seed,
+                            pruner=pruner, study_name=f"compare_{pruner}")
+        tuner.run()
+        trials = [t for t in tuner.study.trials if t.state in (
+            optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)]
+        curve, spent, best = [], 0.0, -1.0
+        for t in trials:
+            spent += (t.datetime_complete - t.datetime_start).total_seconds()
+            if t.state == optuna.trial.TrialState.COMPLETE:
+                best = max(best, t.value)
+            curve.append((spent, best))
+        results[name] = curve
+    plain_best = results["plain TPE"][-1][1]
+    plain_s = results["plain TPE"][-1][0]
+    ours = results["ours"]
+    reach = next((s for s, b in ours if b >= plain_best - 0.005), None)
+    lines = [f"search: plain TPE best {100 * plain_best:.1f}% in {plain_s:.0f} trial seconds; "
+             f"ours best {100 * ours[-1][1]:.1f}% in {ours[-1][0]:.0f} s"]
+    if reach is None:
+        lines.append("MISSED: ours never came within 0.5 points of plain TPE's best")
+    else:
+        lines.append(f"{'met' if reach <= plain_s / 3 else 'MISSED'}: ours within 0.5 points "
+                     f"of plain TPE's best after {reach:.0f} s ({reach / plain_s:.2f}x its "
+                     f"trial seconds; target <= 0.33x)")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dataset", default="synthetic",
+                   help="synthetic, intel, a folder, or a real set of benchmarks/real_data.py")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--output-dir", default="others/bench_scenarios")
+    p.add_argument("--json", help="also write the rows and the target lines here")
+    p.add_argument("--compare-search", action="store_true")
+    p.add_argument("--search-trials", type=int, default=8)
+    p.add_argument("--search-only", action="store_true",
+                   help="with --compare-search: skip the three scenarios")
+    p.add_argument("pipeline_args", nargs="*", help="more pipeline.py options, after --")
+    args = p.parse_args(argv)
+    pipeline.setup_logging()
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    data = data_folder(args.dataset, out / "data")
+    started = time.perf_counter()
+    if args.compare_search and args.search_only:
+        print("\n".join([f"# search on {args.dataset}", provenance()]
+                        + compare_search(data, args, out / "search")))
+        return 0
+    code = pipeline.main(data + ["--device", args.device, "--output-dir", str(out / "run"),
+                                 "--no-progress"] + (["--quick"] if args.quick else [])
+                         + args.pipeline_args)
+    if code != 0:
+        return code
+    latest = {r["scenario"]: r for r in json.loads((out / "run" / "results.json").read_text())}
+    rows = [latest[name] for name in pipeline.SCENARIOS if name in latest]
+    lines = [f"# scenarios on {args.dataset}{' --quick' if args.quick else ''}",
+             provenance(), f"whole run {time.perf_counter() - started:.0f} s", ""]
+    lines += rows_table(rows) + [""] + targets(rows)
+    if args.compare_search:
+        lines += [""] + compare_search(data, args, out / "search")
+    print("\n".join(lines))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"lines": lines, "rows": rows}, indent=1,
+                                              default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
