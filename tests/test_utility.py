@@ -109,7 +109,8 @@ def test_results_table_formats_percentages_and_na():
     rows = [
         {"scenario": "baseline", "train_acc": 0.9, "test_acc": 0.8766, "train_loss": 0.31234,
          "gpu_util_pct": None, "cpu_util_pct": 55.0, "epochs": 3, "settings": {"lr": 1e-3}},
-        {"scenario": "fast", "test_acc": 0.5, "gpu_util_pct": 0.0},
+        {"scenario": "fast", "test_acc": 0.5, "gpu_util_pct": 0.0, "test_acc_vs_baseline": -37.66,
+         "total_vs_baseline": 0.5},
     ]
     df = results_table(rows)
     assert list(df.index) == ["baseline", "fast"]
@@ -118,7 +119,10 @@ def test_results_table_formats_percentages_and_na():
     assert df.loc["baseline", "Train Loss"] == "0.3123"
     assert df.loc["baseline", "GPU Util (%)"] == "n/a"
     assert df.loc["fast", "GPU Util (%)"] == "0.0"  # a measured zero stays zero
-    assert df.loc["fast", "Wall (s)"] == "n/a"  # missing key
+    assert df.loc["fast", "Train (s)"] == "n/a"  # missing key
+    assert df.loc["fast", "Test Acc vs Baseline (pts)"] == "-37.7"  # signed points
+    assert df.loc["fast", "Time vs Baseline (x)"] == "0.50"
+    assert df.loc["baseline", "To Baseline Val Acc (s)"] == "n/a"
     for header in ("Best Resolution", "CPU Exec (us)", "Step (ms)", "Throughput (img/s)",
                    "Peak Mem (MB)", "Data Wait (%)"):
         assert header in df.columns
