@@ -261,8 +261,7 @@ class OptunaTuner:
         study = self._require_study()
         states = [t.state for t in study.trials]
         complete = states.count(optuna.trial.TrialState.COMPLETE)
-        default = next((t for t in study.trials if t.user_attrs.get("default")
-                        and t.state == optuna.trial.TrialState.COMPLETE), None)
+        default = self._default_trial()
         best_value = study.best_value if complete else None
         n_val = len(self.index.val)
         params, reason = self.choice()
@@ -277,28 +276,33 @@ class OptunaTuner:
                 "n_complete": complete, "study_name": self.study_name,
                 "storage": _without_password(self.storage_url)}
 
+    def _complete(self) -> list[optuna.trial.FrozenTrial]:
+        return [t for t in self._require_study().trials
+                if t.state == optuna.trial.TrialState.COMPLETE]
+
+    def _default_trial(self) -> optuna.trial.FrozenTrial | None:
+        """The completed trial of the default configuration, if any."""
+        return next((t for t in self._complete() if t.user_attrs.get("default")), None)
+
     def epoch_seconds(self, params: dict | None) -> float | None:
         """Seconds per epoch (validation included) measured by the trial of `params` (None:
         the default trial), or None when no such trial recorded it."""
-        for t in self._require_study().trials:
-            if t.state != optuna.trial.TrialState.COMPLETE:
-                continue
-            if (params is None and t.user_attrs.get("default")) or \
-                    (params is not None and t.params == params):
-                epochs, wall = t.user_attrs.get("epochs_run"), t.user_attrs.get("wall_s")
-                return wall / epochs if epochs and wall else None
-        return None
+        trial = self._default_trial() if params is None else \
+            next((t for t in self._complete() if t.params == params), None)
+        if trial is None:
+            return None
+        epochs, wall = trial.user_attrs.get("epochs_run"), trial.user_attrs.get("wall_s")
+        return wall / epochs if epochs and wall else None
 
     def choice(self) -> tuple[dict | None, str]:
         """(the parameters the final run should train, why); None keeps the default
         configuration: the search's best must beat the default trial on validation by more
         than one standard error of the difference."""
-        study = self._require_study()
-        complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+        complete = self._complete()
         if not complete:
             return None, "no trial completed: keeping the default configuration"
         best = max(complete, key=lambda t: t.value)
-        default = next((t for t in complete if t.user_attrs.get("default")), None)
+        default = self._default_trial()
         n = len(self.index.val)
         if default is None:
             return None, ("the default configuration has no completed trial to compare with: "
@@ -307,15 +311,14 @@ class OptunaTuner:
             return None, (f"the default trial ({100 * default.value:.1f}%) is still at chance for "
                           f"{len(self.index.classes)} classes after {self.epochs} epochs: the "
                           "trials are too short to rank configurations; keeping the default")
+        margin = (f"by more than {100 * tie_margin(best.value, default.value, n):.1f} points on "
+                  f"{n} validation images")
         if best.number == default.number or not beats(best.value, default.value, n):
             return None, (f"the search's best ({100 * best.value:.1f}%, trial {best.number}) does "
-                          f"not beat the default ({100 * default.value:.1f}%) by more than "
-                          f"{100 * tie_margin(best.value, default.value, n):.1f} points on {n} "
-                          "validation images: keeping the default")
-        return dict(best.params), (
-            f"trial {best.number} ({100 * best.value:.1f}%) beats the default "
-            f"({100 * default.value:.1f}%) by more than "
-            f"{100 * tie_margin(best.value, default.value, n):.1f} points on {n} validation images")
+                          f"not beat the default ({100 * default.value:.1f}%) {margin}: keeping "
+                          "the default")
+        return dict(best.params), (f"trial {best.number} ({100 * best.value:.1f}%) beats the "
+                                   f"default ({100 * default.value:.1f}%) {margin}")
 
     def _require_study(self) -> optuna.Study:
         if self.study is None:

@@ -5,6 +5,7 @@ bf16, for example, bf16 autocast measures several times slower and is rejected b
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -508,6 +509,9 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
         budget_s = budget_share * planned_steps * config.effective_batch_size / warm["img_s"]
         log.info("autotune: measuring budget %.0f s (%.0f%% of the planned %d steps)", budget_s,
                  100 * budget_share, planned_steps)
+
+    def budget_left() -> float | None:
+        return None if budget_s is None else budget_s - (time.perf_counter() - started)
     if min_s < MIN_S:
         log.info("autotune: a short planned run: %.1f s per candidate, to measure within %.0f%% "
                  "of its time", min_s, 100 * MEASURE_SHARE)
@@ -515,7 +519,7 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
         if knob in fixed:
             knobs[knob] = _set_by_user(config, knob)
             continue
-        if budget_s is not None and time.perf_counter() - started >= budget_s:
+        if budget_s is not None and budget_left() <= 0:
             knobs[knob] = {"choice": getattr(config, knob), "img_s": {}, "reason": (
                 f"not measured: the measuring budget ({budget_s:.0f} s) was spent")}
             continue
@@ -527,8 +531,8 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
     if "compile" in fixed:
         knobs["compile"] = _set_by_user(config, "compile")
     else:
-        left = None if budget_s is None else budget_s - (time.perf_counter() - started)
-        config, knobs["compile"] = _tune_compile(config, num_classes, current, planned_steps, left)
+        config, knobs["compile"] = _tune_compile(config, num_classes, current, planned_steps,
+                                                 budget_left())
         log.info("autotune: compile = %s (%s)", _label(config.compile), knobs["compile"]["reason"])
     compute_img_s = current["img_s"]
     del current["probe"]  # its memory is not the batch probe's to count
@@ -551,7 +555,7 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
         log.info("autotune: num_workers = %d (%s)", n, knobs["num_workers"]["reason"])
     if "batch_size" in fixed:
         knobs["batch_size"] = _set_by_user(config, "batch_size")
-    elif tune_batch and budget_s is not None and time.perf_counter() - started >= budget_s:
+    elif tune_batch and budget_s is not None and budget_left() <= 0:
         knobs["batch_size"] = {"choice": config.batch_size, "img_s": {}, "reason": (
             f"not refitted for the chosen knobs: the measuring budget ({budget_s:.0f} s) was "
             f"spent; batch {config.batch_size} x {config.grad_accum_steps} accumulation")}
@@ -585,6 +589,7 @@ def _with_run_fields(tuned: TrainConfig, start: TrainConfig) -> TrainConfig:
     return dataclasses.replace(tuned, **{k: getattr(start, k) for k in _NOT_SPEED})
 
 
+@functools.lru_cache(maxsize=1)  # the machine does not change within a process
 def machine_key() -> str:
     """The machine an autotune choice was measured on: CPU model and flags, core count, GPU
     name and torch version. A change in any of them measures again."""

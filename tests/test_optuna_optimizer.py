@@ -39,6 +39,24 @@ def fake_fit(index, config, report):
                            timing={"samples_per_s": 123.0})
 
 
+def curves_by_lr(default, other):
+    """A stand-in for training: per-epoch validation accuracies, one curve for the default lr
+    and one for every other; the best of its curve is the trial's value."""
+    def fit_(idx, config, report):
+        accs = default if config.lr == BASE.lr else other
+        for epoch, acc in enumerate(accs, 1):
+            report(epoch, {"val_acc": acc})
+        return SimpleNamespace(best_val_acc=max(accs), epochs_run=len(accs), wall_s=0.01,
+                               timing={})
+    return fit_
+
+
+def with_val_images(t: OptunaTuner, n: int = 1000) -> OptunaTuner:
+    """The tuner judging on n validation images (the fake trainings never read them)."""
+    t.index = SimpleNamespace(val=[None] * n, classes=t.index.classes)
+    return t
+
+
 def test_fixed_trial_suggests_and_trains_without_a_study(index, tmp_path):
     t = tuner(index, tmp_path)
     config = t.suggest(optuna.trial.FixedTrial(PARAMS))
@@ -205,14 +223,8 @@ def test_the_default_configuration_is_the_first_trial(index, tmp_path, monkeypat
 def test_the_winner_is_trained_only_when_it_beats_the_default(index, tmp_path, monkeypatch,
                                                                gain, keeps):
     """1,000 validation images: one standard error of a difference near 50% is ~2.2 points."""
-    def scored(idx, config, report):
-        acc = 0.5 if config.lr == BASE.lr else 0.5 + gain
-        report(1, {"val_acc": acc})
-        return SimpleNamespace(best_val_acc=acc, epochs_run=1, wall_s=0.01, timing={})
-    monkeypatch.setattr(optuna_optimizer, "fit", scored)
-    t = tuner(index, tmp_path, n_trials=3, pruner="median")
-    t.index = SimpleNamespace(val=[None] * 1000, classes=index.classes)
-    summary = t.run()
+    monkeypatch.setattr(optuna_optimizer, "fit", curves_by_lr([0.5], [0.5 + gain]))
+    summary = with_val_images(tuner(index, tmp_path, n_trials=3, pruner="median")).run()
     assert summary["default_value"] == 0.5 and summary["keeps_default"] is keeps
     assert summary["n_val"] == 1000 and summary["best_value_se"] > 0
     if keeps:
@@ -225,15 +237,9 @@ def test_the_winner_is_trained_only_when_it_beats_the_default(index, tmp_path, m
 def test_asha_prunes_on_equal_epochs(index, tmp_path, monkeypatch):
     """Successive halving compares trials at the same epoch: a trial worse than the default at
     epoch 1 stops there."""
-    def curve(idx, config, report):
-        good = config.lr == BASE.lr
-        for epoch in (1, 2, 3):
-            report(epoch, {"val_acc": (0.6 if good else 0.2) + 0.01 * epoch})
-        return SimpleNamespace(best_val_acc=0.63 if good else 0.23, epochs_run=3, wall_s=0.01,
-                               timing={})
-    monkeypatch.setattr(optuna_optimizer, "fit", curve)
-    t = tuner(index, tmp_path, n_trials=3, epochs=3)
-    t.index = SimpleNamespace(val=[None] * 1000, classes=index.classes)
+    monkeypatch.setattr(optuna_optimizer, "fit",
+                        curves_by_lr([0.61, 0.62, 0.63], [0.21, 0.22, 0.23]))
+    t = with_val_images(tuner(index, tmp_path, n_trials=3, epochs=3))
     t.run()
     default, *others = t.study.trials
     assert default.state == optuna.trial.TrialState.COMPLETE
@@ -242,14 +248,9 @@ def test_asha_prunes_on_equal_epochs(index, tmp_path, monkeypatch):
 
 
 def test_a_default_trial_still_at_chance_keeps_the_default(index, tmp_path, monkeypatch):
-    def scored(idx, config, report):
-        acc = 0.34 if config.lr == BASE.lr else 0.6  # three classes: chance is 0.33
-        report(1, {"val_acc": acc})
-        return SimpleNamespace(best_val_acc=acc, epochs_run=1, wall_s=0.01, timing={})
-    monkeypatch.setattr(optuna_optimizer, "fit", scored)
-    t = tuner(index, tmp_path, n_trials=3, pruner="median")
-    t.index = SimpleNamespace(val=[None] * 1000, classes=index.classes)
-    summary = t.run()
+    # three classes: chance is 0.33
+    monkeypatch.setattr(optuna_optimizer, "fit", curves_by_lr([0.34], [0.6]))
+    summary = with_val_images(tuner(index, tmp_path, n_trials=3, pruner="median")).run()
     assert summary["keeps_default"] and "still at chance" in summary["choice"]
 
 
@@ -257,15 +258,8 @@ def test_no_trial_is_pruned_while_every_trial_is_still_at_chance(index, tmp_path
     """Three classes, 1,000 validation images: chance 33%, two standard errors 3 points. At
     epoch 1 everyone is at chance (the default by luck a little higher): nobody is pruned; at
     epoch 2 the default has left chance, and a trial still there is."""
-    def curve(idx, config, report):
-        good = config.lr == BASE.lr
-        report(1, {"val_acc": 0.35 if good else 0.33})
-        report(2, {"val_acc": 0.6 if good else 0.33})
-        return SimpleNamespace(best_val_acc=0.6 if good else 0.33, epochs_run=2, wall_s=0.01,
-                               timing={})
-    monkeypatch.setattr(optuna_optimizer, "fit", curve)
-    t = tuner(index, tmp_path, n_trials=3, epochs=2)
-    t.index = SimpleNamespace(val=[None] * 1000, classes=index.classes)
+    monkeypatch.setattr(optuna_optimizer, "fit", curves_by_lr([0.35, 0.6], [0.33, 0.33]))
+    t = with_val_images(tuner(index, tmp_path, n_trials=3, epochs=2))
     t.run()
     default, *others = t.study.trials
     for trial in others:
