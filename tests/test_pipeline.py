@@ -150,7 +150,11 @@ def test_quick_run_does_all_three_scenarios_on_synthetic_data(tmp_path):
     assert rows["resolution"]["best_resolution"] in (48, 64, 96)
     assert rows["hpo"]["best_resolution"] == rows["resolution"]["best_resolution"]
     assert rows["hpo"]["hpo"]["n_trials"] == 4
-    assert rows["hpo"]["settings"]["lr"] == rows["hpo"]["hpo"]["best_params"]["lr"]
+    # the search's winner when it beat the default trial, else the default (resolution's lr)
+    search = rows["hpo"]["hpo"]
+    chosen = search["chosen_params"] or {"lr": rows["resolution"]["settings"]["lr"]}
+    assert rows["hpo"]["settings"]["lr"] == chosen["lr"]
+    assert search["keeps_default"] is (search["chosen_params"] is None)
     for name in ("synthetic_model.pt", "optuna.db", "resolution_tradeoff.png", "report.md",
                  "training_accuracy_comparison.png"):
         assert (out / name).exists(), name
