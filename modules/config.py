@@ -14,6 +14,7 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 MODELS = ("squeezenet1_1", "resnet18", "mobilenet_v3_small")
 # Smallest input side, pixels, whose feature map survives each model's downsampling.
 MIN_IMAGE_SIZE = {"squeezenet1_1": 17, "resnet18": 16, "mobilenet_v3_small": 16}
+MAX_IMAGE_SIZE = 2048  # largest input side, pixels: training's and a model file's
 OPTIMIZERS = ("adam", "adamw", "sgd")
 SCHEDULERS = ("cosine", "onecycle", "none")
 AMP_MODES = ("auto", "off", "fp16", "bf16")
@@ -81,7 +82,8 @@ class TrainConfig:
         _choice("dropout_impl", self.dropout_impl, DROPOUT_IMPLS)
         if self.cpu_threads is not None:
             _positive_int("cpu_threads", self.cpu_threads, high=1024)
-        _positive_int("image_size", self.image_size, low=MIN_IMAGE_SIZE[self.model], high=2048)
+        _positive_int("image_size", self.image_size, low=MIN_IMAGE_SIZE[self.model],
+                      high=MAX_IMAGE_SIZE)
         _positive_int("epochs", self.epochs, high=100_000)
         _positive_int("batch_size", self.batch_size, high=1 << 20)
         _positive_int("grad_accum_steps", self.grad_accum_steps, high=1 << 16)

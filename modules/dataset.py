@@ -2,6 +2,7 @@
 transforms and DataLoaders."""
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -35,10 +36,7 @@ def to_rgb(img: Image.Image) -> Image.Image:
     if img.mode == "RGB":
         return img
     if img.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I", "F"):
-        arr = np.asarray(img, dtype=np.float64)
-        lo, hi = float(arr.min()), float(arr.max())
-        scaled = (arr - lo) * (255.0 / (hi - lo)) if hi > lo else np.zeros_like(arr)
-        return Image.fromarray(scaled.astype(np.uint8)).convert("RGB")
+        return _stretch_to_8bit(img).convert("RGB")
     if img.mode == "P" and "transparency" in img.info:
         img = img.convert("RGBA")
     if img.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
@@ -46,6 +44,34 @@ def to_rgb(img: Image.Image) -> Image.Image:
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(background, rgba).convert("RGB")
     return img.convert("RGB")
+
+
+STRETCH_CHUNK_PX = 2**20  # pixels converted to float64 at a time (8 MB)
+
+
+def _stretch_to_8bit(img: Image.Image) -> Image.Image:
+    """A 16- or 32-bit image as 8-bit L, its min..max stretched to 0..255 (truncating). Done in
+    bands of rows: the whole image as float64 costs 8 bytes a pixel, several times over in
+    temporaries, before any resize could shrink it."""
+    width, height = img.size
+    rows = max(1, STRETCH_CHUNK_PX // max(1, width))
+    bands = [(top, min(height, top + rows)) for top in range(0, height, rows)]
+
+    def band(top: int, bottom: int) -> np.ndarray:
+        return np.asarray(img.crop((0, top, width, bottom)), dtype=np.float64)
+
+    extremes = np.array([(values.min(), values.max())
+                         for values in (band(top, bottom) for top, bottom in bands)])
+    lo, hi = float(extremes[:, 0].min()), float(extremes[:, 1].max())  # a NaN stays NaN: flat
+    out = np.zeros((height, width), dtype=np.uint8)
+    if hi > lo:
+        scale = 255.0 / (hi - lo)
+        for top, bottom in bands:
+            values = band(top, bottom)
+            values -= lo
+            values *= scale
+            out[top:bottom] = values.astype(np.uint8)
+    return Image.fromarray(out)
 
 
 def load_rgb(path) -> Image.Image:
@@ -95,6 +121,19 @@ class DatasetIndex:
     def skipped_files(self) -> int:
         return len(self.skipped)
 
+    def n_images(self) -> int:
+        return len(self.train) + len(self.val) + len(self.test)
+
+    def fingerprint(self, splits: tuple[str, ...] = ("train", "val", "test")) -> str:
+        """A digest of the splits' images and labels: what results and checkpoints depend on,
+        so a run resumes only on the same data."""
+        digest = hashlib.sha1()
+        for split in splits:
+            for path, label in getattr(self, split):
+                digest.update(f"{path}\t{label}\n".encode())
+            digest.update(b"\0")
+        return digest.hexdigest()
+
     def summary(self) -> str:
         return (f"{self.name}: {len(self.classes)} classes, {len(self.train)} train / "
                 f"{len(self.val)} val / {len(self.test)} test images ({self.layout} layout)"
@@ -114,6 +153,13 @@ def download_intel() -> Path:
         return Path(kagglehub.dataset_download(INTEL_HANDLE))
     except Exception as exc:
         reason = type(exc).__name__
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        if status in (401, 403) or reason in ("UnauthenticatedError", "CredentialError"):
+            raise UserError(
+                f"Kaggle refused the login ({f'HTTP {status}' if status else reason}): set "
+                "KAGGLE_USERNAME and KAGGLE_KEY (in Colab as secrets), or ~/.kaggle/kaggle.json, "
+                "or run kagglehub.login(); a key from kaggle.com > Settings > API > Create New "
+                "Token.") from None
         raise UserError(f"the Intel dataset cannot be reached on Kaggle ({reason}); download it "
                         "once with network access, or pass --data-dir PATH to a local copy, or "
                         "use --dataset synthetic.") from None
@@ -171,15 +217,47 @@ def _class_dirs(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith((".", "_")))
 
 
-def _image_files(folder: Path) -> list[Path]:
-    """Candidate image files below a class folder; hidden and non-image files are ignored."""
-    found = []
-    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        for name in sorted(filenames):
-            if not name.startswith(".") and Path(name).suffix.lower() in IMAGE_EXTS:
-                found.append(Path(dirpath) / name)
-    return found
+def _image_files(folder: Path, seen: dict[str, Path] | None = None) -> tuple[list[Path], int]:
+    """Candidate image files below a class folder (hidden and non-image files are ignored) and
+    how many were left out as already listed.
+
+    Links are followed (data folders are often linked in), but a real directory is entered
+    once and a link back to the folder or above it not at all: a loop would list images
+    without end, into every split. A file reached twice, here or through `seen` (real path ->
+    the path first listed, shared across a dataset's folders), is listed once."""
+    seen = {} if seen is None else seen
+    root = os.path.realpath(folder)
+    entered, found, repeats = {root}, [], 0
+    stack = [(str(folder), root)]
+    while stack:
+        path, real = stack.pop()
+        try:
+            entries = sorted(os.scandir(path), key=lambda entry: entry.name)
+        except OSError:  # unreadable: skipped, as os.walk does
+            continue
+        subdirs = []
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue
+            target = os.path.realpath(entry.path) if entry.is_symlink() else \
+                os.path.join(real, entry.name)
+            try:
+                is_dir = entry.is_dir()
+            except OSError:
+                is_dir = False
+            if is_dir:
+                if target not in entered and not (root + os.sep).startswith(
+                        target.rstrip(os.sep) + os.sep):
+                    entered.add(target)
+                    subdirs.append((entry.path, target))
+            elif Path(entry.name).suffix.lower() in IMAGE_EXTS:
+                if target in seen:
+                    repeats += 1
+                else:
+                    seen[target] = Path(entry.path)
+                    found.append(Path(entry.path))
+        stack.extend(reversed(subdirs))  # depth first, in name order, as os.walk lists them
+    return found, repeats
 
 
 def check_image(path: Path) -> str | None:
@@ -204,12 +282,17 @@ def check_image(path: Path) -> str | None:
         return f"undecodable ({type(exc).__name__})"
 
 
-def _scan_split(folder: Path, split: str, check: bool
+def _scan_split(folder: Path, split: str, check: bool, seen: dict[str, Path] | None = None
                 ) -> tuple[dict[str, list[Path]], list[tuple[str, str]]]:
     classes = _class_dirs(folder)
     if not classes:
         raise UserError(f"the {split} folder {str(folder)!r} has no class folders.")
-    per_class = {c.name: _image_files(c) for c in classes}
+    listed = {c.name: _image_files(c, seen) for c in classes}
+    per_class = {name: files for name, (files, _) in listed.items()}
+    repeats = sum(n for _, n in listed.values())
+    if repeats:
+        log.warning("the %s split reaches %d image file(s) a second time through links; each "
+                    "is counted once, where first found.", split, repeats)
     skipped: list[tuple[str, str]] = []
     if check:
         every = [p for files in per_class.values() for p in files]
@@ -220,7 +303,9 @@ def _scan_split(folder: Path, split: str, check: bool
     for name, files in per_class.items():
         if not files:
             bad = sum(1 for p, _ in skipped if Path(p).parent.name == name)
-            extra = f" ({bad} undecodable files skipped)" if bad else ""
+            extra = f" ({bad} undecodable files skipped)" if bad else \
+                (" (its images were already counted elsewhere through links)"
+                 if listed[name][1] else "")
             raise UserError(f"class {name!r} in the {split} split has no usable images{extra}.")
     return per_class, skipped
 
@@ -251,9 +336,9 @@ def index_dataset(root: Path, name: str | None = None, *, seed: int = 0, check: 
     if not root.is_dir():
         raise UserError(f"data folder {str(root)!r} does not exist.")
     layout, folders = find_splits(root)
-    scanned, skipped = {}, []
+    scanned, skipped, seen = {}, [], {}
     for split, folder in folders.items():
-        scanned[split], bad = _scan_split(folder, split, check)
+        scanned[split], bad = _scan_split(folder, split, check, seen)
         skipped += bad
     if layout == "class folders":
         rest, scanned["test"] = _seeded_split(scanned.pop("all"), 0.2, seed)
@@ -345,15 +430,15 @@ def make_loader(samples: list[Sample], transform, config: TrainConfig, *, train:
         if config.prefetch_factor is not None:
             workers["prefetch_factor"] = config.prefetch_factor
     dataset = ImageListDataset(samples, transform)
-    sampler = train_sampler(len(dataset), config.seed) if train else None
+    sampler = train_sampler(len(dataset), config.seed) if train else eval_sampler(len(dataset))
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler,
                       drop_last=drops_last(sampler, batch_size), **workers)
 
 
 def train_sampler(n: int, seed: int) -> Sampler[int]:
     """The training order over n samples, a function of (seed, epoch) only. Under torchrun one
-    equal shard per process (DDP needs the same step count on every rank); evaluation is not
-    sharded."""
+    equal shard per process (DDP needs the same step count on every rank); evaluation is
+    sharded by eval_sampler."""
     if distributed.world_size() > 1:
         return DistributedSampler(range(n), num_replicas=distributed.world_size(),
                                   rank=distributed.rank(), shuffle=True, seed=seed, drop_last=True)
@@ -362,8 +447,30 @@ def train_sampler(n: int, seed: int) -> Sampler[int]:
 
 def drops_last(sampler: Sampler[int] | None, batch_size: int) -> bool:
     """Training drops a short last batch when there is more than one: a lone last sample would
-    break BatchNorm in train mode. Evaluation (no sampler) keeps every sample."""
-    return sampler is not None and len(sampler) > batch_size
+    break BatchNorm in train mode. Evaluation keeps every sample."""
+    return isinstance(sampler, (EpochSampler, DistributedSampler)) and len(sampler) > batch_size
+
+
+class EvalShard(Sampler[int]):
+    """Under torchrun, this process's share of an evaluation split: every world-th sample from
+    its rank, no sample twice and none padded in (DistributedSampler pads), so the ranks'
+    summed counts are the split's. `sharded` tells evaluate() to sum across processes."""
+
+    sharded = True
+
+    def __init__(self, n: int):
+        self.indices = list(range(distributed.rank(), n, distributed.world_size()))
+
+    def __iter__(self):
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+def eval_sampler(n: int) -> Sampler[int] | None:
+    """None (every sample, in order) on one process; this rank's EvalShard under torchrun."""
+    return EvalShard(n) if distributed.world_size() > 1 else None
 
 
 STREAMED = "per-sample PIL decode"  # how make_loader's batches are made

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import errno
 import os
+import secrets
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ def _atomic_write(path: Path, write, mode: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     # Same directory: os.replace is only atomic within one filesystem.
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        fd, tmp = _create_temp(path)
     except OSError as exc:
         raise write_error(path, exc) from None
     try:
@@ -45,6 +45,20 @@ def _atomic_write(path: Path, write, mode: str) -> None:
             raise write_error(path, exc) from None
         raise
     _fsync_dir(path.parent)
+
+
+def _create_temp(path: Path) -> tuple[int, Path]:
+    """A new empty file beside `path`, opened for writing. Created with mode 0o666 as open()
+    does, so the umask (and a default ACL) decide its permissions; mkstemp's 0o600 would
+    leave results unreadable to the group whatever the umask."""
+    for _ in range(100):
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
+        try:  # O_EXCL: never an existing file, nor a link planted under the name
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL
+                           | getattr(os, "O_BINARY", 0), 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no unused temporary file name", str(path.parent))
 
 
 def disk_full(folder: Path) -> bool:

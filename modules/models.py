@@ -140,12 +140,18 @@ def _load_imagenet(model: nn.Module, name: str) -> None:
     weights = _WEIGHTS[name]
     try:
         # torch.hub prints a "Downloading ..." line even with progress off; keep the console to
-        # the one line below when it fails.
+        # the one line below when it fails. The file name carries the start of its SHA-256,
+        # which check_hash verifies on download; weights_only reads it without running code.
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            state = weights.get_state_dict(progress=False, check_hash=False)
+            state = weights.get_state_dict(progress=False, check_hash=True, weights_only=True)
     except Exception as exc:  # offline, proxy, corrupt cache: training from scratch still works
-        _UNREACHABLE.add(name)
         reason = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
+        if isinstance(exc, RuntimeError) and "invalid hash value" in reason:
+            # Not a failure to train around: what arrived is not torchvision's file.
+            raise UserError(f"the ImageNet weights downloaded for {name} do not match their "
+                            f"published hash ({reason}); nothing was kept. Retry, or use "
+                            "--weights none or --weights PATH.") from None
+        _UNREACHABLE.add(name)
         log.warning("ImageNet weights for %s could not be fetched (%s); training from random "
                     "initialization. Use --weights none to silence this, or --weights PATH.",
                     name, reason)

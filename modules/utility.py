@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import reprlib
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -14,7 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics.classification import MulticlassConfusionMatrix
 
-from modules.config import IMAGENET_MEAN, IMAGENET_STD, MODELS, UserError
+from modules import distributed
+from modules.config import (IMAGENET_MEAN, IMAGENET_STD, MAX_IMAGE_SIZE, MIN_IMAGE_SIZE, MODELS,
+                            UserError)
 from modules.dataset import eval_transform, load_rgb
 from modules.files import atomic_torch_save, read_torch_file
 from modules.models import build_model
@@ -64,6 +67,7 @@ def load_model(path, device="cpu") -> nn.Module:
     """Rebuild a model written by `save_model`, in eval mode, with its metadata in `model.meta`."""
     path = Path(path)
     payload = _read_payload(path)
+    _check_state_dict_fits(payload, path)
     model = build_model(payload["arch"], payload["num_classes"], weights="none")
     try:
         model.load_state_dict(payload["state_dict"])
@@ -83,35 +87,50 @@ def load_model(path, device="cpu") -> nn.Module:
     return model
 
 
+# Values quoted in errors are abridged: a damaged or hostile file may hold huge ones.
+_abridged = reprlib.Repr()
+_abridged.maxlist = _abridged.maxdict = 4
+_abridged.maxstring = _abridged.maxother = 40
+_short = _abridged.repr
+
+
 def _check_class_names(class_names) -> list[str]:
     if isinstance(class_names, str) or not isinstance(class_names, Iterable):
-        raise UserError(f"class_names must be a list of strings, but got {class_names!r}.")
+        raise UserError(f"class_names must be a list of strings, but got {_short(class_names)}.")
     names = list(class_names)
     if not all(isinstance(n, str) for n in names):
-        raise UserError(f"class_names must all be strings, but got {names!r}.")
+        raise UserError(f"class_names must all be strings, but got {_short(names)}.")
     # predict() returns probabilities keyed by class name, so names must be unique.
     if len(set(names)) != len(names):
-        raise UserError(f"class_names must be unique, but got {names!r}.")
+        raise UserError(f"class_names must be unique, but got {_short(names)}.")
     if len(names) < 2:
-        raise UserError(f"a classifier needs at least 2 class_names, but got {names!r}.")
+        raise UserError(f"a classifier needs at least 2 class_names, but got {_short(names)}.")
     return names
 
 
 def _check_meta(arch: str, image_size: int, mean, std) -> None:
-    # Fail at save time: a file that load_model cannot rebuild is found out too late.
-    if arch not in MODELS:
-        raise UserError(f"arch must be one of {', '.join(MODELS)}, but got {arch!r}.")
-    if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 1:
-        raise UserError(f"image_size must be a positive integer, but got {image_size!r}.")
+    # Checked at save time, where a file that load_model cannot rebuild is caught early, and
+    # again at load time, where a file may claim anything: predict() allocates
+    # image_size**2 per image.
+    if not isinstance(arch, str) or arch not in MODELS:
+        raise UserError(f"arch must be one of {', '.join(MODELS)}, but got {_short(arch)}.")
+    low = MIN_IMAGE_SIZE[arch]
+    if isinstance(image_size, bool) or not isinstance(image_size, int) or \
+            not low <= image_size <= MAX_IMAGE_SIZE:
+        raise UserError(f"image_size must be an integer in {low}..{MAX_IMAGE_SIZE} for {arch}, "
+                        f"but got {_short(image_size)}.")
     for name, values in (("mean", mean), ("std", std)):
-        try:
-            ok = len(values) == 3 and all(math.isfinite(float(v)) for v in values)
+        try:  # numbers of any kind (numpy, 0-d tensors), but not text that float() would read
+            ok = not isinstance(values, (str, bytes, dict)) and len(values) == 3 and all(
+                not isinstance(v, (str, bytes, bool)) and math.isfinite(float(v))
+                for v in values)
         except (TypeError, ValueError):
             ok = False
         if not ok:
-            raise UserError(f"{name} must be 3 finite numbers (R, G, B), but got {values!r}.")
+            raise UserError(f"{name} must be 3 finite numbers (R, G, B), but got "
+                            f"{_short(values)}.")
     if any(float(v) <= 0 for v in std):
-        raise UserError(f"std must be > 0 for every channel, but got {std!r}.")
+        raise UserError(f"std must be > 0 for every channel, but got {_short(std)}.")
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -179,10 +198,40 @@ def _read_payload(path: Path) -> dict:
                            "state_dict") if k not in payload]
     if missing:
         raise UserError(f"{str(path)!r} is missing {', '.join(missing)}; the file is damaged.")
+    try:
+        if not isinstance(payload["class_names"], list):
+            raise UserError(f"class_names must be a list of strings, but got "
+                            f"{_short(payload['class_names'])}.")
+        _check_class_names(payload["class_names"])
+        _check_meta(payload["arch"], payload["image_size"], payload["mean"], payload["std"])
+        state = payload["state_dict"]
+        if not (isinstance(state, dict) and state and all(
+                isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items())):
+            raise UserError("state_dict must map parameter names to tensors, but got "
+                            f"{_short(state)}.")
+    except UserError as exc:
+        raise UserError(f"model file {str(path)!r} is damaged: {exc}") from None
     if payload["num_classes"] != len(payload["class_names"]):
-        raise UserError(f"{str(path)!r} has num_classes={payload['num_classes']} but "
+        raise UserError(f"{str(path)!r} has num_classes={_short(payload['num_classes'])} but "
                         f"{len(payload['class_names'])} class_names; the file is damaged.")
     return payload
+
+
+def _check_state_dict_fits(payload: dict, path: Path) -> None:
+    """The file's tensors against the shapes its architecture and class count need, on the
+    meta device: no memory is spent on a model the file cannot fill (its class count alone
+    could ask for gigabytes)."""
+    with torch.device("meta"):
+        wanted = build_model(payload["arch"], payload["num_classes"], weights="none").state_dict()
+    state = payload["state_dict"]
+    problems = [f"missing {k}" for k in wanted if k not in state] + \
+               [f"unexpected {_short(k)}" for k in state if k not in wanted] + \
+               [f"{k} is {tuple(state[k].shape)}, not {tuple(v.shape)}"
+                for k, v in wanted.items() if k in state and state[k].shape != v.shape]
+    if problems:
+        raise UserError(f"model file {str(path)!r} does not match architecture "
+                        f"{payload['arch']!r} with {payload['num_classes']} classes: "
+                        f"{'; '.join(problems[:3])}{'; ...' if len(problems) > 3 else ''}.")
 
 
 # --------------------------------------------------------------------------- prediction
@@ -198,7 +247,9 @@ def evaluate(model: nn.Module, loader, *, device: torch.device | str | None = No
     device = torch.device(device) if device is not None else next(model.parameters()).device
     num_classes = int(num_classes or model.num_classes)
     memory_format = torch.channels_last if channels_last else torch.contiguous_format
-    confusion = MulticlassConfusionMatrix(num_classes=num_classes).to(device)
+    # Summed across processes below, only when each evaluated its own share (torchmetrics
+    # would otherwise sum whole copies under torchrun).
+    confusion = MulticlassConfusionMatrix(num_classes=num_classes, sync_on_compute=False).to(device)
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     was_training = model.training
     model.eval()
@@ -221,7 +272,12 @@ def evaluate(model: nn.Module, loader, *, device: torch.device | str | None = No
             confusion.update(logits, y)
     finally:
         model.train(was_training)
-    matrix = confusion.compute().cpu()
+    matrix = confusion.compute()
+    if getattr(getattr(loader, "sampler", None), "sharded", False):
+        # Under torchrun each process evaluated its own share (EvalShard): sum the shares.
+        distributed.all_reduce_sum(matrix)
+        distributed.all_reduce_sum(loss_sum)
+    matrix = matrix.cpu()
     total = int(matrix.sum())
     if total == 0:
         return {"loss": float("nan"), "acc": float("nan"), "per_class_acc": [], "confusion": [],

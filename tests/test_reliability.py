@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 import pipeline
-from conftest import COLOURS, make_folder, write_image
+from conftest import COLOURS, make_folder, run_path, write_image
 from modules.config import UserError
 from modules.dataset import index_dataset
 
@@ -30,7 +30,7 @@ def command(data: Path, out: Path, *extra: str) -> list[str]:
 
 def checkpoint_epoch(out: Path) -> int:
     try:
-        return torch.load(out / "checkpoints" / "baseline.pt", weights_only=True)["epoch"]
+        return torch.load(run_path(out) / "baseline.pt", weights_only=True)["epoch"]
     except (OSError, RuntimeError, EOFError, KeyError):
         return 0
 
@@ -125,7 +125,9 @@ def test_bad_input_matrix(tmp_path, monkeypatch):
     (red / "zero.jpg").write_bytes(b"")                                    # skipped
     (red / "half.jpg").write_bytes(jpeg_bytes[: len(jpeg_bytes) // 3])       # skipped
     (red / ".hidden.jpg").write_bytes(b"junk")                             # ignored
-    os.symlink(root / "train" / "blue", root / "train" / "teal")           # followed
+    for i in range(3):                                    # a class folder linked in: followed
+        write_image(tmp_path / "elsewhere" / f"{i}.jpg", COLOURS["blue"])
+    os.symlink(tmp_path / "elsewhere", root / "train" / "teal")
     for i in range(2):
         write_image(root / "test" / "teal" / f"{i}.jpg", COLOURS["blue"])
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # 64x64 = 4096 px > 2 x 1000
