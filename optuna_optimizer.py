@@ -3,10 +3,14 @@ trial, successive halving over epochs, a persistent (resumable, crash-tolerant) 
 out-of-memory trials recorded as pruned, and plots."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import os
+import re
+import sqlite3
 import warnings
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -102,7 +106,9 @@ class OptunaTuner:
                  study_name: str = "hpo", pruner: str = "asha", resume: bool = False,
                  epochs: int | None = None,
                  batch_sizes: tuple[int, ...] = BATCH_SIZES,
-                 max_batch_size: int | None = None, seed: int | None = None):
+                 max_batch_size: int | None = None, seed: int | None = None,
+                 local_dir: str | Path | None = None, data_fingerprint: str | None = None,
+                 overwrite: bool = False):
         if isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials < 1:
             raise UserError(f"n_trials must be an integer >= 1, but got n_trials={n_trials!r}.")
         if timeout_s is not None and (isinstance(timeout_s, bool)
@@ -127,9 +133,23 @@ class OptunaTuner:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.n_trials, self.timeout_s, self.resume = n_trials, timeout_s, resume
         self.study_name, self.pruner = study_name, pruner
+        self.data_fingerprint, self.overwrite = data_fingerprint, overwrite
         self.seed = base.seed if seed is None else seed
-        # SQLite by default: a file in the output folder outlives a crashed Colab session.
-        self.storage_url = storage or f"sqlite:///{(self.output_dir / 'optuna.db').resolve()}"
+        # SQLite by default: a file in the output folder outlives a crashed Colab session. With
+        # local_dir the file lives there and is copied to the output folder after every trial:
+        # SQLite's locking is unsafe on network drives (Google Drive among them).
+        self.mirror = None
+        db = self.output_dir / "optuna.db"
+        if local_dir is not None and storage is None:
+            # One local file per output folder, so two runs on one machine never share it.
+            key = hashlib.sha1(str(self.output_dir.resolve()).encode()).hexdigest()[:12]
+            local = Path(local_dir).expanduser() / key / "optuna.db"
+            local.parent.mkdir(parents=True, exist_ok=True)
+            if db.exists() and (not local.exists() or db.stat().st_mtime > local.stat().st_mtime):
+                log.info("restoring the study from %s to %s", db, local)
+                _copy_sqlite(db, local)
+            db, self.mirror = local, db
+        self.storage_url = storage or f"sqlite:///{db.resolve()}"
         self.storage = self._storage()  # opened now, so a bad URL fails before any training
         self.study: optuna.Study | None = None
 
@@ -201,7 +221,7 @@ class OptunaTuner:
                 return _Storage(self.storage_url, heartbeat_interval=HEARTBEAT_S,
                                 grace_period=GRACE_S, **{keyword: retry})
         except Exception as exc:  # SQLAlchemy raises many types for bad URLs / unreachable DBs
-            first = (str(exc).strip().splitlines() or [""])[0]
+            first = _scrub(((str(exc).strip().splitlines() or [""])[0]), self.storage_url)
             raise UserError(f"cannot open Optuna storage {_without_password(self.storage_url)!r} "
                             f"({type(exc).__name__}: {first}).") from None
 
@@ -228,15 +248,33 @@ class OptunaTuner:
         """Optimise; return a summary of the whole study (earlier sessions included).
         extend=False (with resume): take a resumed study's trials as they are, run none."""
         optuna.logging.set_verbosity(optuna.logging.WARNING)  # we log one line per trial
-        storage = self.storage
-        if not self.resume and self.study_name in optuna.get_all_study_names(storage):
-            log.info("deleting the existing study %r in %s to start over (resume=False)",
-                     self.study_name, _without_password(self.storage_url))
+        storage, where = self.storage, _without_password(self.storage_url)
+        shared = not self.storage_url.startswith("sqlite:")
+        exists = self.study_name in optuna.get_all_study_names(storage)
+        # A study is deleted only when asked (overwrite=True), and never on a shared database,
+        # where another worker's trials would go with it: there every worker joins.
+        if self.overwrite and shared:
+            raise UserError(f"refusing to delete the shared study {self.study_name!r} in {where}.")
+        if exists and shared:
+            log.info("joining the shared study %r in %s", self.study_name, where)
+        elif exists and self.overwrite:
+            log.info("deleting the study %r in %s (overwrite=True)", self.study_name, where)
             optuna.delete_study(study_name=self.study_name, storage=storage)
+        elif exists and not self.resume:
+            raise UserError(f"study {self.study_name!r} already exists in {where}: resume it "
+                            "(--resume), or give the new one another name; nothing was deleted.")
+        # constant_liar: parallel workers see each other's running trials as poor results, so
+        # they do not all sample the same point.
+        sampler = optuna.samplers.TPESampler(seed=self.seed, constant_liar=True)
         self.study = optuna.create_study(
-            storage=storage, study_name=self.study_name, direction="maximize",
-            sampler=optuna.samplers.TPESampler(seed=self.seed), pruner=self._make_pruner(),
-            load_if_exists=True)
+            storage=storage, study_name=self.study_name, direction="maximize", sampler=sampler,
+            pruner=self._make_pruner(), load_if_exists=True)
+        data = self.study.user_attrs.get("data_fingerprint")
+        if self.data_fingerprint and data and data != self.data_fingerprint:
+            raise UserError(f"study {self.study_name!r} in {where} searched other data (its "
+                            f"images differ from this run's): give this run its own study.")
+        if self.data_fingerprint and not data:
+            self.study.set_user_attr("data_fingerprint", self.data_fingerprint)
         # Optuna refuses a categorical whose choices change within a study, mid-trial; say it now.
         for trial in self.study.trials:
             old = trial.distributions.get("batch_size")
@@ -254,8 +292,13 @@ class OptunaTuner:
             return self.summary()
         # n_trials counts this call's trials only, so resume runs n_trials more.
         self.study.optimize(self.objective, n_trials=self.n_trials, timeout=self.timeout_s,
-                            callbacks=[self._log_trial], gc_after_trial=True)
+                            callbacks=[self._log_trial, self._copy_to_mirror],
+                            gc_after_trial=True)
         return self.summary()
+
+    def _copy_to_mirror(self, study=None, trial=None) -> None:
+        if self.mirror is not None:
+            _copy_sqlite(Path(self.storage_url.removeprefix("sqlite:///")), self.mirror)
 
     def summary(self) -> dict:
         study = self._require_study()
@@ -344,7 +387,7 @@ class OptunaTuner:
         if varying:
             path = self.output_dir / "optuna_importance.html"
             vis.plot_param_importances(study).write_html(path, include_plotlyjs="directory")
-            written.append(path)
+            written += [path, self._importance_png(study)]
         else:
             log.info("skipping parameter importances: need >= 2 complete trials with different "
                      "params, have %d complete", len(complete))
@@ -357,6 +400,21 @@ class OptunaTuner:
                                    indent=2, sort_keys=True))
         written.append(path)
         return written
+
+    def _importance_png(self, study: optuna.Study) -> Path:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        importances = optuna.importance.get_param_importances(study)
+        fig = Figure(figsize=(6, 0.6 + 0.5 * len(importances)))
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot()
+        names = list(importances)[::-1]
+        ax.barh(names, [importances[n] for n in names], color="tab:blue")
+        ax.set(xlabel="importance (share of the validation accuracy's variance)",
+               title="Which hyperparameters mattered")
+        path = self.output_dir / "optuna_importance.png"
+        fig.savefig(path, dpi=100, bbox_inches="tight")
+        return path
 
     def _history_png(self, complete: list[optuna.trial.FrozenTrial]) -> Path:
         # Figure + Agg canvas rather than pyplot: no global state, no display backend needed.
@@ -377,10 +435,47 @@ class OptunaTuner:
         return path
 
 
+def _copy_sqlite(source: Path, target: Path) -> None:
+    """A consistent copy of a live SQLite file (its backup API), replacing `target` whole."""
+    tmp = target.with_name(f".{target.name}.tmp")
+    with contextlib.closing(sqlite3.connect(source)) as src, \
+            contextlib.closing(sqlite3.connect(tmp)) as dst:
+        src.backup(dst)
+    os.replace(tmp, target)
+
+
+def _scrub(text: str, url: str) -> str:
+    """`text` (a driver's error message) without any piece of the URL's user and password: a
+    driver that misreads an unencoded '@' quotes the password's tail as the host."""
+    url = str(url)
+    start = url.find("://") + 3
+    userinfo = url[start:url.rfind("@")] if "@" in url[start:] else ""
+    pieces = {userinfo} | set(re.split(r"[:@/?&=]", userinfo))
+    query = url.split("?", 1)[1] if "?" in url else ""
+    pieces |= {value for _, _, value in (part.partition("=") for part in query.split("&"))}
+    for piece in sorted((p for p in pieces if len(p) >= 3), key=len, reverse=True):
+        text = text.replace(piece, "***")
+    return text
+
+
 def _without_password(url: str) -> str:
-    """The storage URL as it may be logged or written to results.json."""
-    try:
-        from sqlalchemy.engine import make_url
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:  # not a URL SQLAlchemy can parse: it holds no password we can find
-        return url
+    """The storage URL as it may be logged or written to results.json: driver, host, port and
+    database only, never user, password or query string, however the URL is written."""
+    url = str(url)
+    driver = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", url)
+    if driver is None:
+        return "<unparseable>"
+    rest = url[driver.end():]
+    if rest.startswith("/"):  # no host part (sqlite:///path/optuna.db): the path is shown
+        return f"{driver[1]}://{re.split(r'[?#]', rest, maxsplit=1)[0]}"
+    # rest is [userinfo@]host[:port][/database][?query]. An unencoded password may hold "@",
+    # "/" or "?", and a query "@", so every "@" is tried as the end of the userinfo; exactly
+    # one reading must fit, since with two, what is shown could be part of a secret.
+    tail = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[\w.~%-]*)(?::(\d{1,5}))?(/[^?#@]*)?(?:[?#].*)?",
+                      re.DOTALL)
+    readings = {m.group(1, 2, 3) for at in [-1] + [i for i, c in enumerate(rest) if c == "@"]
+                if (m := tail.fullmatch(rest, at + 1))}
+    if len(readings) != 1:
+        return f"{driver[1]}://<unparseable>"
+    host, port, database = readings.pop()
+    return f"{driver[1]}://{host}{':' + port if port else ''}{database or ''}"

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import logging
 import math
 import os
+import shlex
+import socket
 import sys
 import tempfile
 import time
@@ -20,8 +23,8 @@ import torch
 from modules import distributed
 from modules.config import (CPU_ALLOCATORS, DISPLAY_ONLY, DROPOUT_IMPLS, MODELS, TrainConfig,
                             UserError)
-from modules.autotune import MEASURE_SHARE, autotune
-from modules.dataset import (DatasetIndex, data_path_of, index_dataset, make_loader,
+from modules.autotune import MEASURE_SHARE, ComputeProbe, autotune
+from modules.dataset import (DatasetIndex, data_path_of, index_dataset, load_rgb, make_loader,
                              resolve_source, subset, train_transform)
 from modules.fastdata import CachedLoader, cache_fits
 from modules.files import atomic_write_text
@@ -53,6 +56,7 @@ N_TRIALS = 20
 # MAX_EPOCH_FACTOR times its own (fill_time).
 TIME_SHARE, MAX_EPOCH_FACTOR = 0.8, 3
 AUTOTUNE_CACHE = "autotune_cache.json"  # in the output dir: choices by machine, reused by later runs
+RUN_FILE = "latest_run.json"  # in the output dir: the newest run's id, data and command
 QUICK_SYNTHETIC_PER_CLASS = (QUICK_PER_CLASS["train"] + QUICK_PER_CLASS["val"],
                              QUICK_PER_CLASS["test"])
 
@@ -118,7 +122,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     run.add_argument("--resume", action="store_true",
                      help="continue interrupted scenarios from their checkpoints")
+    run.add_argument("--local-dir", metavar="DIR",
+                     help="keep the SQLite study here (a local disk) and copy it to the output "
+                          "dir after every trial: for an output dir on a network drive such as "
+                          "Google Drive, where SQLite is slow and unsafe; --resume restores it "
+                          "from the output dir when DIR lost it")
     run.add_argument("--seed", type=_bounded(int, 0), default=42)
+    run.add_argument("--worker-seed", type=_bounded(int, 0), metavar="N",
+                     help="this worker's sampler seed on a shared --storage study (default: "
+                          "from --seed, the host and the process, so workers differ)")
     run.add_argument("--profile", action="store_true",
                      help="write torch.profiler traces of a few steps to DIR/profiler/<scenario>")
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -172,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
+    args.run_id = None  # set by run(): a new run's, or with --resume the newest run's
     if args.data_dir is not None and not Path(args.data_dir).expanduser().is_dir():
         raise UserError(f"--data-dir {args.data_dir!r} does not exist or is not a folder.")
     if args.weights not in ("none", "imagenet") and not Path(args.weights).is_file():
@@ -180,6 +193,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     device = resolve_device(args.device)  # --device cuda without a GPU fails here
     for name in args.scenarios:  # so does any value TrainConfig refuses, before any work
         scenario_config(name, args, device)
+    return args
+
+
+def options(**values: Any) -> argparse.Namespace:
+    """The command line's options from keyword arguments, checked as the command line checks
+    them: the notebook's way in. Names are the long options with '_' for '-' (`n_trials=4`);
+    None or "" leaves an option at its default; True or False switches a flag; a list joins
+    with commas. `.command` holds the equivalent `python pipeline.py ...` line."""
+    actions = {a.dest: a for a in build_parser()._actions if a.option_strings}
+    argv: list[str] = []
+    for key, value in values.items():
+        action = actions.get(key)
+        if action is None:
+            raise UserError(f"unknown option {key!r}; see python pipeline.py --help")
+        if value is None or value == "":
+            continue
+        flag = action.option_strings[0]
+        if isinstance(action, argparse.BooleanOptionalAction):
+            argv.append(flag if value else f"--no-{flag[2:]}")
+        elif action.nargs == 0:  # store_true
+            argv += [flag] if value else []
+        elif isinstance(value, (list, tuple)):
+            argv += [flag, ",".join(str(v) for v in value)]
+        else:
+            argv += [flag, str(value)]
+    args = parse_args(argv)
+    args.command = shlex.join(["python", "pipeline.py", *argv])
     return args
 
 
@@ -310,10 +350,59 @@ def short_budget(config: TrainConfig) -> int:
     return max(2, config.epochs // 3)
 
 
-def checkpoint_file(output_dir: Path, scenario: str, suffix: str = ".pt") -> Path:
-    """Where a scenario keeps what --resume continues from: its training state (.pt), the
-    autotuner's choice (.autotune.json), the resolution tuning's results (.tuning.json)."""
-    return output_dir / "checkpoints" / f"{scenario}{suffix}"
+def checkpoint_file(output_dir: Path, scenario: str, suffix: str = ".pt",
+                    run_id: str | None = None) -> Path:
+    """Where a scenario of run `run_id` keeps what --resume continues from: its training
+    state (.pt), the autotuner's choice (.autotune.json), the resolution tuning's results
+    (.tuning.json)."""
+    return run_folder(output_dir, "checkpoints", run_id) / f"{scenario}{suffix}"
+
+
+def run_folder(output_dir: Path, kind: str, run_id: str | None) -> Path:
+    """output_dir/kind/run_id: each run's checkpoints, TensorBoard scalars (runs) and traces
+    (profiler) have their own folder, so no run overwrites or mixes with another's."""
+    return Path(output_dir) / kind / (run_id or "")
+
+
+def latest_run(output_dir: Path) -> dict[str, Any] | None:
+    """The record of the newest run in output_dir (what --resume continues), or None."""
+    try:
+        record = json.loads((Path(output_dir) / RUN_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return record if isinstance(record, dict) and record.get("run_id") else None
+
+
+def start_run(args: argparse.Namespace, output_dir: Path, index: DatasetIndex) -> str:
+    """This run's id: with --resume the newest run's, which must be on the same data; else a
+    new one (the UTC time), recorded as the newest. Earlier runs' files stay."""
+    latest = latest_run(output_dir)
+    fingerprint = index.fingerprint()
+    if args.resume and latest is not None:
+        if latest.get("data_fingerprint") != fingerprint:
+            raise UserError(
+                f"cannot resume: the newest run in {output_dir} ({latest['run_id']}) trained on "
+                f"{latest.get('dataset')!r} ({latest.get('n_images')} images), this one is on "
+                f"{index.name!r} ({index.n_images()} images); drop --resume to start a new run "
+                "beside it (nothing is deleted).")
+        log.info("resuming run %s (%s)", latest["run_id"], latest.get("command") or "")
+        return latest["run_id"]
+    if args.resume:
+        log.info("--resume: no earlier run in %s; starting a new one", output_dir)
+    run_id = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    taken = {latest["run_id"]} if latest else set()
+    taken |= {p.name for p in (output_dir / "checkpoints").glob("*") if p.is_dir()}
+    suffix = 1
+    while run_id in taken:  # two runs started within one second
+        suffix += 1
+        run_id = f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{suffix}"
+    if distributed.is_main():
+        write_json(output_dir / RUN_FILE, {
+            "run_id": run_id, "dataset": index.name, "data_fingerprint": fingerprint,
+            "n_images": index.n_images(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                   time.gmtime()),
+            "command": getattr(args, "command", None) or shlex.join(sys.argv)})
+    return run_id
 
 
 def load_data(args: argparse.Namespace, output_dir: Path) -> DatasetIndex:
@@ -342,7 +431,8 @@ def run_scenario(name: str, args: argparse.Namespace, index: DatasetIndex, outpu
         steps = (planned_steps(config, len(index.train)) +
                  planned_steps(config, len(index.train), tuning_runs, short_budget(config)))
         config, report = autotune_scenario(config, args, index, steps,
-                                           checkpoint_file(output_dir, name, ".autotune.json"))
+                                           checkpoint_file(output_dir, name, ".autotune.json",
+                                                           args.run_id))
         if report is not None:
             extra["autotune"] = report
     if name == "resolution":
@@ -361,10 +451,12 @@ def run_scenario(name: str, args: argparse.Namespace, index: DatasetIndex, outpu
     model, train_loader, val_loader, test_loader = prepare(index, config)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    profiler = TorchProfiler(output_dir / "profiler" / name, enabled=args.profile)
+    profiler = TorchProfiler(run_folder(output_dir, "profiler", args.run_id) / name,
+                             enabled=args.profile)
     with SystemSampler(cuda_device=_cuda_index(device)) as sampler, profiler:
-        result = train(model, train_loader, val_loader, config, run_dir=output_dir / "runs" / name,
-                       checkpoint_path=checkpoint_file(output_dir, name),
+        result = train(model, train_loader, val_loader, config,
+                       run_dir=run_folder(output_dir, "runs", args.run_id) / name,
+                       checkpoint_path=checkpoint_file(output_dir, name, run_id=args.run_id),
                        resume=args.resume, profiler=profiler)
         test = evaluate(result.model, test_loader, device=device,
                         amp_dtype=autocast_dtype(config.amp, device),
@@ -375,7 +467,7 @@ def run_scenario(name: str, args: argparse.Namespace, index: DatasetIndex, outpu
         # Resumed after it had finished: this process only evaluated, so the figures measured
         # while it trained stay (without results.json: the checkpoint's step timing, and
         # machine samples of the test evaluation only).
-        carried = _previous_row(output_dir / "results.json", name, index.name)
+        carried = _previous_row(output_dir / "results.json", name, index.name, args.run_id)
         if carried is not None and carried.get("history") != json.loads(
                 json.dumps(_json_safe(result.history))):
             carried = None  # a row of another run, not of the one in the checkpoint
@@ -383,7 +475,7 @@ def run_scenario(name: str, args: argparse.Namespace, index: DatasetIndex, outpu
                  if carried else "its machine figures cover only the test evaluation")
     row = result_row(name, config, result, test, index, device, system,
                      data_path_of(train_loader), carried)
-    row.update(extra, tuning_s=tuning_s, total_s=tuning_s + result.wall_s)
+    row.update(extra, run_id=args.run_id, tuning_s=tuning_s, total_s=tuning_s + result.wall_s)
     log.info("%s: test accuracy %.1f%% (val %.1f%% +- %.1f at epoch %d) in %.0f s, %.0f s of "
              "it tuning", name, 100 * row["test_acc"], 100 * row["val_acc"],
              100 * row["val_acc_se"], row["best_epoch"], row["total_s"], tuning_s)
@@ -391,6 +483,40 @@ def run_scenario(name: str, args: argparse.Namespace, index: DatasetIndex, outpu
     if distributed.is_main():
         _keep_best_model(result, config, index, row, output_dir)
     return row
+
+
+def estimate(args: argparse.Namespace, index: DatasetIndex) -> dict[str, Any]:
+    """Before a run: about how long each scenario will take, from its planned steps and a
+    speed measured now (training steps on one batch in memory, and decoding a few images for
+    the per-epoch decode of the baseline and the one-time decode of the tuned scenarios).
+    An upper-side estimate: pruning and early stopping end runs sooner, the autotuner makes
+    steps faster, and --match-time fills the tuned runs to at most the baseline's time."""
+    device = resolve_device(args.device)
+    n_train, n_eval = len(index.train), len(index.val) + len(index.test)
+    paths = [s[0] for s in index.train[:8]]
+    transform = train_transform(scenario_config("baseline", args, device).image_size)
+    started = time.perf_counter()
+    for path in paths:
+        transform(load_rgb(path))
+    decode_s = (time.perf_counter() - started) / max(1, len(paths))
+    scenarios: dict[str, float] = {}
+    for name in args.scenarios:
+        config = scenario_config(name, args, device)
+        probe = ComputeProbe(config, len(index.classes))
+        step_s = config.batch_size / probe.measure(min_steps=2, max_steps=5, min_s=0.5)["img_s"]
+        del probe
+        epoch_s = planned_steps(config, n_train, epochs=1) * step_s * config.grad_accum_steps
+        epoch_s += n_eval / config.batch_size * step_s / 3  # evaluation: a forward pass only
+        if name == "baseline":
+            scenarios[name] = config.epochs * (epoch_s + n_train * decode_s)
+            continue
+        runs = (len(tuned_resolutions(args, device, config.image_size)) if name == "resolution"
+                else args.n_trials or (QUICK_N_TRIALS if args.quick else N_TRIALS))
+        decode = (runs if name == "resolution" else 1) * (n_train + n_eval) * decode_s
+        tuning = runs * short_budget(config) * epoch_s + decode
+        scenarios[name] = tuning + config.epochs * epoch_s
+    return {"device": str(device), "n_train": n_train, "decode_ms": 1e3 * decode_s,
+            "scenarios": scenarios, "total_s": sum(scenarios.values())}
 
 
 def fill_time(config: TrainConfig, name: str, args: argparse.Namespace, output_dir: Path,
@@ -403,7 +529,7 @@ def fill_time(config: TrainConfig, name: str, args: argparse.Namespace, output_d
     and on --resume of a final run that has started (its checkpoint fixes them)."""
     if args.epochs is not None or not args.match_time or not epoch_s:
         return config
-    ckpt = checkpoint_file(output_dir, name)
+    ckpt = checkpoint_file(output_dir, name, run_id=getattr(args, "run_id", None))
     if args.resume and ckpt.exists():
         try:
             return dataclasses.replace(config, epochs=int(load_checkpoint(ckpt)["config"]["epochs"]))
@@ -444,7 +570,8 @@ def tune_resolution(config: TrainConfig, args: argparse.Namespace, index: Datase
     # Each finished size is journaled: --resume trains only the sizes not yet done.
     tuner = ResolutionTuner(index, dataclasses.replace(config, progress=False), sizes,
                             epochs=short_budget(config), resume=args.resume,
-                            journal=checkpoint_file(output_dir, "resolution", ".tuning.json"))
+                            journal=checkpoint_file(output_dir, "resolution", ".tuning.json",
+                                                    args.run_id))
     size = tuner.run()
     tuner.save_plot(output_dir / "resolution_tradeoff.png")
     return dataclasses.replace(config, image_size=size), {"resolution_trials": tuner.tradeoff()}
@@ -462,15 +589,21 @@ def tune_hyperparameters(config: TrainConfig, args: argparse.Namespace, index: D
              config.image_size)
     # Batch sizes are searched only up to what the GPU holds at this resolution.
     largest = max_batch_size(config, len(index.classes), device, upto=max(BATCH_SIZES))
+    # A study of its own for each run in the output dir's SQLite file; on a shared --storage
+    # one study per dataset that every worker joins, each sampling from its own seed.
+    shared = args.storage is not None
     tuner = OptunaTuner(index, config, output_dir=output_dir, n_trials=n_trials,
                         timeout_s=args.time_budget, storage=args.storage, resume=args.resume,
-                        epochs=trial_epochs, seed=args.seed, max_batch_size=largest)
+                        epochs=trial_epochs, max_batch_size=largest, local_dir=args.local_dir,
+                        study_name=f"hpo-{index.name}" + ("" if shared else f"-{args.run_id}"),
+                        seed=worker_seed(args) if shared else args.seed,
+                        data_fingerprint=index.fingerprint())
     # Once the final run has started, its checkpoint holds the parameters it trains with: more
     # trials (this process's, or another worker's on a shared --storage) could only change the
     # study's best, and the checkpoint would then refuse to resume. `--resume --n-trials K`
     # asks for K more trials all the same (growing a finished study): the final run is then
     # trained again only when the choice changed.
-    final = checkpoint_file(output_dir, "hpo")
+    final = checkpoint_file(output_dir, "hpo", run_id=args.run_id)
     started = load_checkpoint(final)["config"] if args.resume and final.exists() else None
     grow = started is not None and args.n_trials is not None
     if started is not None and not grow:
@@ -495,6 +628,17 @@ def tune_hyperparameters(config: TrainConfig, args: argparse.Namespace, index: D
             log.info("hpo: the choice changed with the new trials: training the final run "
                      "again (the earlier one is kept as %s)", aside)
     return chosen, {"hpo": summary}
+
+
+def worker_seed(args: argparse.Namespace) -> int:
+    """The sampler seed of one worker on a shared study: --worker-seed, else --seed mixed with
+    this host and process, so workers do not repeat each other's trials."""
+    if args.worker_seed is not None:
+        return args.worker_seed
+    mixed = hashlib.sha256(f"{args.seed}:{socket.gethostname()}:{os.getpid()}".encode())
+    seed = int.from_bytes(mixed.digest()[:4], "big")
+    log.info("hpo: this worker samples with seed %d (--worker-seed %d repeats it)", seed, seed)
+    return seed
 
 
 def _previous_resolution(output_dir: Path, dataset: str) -> int | None:
@@ -577,22 +721,32 @@ def result_row(name: str, config: TrainConfig, result: TrainResult, test: dict[s
 
 def _keep_best_model(result: TrainResult, config: TrainConfig, index: DatasetIndex,
                      row: dict[str, Any], output_dir: Path) -> None:
-    """Save this scenario's model as <dataset>_model.pt unless a better one is already there."""
+    """Save this scenario's model as <dataset>_model.pt only when it beats the one there on
+    test accuracy (whichever run saved it); a model file that cannot be read is kept aside."""
     path = output_dir / f"{index.name}_model.pt"
     if path.exists():
         try:
             previous = load_model(path).meta.get("extra", {})
-        except UserError:
+        except UserError as exc:
+            aside = path.with_name(f"{path.stem}.unreadable-{time.strftime('%Y%m%d-%H%M%S')}.pt")
+            path.rename(aside)
+            log.warning("%s; kept it as %s", exc, aside)
             previous = {}
-        if previous.get("dataset") == index.name and \
-                (previous.get("test_acc") or 0) > row["test_acc"] and \
-                previous.get("scenario") != row["scenario"]:
+        best = previous.get("test_acc")
+        if isinstance(best, (int, float)) and best >= row["test_acc"]:
+            log.info("kept %s (%s of run %s, test accuracy %.1f%%): this %s model's %.1f%% is "
+                     "not better", path, previous.get("scenario"), previous.get("run_id"),
+                     100 * best, row["scenario"], 100 * row["test_acc"])
             return
     save_model(result.model, path, arch=config.model, class_names=index.classes,
                image_size=config.image_size,
                extra={"scenario": row["scenario"], "dataset": index.name,
-                      "test_acc": row["test_acc"], "val_acc": row["val_acc"]})
-    log.info("saved the best model so far to %s", path)
+                      "run_id": row.get("run_id"),
+                      "test_acc": row["test_acc"], "val_acc": row["val_acc"],
+                      "per_class_test_acc": row["per_class_test_acc"],
+                      "confusion_matrix": row["confusion_matrix"]})
+    log.info("saved %s: the best test accuracy so far on %s (%.1f%%, %s)", path, index.name,
+             100 * row["test_acc"], row["scenario"])
 
 
 # ----------------------------------------------------------------------------- outputs
@@ -622,10 +776,12 @@ def _earlier_rows(path: Path) -> list[dict[str, Any]]:
     return [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else []
 
 
-def _previous_row(path: Path, scenario: str, dataset: str) -> dict[str, Any] | None:
-    """The scenario's last row on `dataset` in an earlier results.json, or None."""
+def _previous_row(path: Path, scenario: str, dataset: str, run_id: str | None = None
+                  ) -> dict[str, Any] | None:
+    """The scenario's last row on `dataset` (of run `run_id` when given) in results.json."""
     rows = [r for r in _earlier_rows(path)
-            if r.get("scenario") == scenario and r.get("dataset") == dataset]
+            if r.get("scenario") == scenario and r.get("dataset") == dataset
+            and (run_id is None or r.get("run_id") == run_id)]
     return rows[-1] if rows else None
 
 
@@ -649,20 +805,22 @@ def compare_to_baseline(rows: list[dict[str, Any]], baseline: dict[str, Any] | N
 
 
 def merge_results(path: Path, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Earlier rows of the same dataset stay; a scenario run again replaces its row."""
-    names = {r["scenario"] for r in rows}
-    datasets = {r["dataset"] for r in rows}
-    kept = [r for r in _earlier_rows(path) if r.get("scenario") not in names
-            and r.get("dataset") in datasets]
+    """Every earlier run's rows stay; within one run (resumed) a scenario's new row replaces
+    its old one."""
+    new = {(r.get("run_id"), r["scenario"]) for r in rows}
+    kept = [r for r in _earlier_rows(path) if (r.get("run_id"), r.get("scenario")) not in new]
     return kept + rows
 
 
-def write_outputs(results: list[dict[str, Any]], output_dir: Path) -> list[dict[str, Any]]:
-    """Plots, report and table of the results already in results.json."""
-    plot_comparison({r["scenario"]: r["history"] for r in results}, output_dir)
-    write_report(results, output_dir)
-    print(table_markdown(results_table(results)))
-    return results
+def write_outputs(results: list[dict[str, Any]], output_dir: Path, run_id: str | None = None
+                  ) -> list[dict[str, Any]]:
+    """Plots, report and table of run `run_id`'s rows in results.json (all rows when None);
+    the report lists the earlier runs. Returns the run's rows."""
+    current = [r for r in results if run_id is None or r.get("run_id") == run_id]
+    plot_comparison({r["scenario"]: r["history"] for r in current}, output_dir)
+    write_report(current, output_dir, earlier=[r for r in results if r not in current])
+    print(table_markdown(results_table(current)))
+    return current
 
 
 def prepare_output_dir(path: str) -> Path:
@@ -677,8 +835,9 @@ def prepare_output_dir(path: str) -> Path:
     return out
 
 
-def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Every requested scenario in order; returns the results rows."""
+def run(args: argparse.Namespace, index: DatasetIndex | None = None) -> list[dict[str, Any]]:
+    """Every requested scenario in order; returns the results rows. `index`: the data as
+    `load_data` gave it, to save a second scan."""
     device = resolve_device(args.device)
     device = distributed.init_from_env(device.type) or device  # under torchrun: this rank's
     if distributed.world_size() > 1:
@@ -688,7 +847,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         if not distributed.is_main():  # one set of logs, from rank 0
             logging.getLogger().setLevel(logging.WARNING)
     output_dir = prepare_output_dir(args.output_dir)
-    index = load_data(args, output_dir)
+    index = index or load_data(args, output_dir)
+    args.run_id = distributed.from_main(start_run(args, output_dir, index)
+                                        if distributed.is_main() else None)
+    log.info("run %s: outputs in %s (earlier runs stay in results.json)", args.run_id,
+             output_dir)
     tuned: dict[str, Any] = {}  # what one scenario hands the next (the picked resolution)
     rows: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []
@@ -703,7 +866,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             path = output_dir / "results.json"
             results = merge_results(path, rows)
             write_json(path, results)
-    return write_outputs(results, output_dir) if distributed.is_main() else rows
+    return write_outputs(results, output_dir, args.run_id) if distributed.is_main() else rows
 
 
 def setup_logging() -> None:
@@ -713,6 +876,17 @@ def setup_logging() -> None:
     logging.addLevelName(logging.WARNING, "warning")
     logging.addLevelName(logging.INFO, "info")
     logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+
+
+def quiet_user_errors() -> None:
+    """In IPython (the notebook): a UserError prints as the command line prints it, one line
+    without a traceback; the cell still fails, so "Run all" stops there."""
+    try:
+        shell = get_ipython()  # type: ignore[name-defined]  # noqa: F821  (IPython's builtin)
+    except NameError:
+        return
+    shell.set_custom_exc((UserError,), lambda shell, etype, value, tb, tb_offset=None:
+                         print(f"error: {value}", file=sys.stderr))
 
 
 def main(argv: list[str] | None = None) -> int:

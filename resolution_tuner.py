@@ -6,7 +6,6 @@ trains only the sizes it has no result for."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import math
@@ -63,7 +62,7 @@ class ResolutionTuner:
         """Train every candidate (on resume, those the journal has no result for); return the
         picked size."""
         self.trials, self.reused = [], []
-        data = _data_fingerprint(self.index)
+        data = self.index.fingerprint(("train", "val"))  # what a trial's result depends on
         done = self._journaled(data) if self.resume else {}
         entries = []
         for size in self.resolutions:
@@ -184,16 +183,6 @@ class ResolutionTuner:
 def _config_key(config: TrainConfig) -> str:
     """One trial's settings as a string: a journaled result is reused only for equal ones."""
     return json.dumps(config.run_settings(), sort_keys=True)
-
-
-def _data_fingerprint(index: DatasetIndex) -> str:
-    """The training and validation images and labels a trial's result depends on."""
-    digest = hashlib.sha1()
-    for split in (index.train, index.val):
-        for path, label in split:
-            digest.update(f"{path}\t{label}\n".encode())
-        digest.update(b"\0")
-    return digest.hexdigest()
 
 
 def _finite(value) -> float:

@@ -49,3 +49,12 @@ def all_agree(flag: bool, device: torch.device) -> bool:
     value = torch.tensor(int(flag), device=device)
     dist.all_reduce(value, op=dist.ReduceOp.MIN)
     return bool(value.item())
+
+
+def from_main(value):
+    """Rank 0's `value` on every rank (a picklable object); the value itself outside torchrun."""
+    if world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

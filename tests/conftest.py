@@ -48,3 +48,14 @@ def make_folder(root: Path, layout: str = "train/test", n_train: int = 12, n_tes
 @pytest.fixture
 def folder(tmp_path: Path) -> Path:
     return make_folder(tmp_path / "data")
+
+
+def run_path(out: Path, kind: str = "checkpoints") -> Path:
+    """out/kind/<the newest run's id>: where that run keeps its checkpoints (runs: scalars,
+    profiler: traces). A path that does not exist until the run has started."""
+    import json
+    try:
+        run_id = json.loads((Path(out) / "latest_run.json").read_text())["run_id"]
+    except (OSError, ValueError, KeyError):
+        return Path(out) / kind / "no-run-yet"
+    return Path(out) / kind / run_id

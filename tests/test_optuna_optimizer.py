@@ -85,7 +85,7 @@ def test_second_trial_pruned_and_counted(index, tmp_path, monkeypatch):
     assert set(first.params) == set(OptunaTuner.SEARCHED)  # what a resumed final run reads back
 
 
-def test_resume_adds_trials_and_fresh_run_starts_over(index, tmp_path, monkeypatch):
+def test_resume_adds_trials_and_only_overwrite_starts_over(index, tmp_path, monkeypatch):
     monkeypatch.setattr(optuna_optimizer, "fit", fake_fit)
     storage = f"sqlite:///{tmp_path / 'shared.db'}"
     assert tuner(index, tmp_path, storage=storage).run()["n_trials"] == 2
@@ -93,7 +93,18 @@ def test_resume_adds_trials_and_fresh_run_starts_over(index, tmp_path, monkeypat
     assert resumed["n_trials"] == 3 and resumed["storage"] == storage
     with pytest.raises(UserError, match="batch sizes were"):  # a changed categorical space
         tuner(index, tmp_path, storage=storage, resume=True, batch_sizes=(8,)).run()
-    assert tuner(index, tmp_path, storage=storage, n_trials=1).run()["n_trials"] == 1
+    with pytest.raises(UserError, match="already exists.*nothing was deleted"):
+        tuner(index, tmp_path, storage=storage, n_trials=1).run()
+    assert tuner(index, tmp_path, storage=storage, resume=True, n_trials=1).run()["n_trials"] == 4
+    assert tuner(index, tmp_path, storage=storage, n_trials=1,
+                 overwrite=True).run()["n_trials"] == 1
+
+
+def test_a_study_of_other_data_is_refused(index, tmp_path, monkeypatch):
+    monkeypatch.setattr(optuna_optimizer, "fit", fake_fit)
+    tuner(index, tmp_path, data_fingerprint="a", n_trials=1).run()
+    with pytest.raises(UserError, match="searched other data"):
+        tuner(index, tmp_path, data_fingerprint="b", resume=True, n_trials=1).run()
 
 
 @pytest.mark.filterwarnings("ignore:Heartbeat of storage")  # our study.ask() plays the dead run
@@ -161,7 +172,7 @@ def test_save_plots_writes_html_png_json(index, tmp_path, monkeypatch):
     written = t.save_plots()
     names = {p.name for p in written}
     assert names == {"optuna_history.html", "optuna_importance.html", "optuna_history.png",
-                     "best_params.json"}
+                     "optuna_importance.png", "best_params.json"}
     assert all(p.stat().st_size > 0 for p in written)
     assert (tmp_path / "hpo" / "optuna_history.png").read_bytes()[:4] == b"\x89PNG"
     saved = json.loads((tmp_path / "hpo" / "best_params.json").read_text())
@@ -265,3 +276,21 @@ def test_no_trial_is_pruned_while_every_trial_is_still_at_chance(index, tmp_path
     for trial in others:
         assert trial.state == optuna.trial.TrialState.PRUNED
         assert max(trial.intermediate_values) == 2  # not after epoch 1
+
+
+def test_local_dir_keeps_the_study_local_and_copies_it_to_the_output_dir(index, tmp_path,
+                                                                          monkeypatch):
+    """An output dir on a network drive (Colab's Google Drive) holds a copy after every trial;
+    a new machine (an empty local dir) continues from that copy."""
+    monkeypatch.setattr(optuna_optimizer, "fit", fake_fit)
+    t = tuner(index, tmp_path, local_dir=tmp_path / "local")
+    assert t.storage_url.startswith(f"sqlite:///{tmp_path / 'local'}")
+    t.run()
+    copy = tmp_path / "hpo" / "optuna.db"
+    stored = optuna.load_study(study_name="hpo", storage=f"sqlite:///{copy}")
+    assert len(stored.trials) == 2
+    del stored
+    again = tuner(index, tmp_path, local_dir=tmp_path / "new-machine", resume=True, n_trials=1)
+    again.run()
+    assert len(again.study.trials) == 3
+    assert len(optuna.load_study(study_name="hpo", storage=f"sqlite:///{copy}").trials) == 3

@@ -12,7 +12,7 @@ import torch
 
 import pipeline
 import resolution_tuner
-from conftest import COLOURS, make_folder, write_image
+from conftest import COLOURS, make_folder, run_path, write_image
 from modules import hostmem
 from modules.utility import load_model, predict
 
@@ -50,10 +50,11 @@ def test_baseline_end_to_end_on_a_folder(small, tmp_path, capsys):
     assert row["settings"]["batch_size"] == 8 and row["settings"]["amp"] == "off"
     assert 0 <= row["test_acc"] <= 1 and len(row["history"]) == 3
     for name in ("training_loss_comparison.png", "training_accuracy_comparison.png",
-                 "training_comparison.html", "colours_model.pt", "checkpoints/baseline.pt",
-                 "runs/baseline/config.json"):
+                 "training_comparison.html", "colours_model.pt", "latest_run.json"):
         assert (out / name).exists(), name
-    assert list((out / "runs" / "baseline").glob("events.out.tfevents.*"))
+    assert (run_path(out) / "baseline.pt").exists()
+    assert (run_path(out, "runs") / "baseline" / "config.json").exists()
+    assert list((run_path(out, "runs") / "baseline").glob("events.out.tfevents.*"))
     model = load_model(out / "colours_model.pt")
     assert model.meta["class_names"] == ["blue", "green", "red"]
     assert predict(model, [small / "test" / "red" / "0.jpg"])[0]["label"] in model.meta["class_names"]
@@ -75,7 +76,7 @@ def test_resume_after_a_finished_run_trains_nothing_more(small, tmp_path):
     assert again["diagnosis"] == first["diagnosis"]
     assert again["wall_s"] >= first["history"][-1]["elapsed_s"]
     # a checkpoint from before checkpoints carried the step timing: results.json's row has it
-    ckpt_path = pipeline.checkpoint_file(tmp_path / "out", "baseline")
+    ckpt_path = run_path(tmp_path / "out") / "baseline.pt"
     ckpt = torch.load(ckpt_path, weights_only=True)
     del ckpt["timing"]
     torch.save(ckpt, ckpt_path)
@@ -181,8 +182,8 @@ def test_profiled_run_writes_traces_report_and_every_figure(small, tmp_path):
     assert run_main("--data-dir", str(small), "--epochs", "2", "--image-size", "32",
                     "--batch-size", "4", "--weights", "none", "--no-progress", "--profile",
                     "--output-dir", str(out)) == 0
-    traces = list((out / "profiler" / "baseline").glob("*.pt.trace.json"))
-    assert traces and (out / "profiler" / "baseline" / "key_averages.txt").exists()
+    traces = list((run_path(out, "profiler") / "baseline").glob("*.pt.trace.json"))
+    assert traces and (run_path(out, "profiler") / "baseline" / "key_averages.txt").exists()
     text = traces[0].read_text()
     assert all(f'"{region}"' in text for region in REGIONS)
     row = json.loads((out / "results.json").read_text())[0]
@@ -219,7 +220,7 @@ def test_tensorboard_profiler_plugin_reads_the_trace(small, tmp_path):
     assert run_main("--data-dir", str(small), "--epochs", "1", "--image-size", "32",
                     "--batch-size", "4", "--weights", "none", "--no-progress", "--profile",
                     "--output-dir", str(out)) == 0
-    trace = next((out / "profiler" / "baseline").glob("*.pt.trace.json"))
+    trace = next((run_path(out, "profiler") / "baseline").glob("*.pt.trace.json"))
     data = tb_data.RunProfileData.parse("worker0", None, str(trace), str(tmp_path / "cache"))
     data.process()
     views = [v.display_name for v in RunGenerator("worker0", None, data).generate_run_profile().views]
@@ -273,7 +274,7 @@ def test_resume_keeps_the_autotuned_settings_instead_of_measuring_again(small, t
             "--epochs", "2", "--weights", "none", "--no-progress", "--output-dir", str(out))
     assert run_main(*argv) == 0
     first = json.loads((out / "results.json").read_text())[-1]
-    saved = out / "checkpoints" / "resolution.autotune.json"
+    saved = run_path(out) / "resolution.autotune.json"
     assert json.loads(saved.read_text())["report"]["knobs"] == first["autotune"]["knobs"]
 
     def measure_again(*_, **__):
@@ -306,7 +307,10 @@ def test_resume_after_the_search_finished_does_not_extend_the_study(small, tmp_p
 
     # another worker sharing the study finishes a better trial meanwhile
     import optuna
-    study = optuna.load_study(study_name="hpo", storage=f"sqlite:///{out / 'optuna.db'}")
+    storage = f"sqlite:///{out / 'optuna.db'}"
+    (name,) = optuna.get_all_study_names(storage)
+    assert name == f"hpo-colours-{run_path(out).name}"  # the dataset and the run in its name
+    study = optuna.load_study(study_name=name, storage=storage)
     done = study.best_trial
     study.add_trial(optuna.trial.create_trial(
         params={**done.params, "lr": done.params["lr"] * 0.5}, distributions=done.distributions,
@@ -322,7 +326,7 @@ def test_resume_after_the_search_finished_does_not_extend_the_study(small, tmp_p
     assert resumed["resumed_from_epoch"] == 2 and resumed["test_acc"] == first["test_acc"]
 
     # while the search itself was interrupted (no final checkpoint yet), --resume extends it
-    final = pipeline.checkpoint_file(out, "hpo")
+    final = run_path(out) / "hpo.pt"
     final.unlink()
     monkeypatch.undo()
     assert run_main(*argv, "--resume", "--n-trials", "2") == 0
@@ -358,7 +362,7 @@ def test_resume_with_more_trials_grows_a_finished_study(small, tmp_path, monkeyp
     changed = json.loads((out / "results.json").read_text())[-1]
     assert changed["hpo"]["n_trials"] == 4 and changed["resumed_from_epoch"] is None
     assert (changed["settings"]["lr"], changed["settings"]["optimizer"]) == (0.005, "sgd")
-    assert list((out / "checkpoints").glob("hpo.before-*.pt"))
+    assert list(run_path(out).glob("hpo.before-*.pt"))
 
 
 def test_a_saved_autotune_is_reused_only_for_the_same_start(tmp_path):

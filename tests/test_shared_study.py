@@ -16,27 +16,34 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.skipif(not URL, reason="no PostgreSQL server (set HWTRAIN_TEST_POSTGRES_URL)")
 def test_two_workers_share_one_study(tmp_path):
+    """Same command and --seed on both, one of them without --resume: neither deletes the
+    study, and they do not repeat each other's trials."""
     optuna = pytest.importorskip("optuna")
+    data = make_folder(tmp_path / "d", n_train=10, n_test=3)
+    name = "hpo-d"  # the dataset in the name: another data set's workers get another study
     try:
-        optuna.delete_study(study_name="hpo", storage=URL)
+        optuna.delete_study(study_name=name, storage=URL)
     except KeyError:
         pass  # no study yet
-    data = make_folder(tmp_path / "d", n_train=10, n_test=3)
     workers = [subprocess.Popen(
         [sys.executable, "pipeline.py", "--scenarios", "hpo", "--data-dir", str(data),
-         "--storage", URL, "--resume", "--n-trials", "2", "--epochs", "2", "--image-size", "32",
-         "--batch-size", "8", "--weights", "none", "--no-progress", "--seed", str(seed),
-         "--output-dir", str(tmp_path / f"worker{seed}")],
+         "--storage", URL, *resume, "--n-trials", "3", "--epochs", "2", "--image-size", "32",
+         "--batch-size", "8", "--weights", "none", "--no-progress", "--seed", "1",
+         "--output-dir", str(tmp_path / f"worker{i}")],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        for seed in (1, 2)]
+        for i, resume in enumerate((["--resume"], []))]
     for worker in workers:
         _, err = worker.communicate(timeout=600)
         assert worker.returncode == 0, err[-2000:]
-    study = optuna.load_study(study_name="hpo", storage=URL)
+    study = optuna.load_study(study_name=name, storage=URL)
     trials = study.get_trials(deepcopy=False)
-    assert sorted(t.number for t in trials) == [0, 1, 2, 3]  # every trial once
+    assert sorted(t.number for t in trials) == list(range(6))  # every trial once, none deleted
     finished = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
     assert finished and study.best_value == max(t.value for t in finished)
-    for seed in (1, 2):
-        row = json.loads((tmp_path / f"worker{seed}" / "results.json").read_text())[0]
-        assert row["scenario"] == "hpo" and "postgresql" in row["hpo"]["storage"]
+    sampled = [json.dumps(t.params, sort_keys=True) for t in trials
+               if not t.user_attrs.get("default")]
+    assert len(set(sampled)) == len(sampled)  # different seeds: no trial repeated
+    for i in range(2):
+        row = json.loads((tmp_path / f"worker{i}" / "results.json").read_text())[0]
+        assert row["scenario"] == "hpo" and row["hpo"]["storage"].startswith("postgresql")
+        assert "hwtrain" not in row["hpo"]["storage"]  # the user (and password) never shown

@@ -1,0 +1,95 @@
+"""Several runs into one output folder: nothing of an earlier run is lost, and --resume
+continues only a run on the same data."""
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+import pipeline
+from conftest import make_folder, run_path
+from modules.models import build_model
+from modules.utility import load_model
+
+RUN = ("--scenarios", "baseline", "--epochs", "1", "--image-size", "32", "--batch-size", "8",
+       "--weights", "none", "--no-progress")
+
+
+def rows(out: Path) -> list[dict]:
+    return json.loads((out / "results.json").read_text())
+
+
+def test_two_runs_on_two_datasets_keep_both_sets_of_rows_models_and_curves(tmp_path):
+    first = make_folder(tmp_path / "shapes", n_train=8, n_test=3)
+    second = make_folder(tmp_path / "colours", n_train=8, n_test=3, classes=("red", "blue"))
+    out = tmp_path / "out"
+    assert pipeline.main(["--data-dir", str(first), "--output-dir", str(out), *RUN]) == 0
+    run_one = run_path(out).name
+    assert pipeline.main(["--data-dir", str(second), "--output-dir", str(out), *RUN]) == 0
+    run_two = run_path(out).name
+    assert run_one != run_two
+    assert [(r["dataset"], r["run_id"]) for r in rows(out)] == [("shapes", run_one),
+                                                                ("colours", run_two)]
+    assert (out / "shapes_model.pt").exists() and (out / "colours_model.pt").exists()
+    for run_id in (run_one, run_two):  # each run's checkpoints and curves in their own folder
+        assert (out / "checkpoints" / run_id / "baseline.pt").exists()
+        assert list((out / "runs" / run_id / "baseline").glob("events.out.tfevents.*"))
+    report = (out / "report.md").read_text()
+    assert f"run {run_two}" in report and "## Earlier runs in this folder" in report
+    assert f"- {run_one}: shapes, baseline" in report
+
+
+def test_the_same_command_twice_keeps_the_first_runs_rows(tmp_path):
+    data = make_folder(tmp_path / "d", n_train=8, n_test=3)
+    argv = ["--data-dir", str(data), "--output-dir", str(tmp_path / "out"), *RUN]
+    assert pipeline.main(argv) == 0 and pipeline.main(argv) == 0
+    assert len({r["run_id"] for r in rows(tmp_path / "out")}) == 2
+
+
+def test_resume_on_other_data_is_refused_in_one_line(tmp_path, capsys):
+    synthetic_like = make_folder(tmp_path / "synthetic", n_train=8, n_test=3)
+    other = make_folder(tmp_path / "intel", n_train=6, n_test=3)  # the same class names
+    out = tmp_path / "out"
+    assert pipeline.main(["--data-dir", str(synthetic_like), "--output-dir", str(out), *RUN]) == 0
+    capsys.readouterr()
+    assert pipeline.main(["--data-dir", str(other), "--output-dir", str(out), "--resume",
+                          *RUN]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: cannot resume") and "'synthetic'" in err and "'intel'" in err
+    assert [r["dataset"] for r in rows(out)] == ["synthetic"]  # nothing was touched
+
+
+def _keep(out: Path, test_acc: float, scenario: str) -> dict:
+    model = build_model("squeezenet1_1", 2, "none")
+    row = {"scenario": scenario, "run_id": scenario, "test_acc": test_acc, "val_acc": test_acc,
+           "per_class_test_acc": {"a": test_acc, "b": test_acc},
+           "confusion_matrix": [[1, 0], [0, 1]]}
+    pipeline._keep_best_model(SimpleNamespace(model=model),
+                              pipeline.TrainConfig(model="squeezenet1_1", image_size=32),
+                              SimpleNamespace(name="d", classes=["a", "b"]), row, out)
+    return load_model(out / "d_model.pt").meta["extra"]
+
+
+def test_a_better_model_is_never_replaced_by_a_worse_one(tmp_path, caplog):
+    assert _keep(tmp_path, 0.91, "full")["test_acc"] == 0.91
+    caplog.clear()
+    assert _keep(tmp_path, 0.30, "rerun")["scenario"] == "full"  # the same scenario too
+    assert "is not better" in caplog.text
+    assert _keep(tmp_path, 0.95, "better")["scenario"] == "better"
+
+
+def test_an_unreadable_model_file_is_kept_aside_not_overwritten(tmp_path):
+    (tmp_path / "d_model.pt").write_bytes(b"not a model")
+    assert _keep(tmp_path, 0.5, "new")["scenario"] == "new"
+    (aside,) = tmp_path.glob("d_model.unreadable-*.pt")
+    assert aside.read_bytes() == b"not a model"
+
+
+def test_worker_seeds_differ_by_process_unless_given(monkeypatch):
+    args = pipeline.parse_args(["--storage", "postgresql://h/db", "--seed", "7"])
+    first = pipeline.worker_seed(args)
+    monkeypatch.setattr(pipeline.os, "getpid", lambda: 123456)
+    assert pipeline.worker_seed(args) != first
+    args.worker_seed = 5
+    assert pipeline.worker_seed(args) == 5
+    assert torch.tensor(first).dtype == torch.int64  # a plain int Optuna accepts
