@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from modules.config import IMAGENET_MEAN, IMAGENET_STD, TrainConfig, UserError
-from modules.dataset import Sample, drops_last, to_rgb, train_sampler
+from modules.dataset import Sample, drops_last, eval_sampler, to_rgb, train_sampler
 from modules.trainer import resolve_device
 
 log = logging.getLogger(__name__)
@@ -220,7 +220,7 @@ class CachedLoader:
             (image_means(images) if means is None else means).to(images.device)
         self.batch_size, self.train, self.device, self.seed = batch_size, train, device, seed
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
-        self.sampler = train_sampler(len(labels), seed) if train else None
+        self.sampler = train_sampler(len(labels), seed) if train else eval_sampler(len(labels))
         self.n_local = len(self.sampler) if self.sampler is not None else len(labels)
         self.drop_last = drops_last(self.sampler, batch_size)
         self.pass_batches = pass_batches or batches_per_pass(batch_size, images.shape[-1], device)

@@ -3,6 +3,7 @@ stopping, per-epoch checkpoints and resume, and recovery from running out of mem
 micro-batches, same effective batch). Knows nothing of Optuna: tuners pass `report`."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -242,9 +243,9 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     world = distributed.world_size()
     # Under torchrun, DDP averages gradients across processes during backward.
-    forward = nn.parallel.DistributedDataParallel(
-        model, device_ids=[device.index] if device.type == "cuda" else None) if world > 1 else model
-    forward = torch.compile(forward) if config.compile else forward
+    ddp = nn.parallel.DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None) if world > 1 else None
+    forward = torch.compile(ddp or model) if config.compile else ddp or model
 
     history: list[dict[str, float]] = []
     best = {"acc": -1.0, "epoch": 0, "state": None}
@@ -324,8 +325,14 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
             first = len(window_batches) - 1  # this batch; after running out of memory, the window
             while True:
                 try:
-                    done = [_forward_backward(forward, bx, by, splits, window, device, dtype, scaler)
-                            for bx, by in window_batches[first:]]
+                    done = []
+                    for j, (bx, by) in enumerate(window_batches[first:], start=first):
+                        # Gradients are averaged across processes once per optimizer step, on
+                        # the window's last batch; the others accumulate locally.
+                        with ddp.no_sync() if ddp is not None and j < window - 1 \
+                                else contextlib.nullcontext():
+                            done.append(_forward_backward(forward, bx, by, splits, window, device,
+                                                          dtype, scaler))
                     break
                 except RuntimeError as exc:  # torch's OutOfMemoryError is a RuntimeError
                     # Under DDP the other ranks are already inside this step's collectives.

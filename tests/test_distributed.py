@@ -1,10 +1,14 @@
 """torchrun with two CPU processes on gloo: DDP training, sharded data, outputs from rank 0."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
-from conftest import make_folder
+import pytest
+import torch
+
+from conftest import make_folder, run_path
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,8 +29,8 @@ def test_two_processes_train_one_model(tmp_path):
     rows = json.loads((out / "results.json").read_text())
     assert len(rows) == 1 and rows[0]["settings"]["world_size"] == 2
     assert len(rows[0]["history"]) == 2 and 0 <= rows[0]["test_acc"] <= 1
-    assert (out / "checkpoints" / "baseline.pt").exists() and (out / "d_model.pt").exists()
-    assert len(list((out / "runs" / "baseline").glob("events.out.tfevents.*"))) == 1  # rank 0
+    assert (run_path(out) / "baseline.pt").exists() and (out / "d_model.pt").exists()
+    assert len(list((run_path(out, "runs") / "baseline").glob("events.out.tfevents.*"))) == 1
     assert proc.stderr.count("info: epoch 2/2") == 1  # one set of logs
 
 
@@ -37,3 +41,26 @@ def test_tuning_under_torchrun_is_refused_in_one_line(tmp_path):
     assert proc.returncode != 0
     assert "error: under torchrun only --scenarios baseline runs so far" in proc.stderr
     assert "Traceback" not in proc.stderr.split("error:")[0]
+
+
+def test_data_parallel_training_matches_one_process_over_the_same_global_batch(tmp_path):
+    """Each rank trains on its half of every global batch, with gradient accumulation (no_sync
+    on the first micro-batch) and sharded evaluation: the ranks end with identical weights, equal
+    to one process's over the whole batches. Without gradient averaging the ranks would part
+    ways; without the summed evaluation the validation losses would differ."""
+    script = str(ROOT / "tests" / "helpers" / "ddp_same_as_one_process.py")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    one = subprocess.run([sys.executable, script, str(tmp_path / "one"), "8"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc_per_node", "2", script, str(tmp_path / "two"), "4"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+    single = torch.load(tmp_path / "one.rank0.pt")
+    ranks = [torch.load(tmp_path / f"two.rank{r}.pt") for r in (0, 1)]
+    for name, value in single["weights"].items():
+        assert torch.equal(ranks[0]["weights"][name], ranks[1]["weights"][name]), name
+        assert torch.allclose(ranks[0]["weights"][name], value, atol=1e-5), name
+    assert ranks[0]["val_loss"] == pytest.approx(single["val_loss"], rel=1e-5)
+    assert ranks[1]["val_loss"] == ranks[0]["val_loss"]
