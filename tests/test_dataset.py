@@ -139,6 +139,27 @@ def test_intel_offline_is_one_clear_line(tmp_path, monkeypatch):
     assert "\n" not in text
 
 
+@pytest.mark.parametrize("status", [401, 403, None])
+def test_a_refused_kaggle_login_is_one_line_that_says_so(tmp_path, monkeypatch, status):
+    import kagglehub
+    import requests
+    from kagglehub import exceptions
+
+    def refused(*_, **__):
+        if status is None:
+            raise exceptions.UnauthenticatedError()
+        response = requests.models.Response()
+        response.status_code = status
+        raise exceptions.KaggleApiHTTPError("Unauthorized", response=response)
+    monkeypatch.setattr(kagglehub, "dataset_download", refused)
+    with pytest.raises(UserError) as err:
+        resolve_source("intel", None, tmp_path)
+    text = str(err.value)
+    assert text.startswith("Kaggle refused the login") and "KAGGLE_KEY" in text
+    assert "cannot be reached" not in text and "\n" not in text
+    assert (f"HTTP {status}" if status else "UnauthenticatedError") in text
+
+
 def test_data_dir_overrides_dataset_and_names_it(folder, tmp_path):
     root, name = resolve_source("intel", folder, tmp_path)
     assert root == folder and name == "data"

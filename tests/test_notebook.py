@@ -1,45 +1,259 @@
-"""main_pipeline.ipynb: thin, clean, and runnable headless from its parameters cell."""
+"""main_pipeline.ipynb: thin, self-sufficient in Colab, runnable headless, and showing what the
+user came for (checked in a real browser)."""
 import json
+import os
+import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
+
+import pipeline
+from conftest import run_path
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "main_pipeline.ipynb"
-FLAGS = ("RUN_BASELINE", "RUN_RESOLUTION_TUNING", "RUN_OPTUNA_HP_TUNING",
-         "PERFORM_DETAILED_PROFILING", "DATASET", "DATA_DIR", "QUICK", "OUTPUT_DIR", "DEVICE",
-         "N_TRIALS")
+# Command-line options the parameters cell spells differently from their upper-case name.
+SPELLED = {"scenarios": ("RUN_BASELINE", "RUN_RESOLUTION_TUNING", "RUN_OPTUNA_HP_TUNING"),
+           "profile": ("PERFORM_DETAILED_PROFILING",), "no_progress": ("SHOW_PROGRESS",),
+           "local_dir": ("USE_DRIVE",)}
+# The smallest run that still makes every chart: all three scenarios, two sizes, two trials.
+TINY = {"QUICK": True, "EPOCHS": 2, "N_TRIALS": 2, "RESOLUTIONS": "48", "OPEN_TENSORBOARD": False}
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 def cells():
     return json.loads(NOTEBOOK.read_text())["cells"]
 
 
+def source(cell) -> str:
+    return "".join(cell["source"])
+
+
+def parameters_cell() -> str:
+    tagged = [c for c in cells() if "parameters" in c["metadata"].get("tags", [])]
+    assert len(tagged) == 1
+    return source(tagged[0])
+
+
+def printed(notebook: dict) -> str:
+    """Everything the cells printed (stdout and stderr)."""
+    return "".join("".join(o.get("text", "")) for c in notebook["cells"]
+                   for o in c.get("outputs", []) if o.get("output_type") == "stream")
+
+
 def test_notebook_is_thin_and_committed_without_outputs():
     code = [c for c in cells() if c["cell_type"] == "code"]
     assert all(not c["outputs"] and c["execution_count"] is None for c in code)
-    assert not any(line.lstrip().startswith(("def ", "class ")) for c in code for line in c["source"])
+    lines = [line.lstrip() for c in code for line in source(c).splitlines()]
+    assert not any(line.startswith(("def ", "class ")) for line in lines)
 
 
-def test_one_parameters_cell_holds_every_flag():
-    tagged = [c for c in cells() if "parameters" in c["metadata"].get("tags", [])]
-    assert len(tagged) == 1
-    text = "".join(tagged[0]["source"])
-    assert all(f"{flag} = " in text for flag in FLAGS)
+def test_parameters_cell_is_a_colab_form_with_every_command_line_option():
+    text = parameters_cell()
+    for action in pipeline.build_parser()._actions:
+        if action.option_strings and action.dest != "help":
+            for name in SPELLED.get(action.dest, (action.dest.upper(),)):
+                assert f"\n{name} = " in f"\n{text}", f"--{action.dest} has no {name} parameter"
+    assigned = [line for line in text.splitlines() if " = " in line and not line.startswith("#")]
+    assert all("#@param" in line for line in assigned if not line.startswith("DRIVE_MOUNT"))
 
 
-def test_notebook_runs_headless_with_papermill(tmp_path):
+def test_notebook_asks_colab_for_a_gpu_runtime():
+    meta = json.loads(NOTEBOOK.read_text())["metadata"]
+    assert meta["accelerator"] == "GPU" and meta["colab"]["gpuType"]
+
+
+def test_options_take_keywords_and_check_them_as_the_command_line_does():
+    args = pipeline.options(quick=True, scenarios=["baseline", "hpo"], n_trials=None,
+                            data_dir="", match_time=False, resolutions=[48, 64])
+    assert (args.quick, args.scenarios, args.n_trials, args.match_time, args.resolutions) == \
+        (True, ["baseline", "hpo"], None, False, [48, 64])
+    assert args.command == ("python pipeline.py --quick --scenarios baseline,hpo "
+                            "--no-match-time --resolutions 48,64")
+    with pytest.raises(pipeline.UserError, match="n-trials"):
+        pipeline.options(n_trials=0)
+    with pytest.raises(pipeline.UserError, match="unknown option 'epoch'"):
+        pipeline.options(epoch=3)
+
+
+@pytest.fixture(scope="module")
+def executed(tmp_path_factory):
+    """The notebook run headless as it is run locally: beside pipeline.py, on this machine."""
     papermill = pytest.importorskip("papermill")
-    out = tmp_path / "out"
-    papermill.execute_notebook(
-        str(NOTEBOOK), str(tmp_path / "executed.ipynb"), cwd=str(ROOT), kernel_name="python3",
-        progress_bar=False,
-        parameters={"QUICK": True, "DATASET": "synthetic", "OUTPUT_DIR": str(out),
-                    "RUN_RESOLUTION_TUNING": False, "N_TRIALS": 2, "EPOCHS": 2,
-                    "OPEN_TENSORBOARD": False})
+    tmp = tmp_path_factory.mktemp("notebook")
+    out = tmp / "out"
+    papermill.execute_notebook(str(NOTEBOOK), str(tmp / "executed.ipynb"), cwd=str(ROOT),
+                               kernel_name="python3", progress_bar=False,
+                               parameters={**TINY, "OUTPUT_DIR": str(out)})
+    return tmp / "executed.ipynb", out
+
+
+def test_notebook_runs_headless_and_shows_every_result(executed):
+    path, out = executed
     rows = json.loads((out / "results.json").read_text())
-    assert [r["scenario"] for r in rows] == ["baseline", "hpo"]
-    executed = json.loads((tmp_path / "executed.ipynb").read_text())
-    printed = "".join(o.get("text", "") if isinstance(o.get("text"), str) else "".join(o.get("text", []))
-                      for c in executed["cells"] for o in c.get("outputs", []))
-    assert "baseline:" in printed and "hpo:" in printed  # the diagnoses cell ran
+    assert [r["scenario"] for r in rows] == ["baseline", "resolution", "hpo"]
+    notebook = json.loads(path.read_text())
+    text = printed(notebook)
+    assert "python pipeline.py --scenarios baseline,resolution,hpo" in text
+    assert "warning: running on the CPU" in text or "device: " in text
+    assert " min on " in text  # the estimate, printed before the run
+    assert "points against the baseline" in text and "hpo: " in text
+    images = [o for c in notebook["cells"] for o in c.get("outputs", [])
+              if "image/png" in o.get("data", {})]
+    made = ["training_loss_comparison.png", "training_accuracy_comparison.png",
+            "confusion_matrix.png", "sample_predictions.png", "resolution_tradeoff.png",
+            "optuna_history.png", "step_time_breakdown.png"]
+    assert all((out / name).exists() for name in made)
+    assert len(images) >= len(made)
+    assert any("table" in "".join(o.get("data", {}).get("text/html", ""))
+               for c in notebook["cells"] for o in c.get("outputs", []))
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (.ci/run installs it)")
+def test_executed_notebook_shows_the_table_charts_and_image_grid_in_a_browser(executed, tmp_path):
+    nbformat = pytest.importorskip("nbformat")
+    exporter = pytest.importorskip("nbconvert").HTMLExporter(template_name="classic")
+    sync_playwright = pytest.importorskip("playwright.sync_api").sync_playwright
+    from PIL import Image, ImageStat
+
+    html, _ = exporter.from_notebook_node(nbformat.read(str(executed[0]), as_version=4))
+    page_file = tmp_path / "executed.html"
+    page_file.write_text(html)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync", "--no-first-run"])
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.goto(page_file.as_uri(), wait_until="load")
+        table = page.locator("table.dataframe").first.bounding_box()
+        images = [page.locator("img").nth(i) for i in range(page.locator("img").count())]
+        boxes = [img.bounding_box() for img in images if img.evaluate("e => e.naturalWidth") > 0]
+        page.screenshot(path=str(tmp_path / "page.png"), full_page=True)
+        browser.close()
+    shot = Image.open(tmp_path / "page.png").convert("RGB")
+
+    def region(box):
+        return shot.crop((int(box["x"]), int(box["y"]), int(box["x"] + box["width"]),
+                          int(box["y"] + box["height"])))
+
+    assert table is not None and table["width"] > 400 and table["height"] > 60
+    dark = sum(region(table).convert("L").histogram()[:100])
+    assert dark > 500  # the table's text was drawn, not an empty frame
+    assert len(boxes) >= 7  # loss, accuracy, confusion, predictions, trade-off, history, breakdown
+    for box in boxes:
+        assert box["width"] > 200 and box["height"] > 150
+        assert max(ImageStat.Stat(region(box)).stddev) > 10  # drawn, not blank
+    # The prediction grid: many photos' worth of colours, and green and red titles.
+    grid = max((region(b) for b in boxes), key=lambda im: len(im.getcolors(maxcolors=1 << 22)))
+    colours = {colour for _, colour in grid.reduce(2).getcolors(maxcolors=1 << 22)}
+    assert len(colours) > 2000
+    assert any(g > 100 and r < 60 and b < 60 for r, g, b in colours)  # a right prediction
+    assert any(r > 180 and g < 60 and b < 60 for r, g, b in colours)  # a wrong one
+
+
+def test_a_mistake_in_the_parameters_is_one_line_without_a_traceback(tmp_path):
+    papermill = pytest.importorskip("papermill")
+    with pytest.raises(papermill.PapermillExecutionError):
+        papermill.execute_notebook(
+            str(NOTEBOOK), str(tmp_path / "executed.ipynb"), cwd=str(ROOT),
+            kernel_name="python3", progress_bar=False,
+            parameters={"RUN_BASELINE": False, "RUN_RESOLUTION_TUNING": False,
+                        "RUN_OPTUNA_HP_TUNING": False, "OPEN_TENSORBOARD": False,
+                        "OUTPUT_DIR": str(tmp_path / "out")})
+    notebook = json.loads((tmp_path / "executed.ipynb").read_text())
+    text = printed(notebook)
+    assert "error: " in text and "scenario" in text
+    assert "Traceback" not in text and not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------- simulated Colab
+
+FAKE_COLAB = {
+    "google/colab/__init__.py": "",
+    # Drive "mounts" by linking the mount point to a folder the test chose.
+    "google/colab/drive.py": (
+        "import os\n"
+        "def mount(mountpoint, force_remount=False):\n"
+        "    os.makedirs(os.path.dirname(mountpoint), exist_ok=True)\n"
+        "    if not os.path.exists(mountpoint):\n"
+        "        os.symlink(os.environ['FAKE_DRIVE'], mountpoint)\n"
+        "    print('Mounted at', mountpoint)\n"),
+}
+
+
+def project_repository(tmp_path: Path) -> Path:
+    """A git repository of the working tree as it is (committed or not), as a clone source."""
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
+                            capture_output=True, check=True).stdout.decode().split("\0")
+    repo = tmp_path / "hwtrain"
+    for name in filter(None, listed):
+        if (ROOT / name).is_file():
+            (repo / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, repo / name)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "init.defaultBranch=main"]
+    for command in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "snapshot"]):
+        subprocess.run(git + command, cwd=repo, check=True)
+    return repo
+
+
+def papermill_colab(notebook: Path, out: Path, cwd: Path, env: dict, params: dict):
+    """papermill in its own process (so it can be killed like a disconnected session); its
+    log goes to out + '.log'."""
+    command = [sys.executable, "-m", "papermill", str(notebook), str(out), "-k", "python3",
+               "--no-progress-bar", "--cwd", str(cwd), "-y", json.dumps(params)]
+    with open(f"{out}.log", "w") as log:
+        return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def tail(path: Path) -> str:
+    return Path(f"{path}.log").read_text()[-3000:]
+
+
+def test_simulated_colab_clones_mounts_drive_and_resumes_after_a_disconnect(tmp_path):
+    pytest.importorskip("papermill")
+    fake = tmp_path / "fake"
+    for name, text in FAKE_COLAB.items():
+        (fake / name).parent.mkdir(parents=True, exist_ok=True)
+        (fake / name).write_text(text)
+    repo = project_repository(tmp_path)
+    content, drive, home = tmp_path / "content", tmp_path / "drive", tmp_path / "home"
+    for folder in (content, drive, home):
+        folder.mkdir()
+    notebook = content / "main_pipeline.ipynb"  # opened alone: nothing of the project beside it
+    shutil.copy2(NOTEBOOK, notebook)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake), os.environ.get("PYTHONPATH", "")]),
+           "FAKE_DRIVE": str(drive), "HOME": str(home), "PIP_NO_INPUT": "1"}
+    params = {"REPO_URL": str(repo), "REPO_REF": "main", "USE_DRIVE": True,
+              "DRIVE_MOUNT": str(content / "drive"), "QUICK": True, "EPOCHS": 3,
+              "RUN_RESOLUTION_TUNING": False, "RUN_OPTUNA_HP_TUNING": False,
+              "OPEN_TENSORBOARD": False}
+    outputs = drive / "MyDrive" / "hwtrain" / "others"
+
+    # The first session disconnects once the baseline has checkpointed an epoch.
+    first = papermill_colab(notebook, tmp_path / "first.ipynb", content, env, params)
+    deadline = time.monotonic() + 600
+    while not (run_path(outputs) / "baseline.pt").exists() and first.poll() is None \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert (run_path(outputs) / "baseline.pt").exists(), tail(tmp_path / "first.ipynb")
+    for process in psutil.Process(first.pid).children(recursive=True) + [psutil.Process(first.pid)]:
+        process.kill()
+    first.wait()
+    assert not (outputs / "results.json").exists()
+    assert (content / "hwtrain" / "pipeline.py").exists()  # cloned into the session's folder
+
+    # Run all again with RESUME: it continues where it stopped. (The study's local copy is
+    # tested in test_optuna_optimizer.)
+    second = papermill_colab(notebook, tmp_path / "second.ipynb", content, env,
+                             {**params, "RESUME": True})
+    assert second.wait(timeout=900) == 0, tail(tmp_path / "second.ipynb")
+    rows = json.loads((outputs / "results.json").read_text())
+    assert [r["scenario"] for r in rows] == ["baseline"]
+    assert rows[0]["resumed_from_epoch"] >= 1 and rows[0]["epochs"] == 3
+    assert (outputs / "synthetic_model.pt").exists()
+    text = printed(json.loads((tmp_path / "second.ipynb").read_text()))
+    assert "Mounted at" in text and "warning: running on the CPU" in text
