@@ -20,15 +20,14 @@ from typing import Any, Callable
 
 import psutil
 import torch
-import torch.nn.functional as F
 
 from modules import hostmem
-from modules.config import TrainConfig, UserError
+from modules.config import TrainConfig, UserError, first_line
 from modules.files import atomic_write_text
 from modules.hardware import max_batch_size
 from modules.models import build_model, has_bytemask_dropout
 from modules.trainer import (apply_process_settings, autocast_dtype, make_optimizer,
-                             resolve_device)
+                             resolve_device, train_step)
 
 log = logging.getLogger(__name__)
 
@@ -86,13 +85,8 @@ class ComputeProbe:
         self.y = torch.randint(0, num_classes, (self.batch,), generator=g).to(self.device)
 
     def step(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(self.device.type, dtype=self.dtype or torch.float32,
-                            enabled=self.dtype is not None):
-            loss = F.cross_entropy(self.forward(self.x), self.y)
-        self.scaler.scale(loss).backward()
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
+        train_step(self.forward, self.model, self.optimizer, self.scaler, self.x, self.y,
+                   device=self.device, dtype=self.dtype, max_grad_norm=self.config.max_grad_norm)
 
     def activate(self) -> None:
         """Put the process in this probe's process-wide settings (another probe may have run)."""
@@ -181,8 +175,7 @@ def race(incumbent: ComputeProbe, challenger: ComputeProbe, *, warmup: int = 2,
 
 
 def _error(exc: Exception) -> str:
-    first = (str(exc).splitlines() or [type(exc).__name__])[0][:120]
-    return f"{type(exc).__name__}: {first}"
+    return f"{type(exc).__name__}: {first_line(exc)}"
 
 
 def _release() -> None:

@@ -1,14 +1,14 @@
 """What the device can hold: a memory probe that fits peak training memory against batch size."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
-import torch.nn.functional as F
 
 from modules.config import TrainConfig
 from modules.models import build_model
-from modules.trainer import autocast_dtype
+from modules.trainer import autocast_dtype, make_optimizer, train_step
 
 log = logging.getLogger(__name__)
 
@@ -22,17 +22,19 @@ def step_peak_bytes(config: TrainConfig, num_classes: int, batch_size: int,
     model = build_model(config.model, num_classes, "none", config.dropout_impl).to(device)
     memory_format = torch.channels_last if config.channels_last else torch.contiguous_format
     model.to(memory_format=memory_format)
-    optimizer = torch.optim.AdamW(model.parameters())  # Adam-style state: the largest of ours
+    # The trainer's optimizer with Adam-style state, the largest of ours, so the batch found
+    # fits every optimizer a search may pick.
+    optimizer = make_optimizer(model, dataclasses.replace(config, optimizer="adamw"), device)
     x = torch.randn(batch_size, 3, config.image_size, config.image_size, device=device)
     x = x.to(memory_format=memory_format)
     y = torch.randint(0, num_classes, (batch_size,), device=device)
     dtype = autocast_dtype(config.amp, device)
     amp = dtype is not None
+    scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
-    with torch.autocast("cuda", dtype=dtype or torch.float32, enabled=amp):
-        F.cross_entropy(model(x), y).backward()
-    optimizer.step()
+    train_step(model, model, optimizer, scaler, x, y, device=device, dtype=dtype,
+               max_grad_norm=config.max_grad_norm)
     model.eval()
     with torch.no_grad(), torch.autocast("cuda", dtype=dtype or torch.float32, enabled=amp):
         model(x)

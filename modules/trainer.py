@@ -9,7 +9,6 @@ import math
 import os
 import random
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -18,16 +17,18 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.profiler import record_function
 from tqdm.auto import tqdm
 
 from modules import distributed, hostmem
-from modules.config import TrainConfig, UserError
-from modules.dataset import make_loaders
-from modules.models import build_model
+from modules.config import TrainConfig, UserError, first_line
+# Re-exported: callers have long imported these from here.
+from modules.device import (REGIONS, apply_process_settings, autocast_dtype,  # noqa: F401
+                            region, resolve_device)
+from modules.evaluation import evaluate
 from modules.files import atomic_torch_save, read_torch_file
+from modules.loaders import make_loaders
+from modules.models import build_model
 from modules.oom import is_out_of_memory, more_pieces, release
-from modules.utility import evaluate
 
 log = logging.getLogger(__name__)
 
@@ -70,57 +71,6 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda was asked for, but PyTorch sees no CUDA GPU here "
-                        "(use --device auto or cpu).")
-    return torch.device(name)
-
-
-# The record_function regions each training step is split into (in a trace, and in TensorBoard).
-REGIONS = ("data_wait", "h2d", "forward", "backward", "optimizer_step")
-
-
-def region(name: str):
-    """A named profiler region (record_function) while a profiler records, else nothing:
-    one costs about 5 us of host time even when nothing records it (0.3 us this way), 25 us
-    per step for the five, a share a launch-bound GPU step of a few milliseconds feels."""
-    return record_function(name) if torch.autograd._profiler_enabled() else nullcontext()
-
-
-def apply_process_settings(config: TrainConfig, device: torch.device) -> None:
-    """The process-wide knobs of `config`, on purpose: CPU threads, the CPU allocator
-    (modules.hostmem) and, on a GPU, cuDNN's algorithm search."""
-    if config.cpu_threads is not None:
-        torch.set_num_threads(config.cpu_threads)
-    try:
-        hostmem.apply(config.cpu_allocator)
-    except RuntimeError as exc:
-        raise UserError(str(exc)) from None
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = config.cudnn_benchmark
-
-
-def autocast_dtype(amp: str, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype for an --amp mode on a device; None means full fp32."""
-    if amp == "off":
-        return None
-    if amp == "fp16":
-        if device.type != "cuda":
-            raise UserError("--amp fp16 needs a CUDA GPU; on CPU use --amp off or bf16.")
-        return torch.float16
-    if amp == "bf16":
-        return torch.bfloat16
-    # auto: bf16 on Ampere and newer (no GradScaler needed), fp16 + GradScaler on older GPUs
-    # such as the T4. On CPU autocast stays off: without native bf16 units it is several times
-    # slower (measured 31 vs 200 img/s for SqueezeNet at 64 px on an AVX2 machine).
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.get_device_capability(device)[0] >= 8 else torch.float16
-    return None
-
-
 def make_optimizer(model: nn.Module, config: TrainConfig, device: torch.device
                    ) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
@@ -157,7 +107,7 @@ def _check_fused(cls, options: dict[str, Any], params: list[torch.Tensor],
         try:
             cls([probe], **options, fused=True).step()
         except (RuntimeError, TypeError, ValueError) as exc:
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            reason = first_line(exc, limit=1000)
             raise UserError(f"optimizer_impl fused is not supported for {config.optimizer} with "
                             f"{str(dtype).replace('torch.', '')} parameters on {device.type} "
                             f"in torch {torch.__version__} ({reason}); use auto, foreach or "
@@ -331,8 +281,8 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
                         # the window's last batch; the others accumulate locally.
                         with ddp.no_sync() if ddp is not None and j < window - 1 \
                                 else contextlib.nullcontext():
-                            done.append(_forward_backward(forward, bx, by, splits, window, device,
-                                                          dtype, scaler))
+                            done.append(forward_backward(forward, bx, by, splits, window, device,
+                                                         dtype, scaler))
                     break
                 except RuntimeError as exc:  # torch's OutOfMemoryError is a RuntimeError
                     # Under DDP the other ranks are already inside this step's collectives.
@@ -370,12 +320,8 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
                             + ("" if config.max_grad_norm else " or set --max-grad-norm 1.0") + ".")
                 with region("optimizer_step"):
                     if step_ok:  # a NaN/inf anywhere in the window skips its whole update
-                        if config.max_grad_norm is not None:
-                            scaler.unscale_(optimizer)  # clip the true gradients, not scaled ones
-                            nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
                         last_lr = optimizer.param_groups[0]["lr"]
-                        scaler.step(optimizer)
-                        scaler.update()
+                        optimizer_step(model, optimizer, scaler, config.max_grad_norm)
                         scheduler.step()
                     optimizer.zero_grad(set_to_none=True)
             t3 = time.perf_counter()
@@ -481,9 +427,33 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
                   "torch": torch.__version__})
 
 
-def _forward_backward(forward, x: torch.Tensor, y: torch.Tensor, splits: int, window: int,
-                      device: torch.device, dtype: torch.dtype | None, scaler
-                      ) -> tuple[Any, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+def train_step(forward, model: nn.Module, optimizer: torch.optim.Optimizer, scaler,
+               x: torch.Tensor, y: torch.Tensor, *, device: torch.device,
+               dtype: torch.dtype | None, max_grad_norm: float | None = None) -> bool:
+    """One optimizer step on one batch, built from the same two pieces train() uses
+    (forward_backward, optimizer_step): what the autotuner times and the memory probe
+    measures is the step that trains. Returns whether the loss was finite (if not, no update)."""
+    optimizer.zero_grad(set_to_none=True)
+    finite, _ = forward_backward(forward, x, y, 1, 1, device, dtype, scaler)
+    if bool(finite):
+        optimizer_step(model, optimizer, scaler, max_grad_norm)
+    return bool(finite)
+
+
+def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler,
+                   max_grad_norm: float | None) -> None:
+    """Apply the accumulated gradients: clipped to max_grad_norm (unscaled first, so the true
+    gradients are clipped, not fp16-scaled ones), then the step and the loss scale's update."""
+    if max_grad_norm is not None:
+        scaler.unscale_(optimizer)
+        nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def forward_backward(forward, x: torch.Tensor, y: torch.Tensor, splits: int, window: int,
+                     device: torch.device, dtype: torch.dtype | None, scaler
+                     ) -> tuple[Any, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
     """Forward and backward one loader batch, in `splits` chunks (1 until memory ran out).
 
     Each chunk's loss is weighted by its share of the batch and divided by the batches in the
@@ -602,7 +572,9 @@ def _summary_writer(run_dir, config: TrainConfig):
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(config.to_json())
-    from torch.utils.tensorboard import SummaryWriter  # imported late: it loads TensorBoard
+    from torch.utils.tensorboard import (
+        SummaryWriter,  # imported late: it loads TensorBoard
+    )
     return SummaryWriter(log_dir=str(run_dir))
 
 

@@ -338,3 +338,15 @@ def test_a_choice_is_reused_by_a_later_scenario_and_from_the_machine_cache(tmp_p
     at._RESULTS.clear()
     _, other = at.autotune(_config(image_size=32), 3, planned_steps=10, cache_path=cache)
     assert "reused_from" not in other
+
+
+def test_the_compute_probe_times_the_step_that_trains_clipping_included():
+    """The probe's step is the trainer's (train_step): with --max-grad-norm its update is
+    clipped as training's is, where a step of its own would not be."""
+    config = _config(optimizer="sgd", lr=1.0, momentum=0.0, max_grad_norm=1e-6)
+    probe = at.ComputeProbe(config, 3)
+    before = [p.detach().clone() for p in probe.model.parameters()]
+    probe.step()
+    moved = torch.sqrt(sum(((p.detach() - b) ** 2).sum()
+                           for p, b in zip(probe.model.parameters(), before)))
+    assert 0 < moved <= 1.01e-6  # lr x the clipped gradient norm
