@@ -17,10 +17,11 @@ from pathlib import Path
 
 import optuna
 
-from modules.config import TrainConfig, UserError
+from modules.config import TrainConfig, UserError, first_line
 from modules.oom import is_out_of_memory, release
 from modules.selection import accuracy_se, beats, informative, tie_margin
-from modules.trainer import DivergedError, fit, resolve_device
+from modules.device import resolve_device
+from modules.trainer import DivergedError, fit
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +222,7 @@ class OptunaTuner:
                 return _Storage(self.storage_url, heartbeat_interval=HEARTBEAT_S,
                                 grace_period=GRACE_S, **{keyword: retry})
         except Exception as exc:  # SQLAlchemy raises many types for bad URLs / unreachable DBs
-            first = _scrub(((str(exc).strip().splitlines() or [""])[0]), self.storage_url)
+            first = _scrub(first_line(exc, limit=1000), self.storage_url)
             raise UserError(f"cannot open Optuna storage {_without_password(self.storage_url)!r} "
                             f"({type(exc).__name__}: {first}).") from None
 

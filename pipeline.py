@@ -17,25 +17,27 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
 import torch
 
 from modules import distributed
+from modules.autotune import MEASURE_SHARE, ComputeProbe, autotune
 from modules.config import (CPU_ALLOCATORS, DISPLAY_ONLY, DROPOUT_IMPLS, MODELS, TrainConfig,
                             UserError)
-from modules.autotune import MEASURE_SHARE, ComputeProbe, autotune
 from modules.dataset import (DatasetIndex, data_path_of, index_dataset, load_rgb, make_loader,
                              resolve_source, subset, train_transform)
-from modules.fastdata import CachedLoader, cache_fits
+from modules.device import autocast_dtype, resolve_device
+from modules.evaluation import evaluate
+from modules.fastdata import cache_fits
 from modules.files import atomic_write_text
 from modules.hardware import max_batch_size
-from modules.profiler import SystemSampler, TorchProfiler, diagnose, native_bf16_cpu
-from modules.report import write_report
-from modules.selection import accuracy_se
-from modules.trainer import (TrainResult, autocast_dtype, load_checkpoint, prepare,
-                             resolve_device, train)
-from modules.utility import (evaluate, load_model, plot_comparison, results_table, save_model,
-                             table_markdown)
+from modules.monitor import SystemSampler
+from modules.profiler import TorchProfiler
+from modules.report import plot_comparison, results_table, table_markdown, write_report
+from modules.results import (MACHINE_FIGURES, STEP_FIGURES, checkpoint_file,  # noqa: F401
+                             compare_to_baseline, json_safe, keep_best_model, latest_run,
+                             merge_results, previous_row, result_row, run_folder, start_run,
+                             write_json)
+from modules.trainer import load_checkpoint, prepare, train
 from optuna_optimizer import BATCH_SIZES, OptunaTuner
 from resolution_tuner import (CPU_RESOLUTIONS, GPU_RESOLUTIONS, QUICK_CPU_RESOLUTIONS,
                               ResolutionTuner)
@@ -56,7 +58,6 @@ N_TRIALS = 20
 # MAX_EPOCH_FACTOR times its own (fill_time).
 TIME_SHARE, MAX_EPOCH_FACTOR = 0.8, 3
 AUTOTUNE_CACHE = "autotune_cache.json"  # in the output dir: choices by machine, reused by later runs
-RUN_FILE = "latest_run.json"  # in the output dir: the newest run's id, data and command
 QUICK_SYNTHETIC_PER_CLASS = (QUICK_PER_CLASS["train"] + QUICK_PER_CLASS["val"],
                              QUICK_PER_CLASS["test"])
 
@@ -350,61 +351,6 @@ def short_budget(config: TrainConfig) -> int:
     return max(2, config.epochs // 3)
 
 
-def checkpoint_file(output_dir: Path, scenario: str, suffix: str = ".pt",
-                    run_id: str | None = None) -> Path:
-    """Where a scenario of run `run_id` keeps what --resume continues from: its training
-    state (.pt), the autotuner's choice (.autotune.json), the resolution tuning's results
-    (.tuning.json)."""
-    return run_folder(output_dir, "checkpoints", run_id) / f"{scenario}{suffix}"
-
-
-def run_folder(output_dir: Path, kind: str, run_id: str | None) -> Path:
-    """output_dir/kind/run_id: each run's checkpoints, TensorBoard scalars (runs) and traces
-    (profiler) have their own folder, so no run overwrites or mixes with another's."""
-    return Path(output_dir) / kind / (run_id or "")
-
-
-def latest_run(output_dir: Path) -> dict[str, Any] | None:
-    """The record of the newest run in output_dir (what --resume continues), or None."""
-    try:
-        record = json.loads((Path(output_dir) / RUN_FILE).read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    return record if isinstance(record, dict) and record.get("run_id") else None
-
-
-def start_run(args: argparse.Namespace, output_dir: Path, index: DatasetIndex) -> str:
-    """This run's id: with --resume the newest run's, which must be on the same data; else a
-    new one (the UTC time), recorded as the newest. Earlier runs' files stay."""
-    latest = latest_run(output_dir)
-    fingerprint = index.fingerprint()
-    if args.resume and latest is not None:
-        if latest.get("data_fingerprint") != fingerprint:
-            raise UserError(
-                f"cannot resume: the newest run in {output_dir} ({latest['run_id']}) trained on "
-                f"{latest.get('dataset')!r} ({latest.get('n_images')} images), this one is on "
-                f"{index.name!r} ({index.n_images()} images); drop --resume to start a new run "
-                "beside it (nothing is deleted).")
-        log.info("resuming run %s (%s)", latest["run_id"], latest.get("command") or "")
-        return latest["run_id"]
-    if args.resume:
-        log.info("--resume: no earlier run in %s; starting a new one", output_dir)
-    run_id = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    taken = {latest["run_id"]} if latest else set()
-    taken |= {p.name for p in (output_dir / "checkpoints").glob("*") if p.is_dir()}
-    suffix = 1
-    while run_id in taken:  # two runs started within one second
-        suffix += 1
-        run_id = f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{suffix}"
-    if distributed.is_main():
-        write_json(output_dir / RUN_FILE, {
-            "run_id": run_id, "dataset": index.name, "data_fingerprint": fingerprint,
-            "n_images": index.n_images(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ",
-                                                                   time.gmtime()),
-            "command": getattr(args, "command", None) or shlex.join(sys.argv)})
-    return run_id
-
-
 def load_data(args: argparse.Namespace, output_dir: Path) -> DatasetIndex:
     per_class = QUICK_SYNTHETIC_PER_CLASS if args.quick else SYNTHETIC_PER_CLASS
     root, name = resolve_source(args.dataset, args.data_dir, output_dir / "data", per_class)
@@ -467,9 +413,9 @@ def run_scenario(name: str, args: argparse.Namespace, index: DatasetIndex, outpu
         # Resumed after it had finished: this process only evaluated, so the figures measured
         # while it trained stay (without results.json: the checkpoint's step timing, and
         # machine samples of the test evaluation only).
-        carried = _previous_row(output_dir / "results.json", name, index.name, args.run_id)
+        carried = previous_row(output_dir / "results.json", name, index.name, args.run_id)
         if carried is not None and carried.get("history") != json.loads(
-                json.dumps(_json_safe(result.history))):
+                json.dumps(json_safe(result.history))):
             carried = None  # a row of another run, not of the one in the checkpoint
         log.info("%s had finished; %s", name, "keeping the figures measured while it trained"
                  if carried else "its machine figures cover only the test evaluation")
@@ -481,7 +427,7 @@ def run_scenario(name: str, args: argparse.Namespace, index: DatasetIndex, outpu
              100 * row["val_acc_se"], row["best_epoch"], row["total_s"], tuning_s)
     log.info("%s: %s", name, row["diagnosis"]["summary"])
     if distributed.is_main():
-        _keep_best_model(result, config, index, row, output_dir)
+        keep_best_model(result, config, index, row, output_dir)
     return row
 
 
@@ -537,7 +483,7 @@ def fill_time(config: TrainConfig, name: str, args: argparse.Namespace, output_d
             return config  # the trainer says what is wrong with it
     baseline_s = tuned.get("baseline_total_s")
     if baseline_s is None:
-        row = _previous_row(output_dir / "results.json", "baseline", index.name)
+        row = previous_row(output_dir / "results.json", "baseline", index.name)
         baseline_s = (row or {}).get("total_s") or (row or {}).get("wall_s")
     if not baseline_s:
         return config
@@ -643,7 +589,7 @@ def worker_seed(args: argparse.Namespace) -> int:
 
 def _previous_resolution(output_dir: Path, dataset: str) -> int | None:
     """The resolution scenario's pick from an earlier run on the same dataset, if any."""
-    row = _previous_row(output_dir / "results.json", "resolution", dataset)
+    row = previous_row(output_dir / "results.json", "resolution", dataset)
     return row.get("best_resolution") if row else None
 
 
@@ -651,165 +597,6 @@ def _cuda_index(device: torch.device) -> int | None:
     if device.type != "cuda":
         return None
     return device.index if device.index is not None else torch.cuda.current_device()
-
-
-# results.json fields measured while a scenario trains: the step timing (the checkpoint
-# carries it across a resume) and samples of the machine (results.json keeps them).
-STEP_FIGURES = ("avg_step_ms", "samples_per_s", "data_wait_frac", "h2d_frac",
-                "gpu_compute_frac", "cpu_exec_us")
-MACHINE_FIGURES = ("gpu_util_pct", "cpu_util_pct", "process_cpu_pct", "peak_mem_mb",
-                   "gpu_mem_peak_mb", "energy_j")
-
-
-def result_row(name: str, config: TrainConfig, result: TrainResult, test: dict[str, Any],
-               index: DatasetIndex, device: torch.device, system: dict[str, Any],
-               data_path: str, carried: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The scenario's results.json object: accuracy, timing, hardware figures, diagnosis.
-    carried: the earlier row of this same training, whose machine figures replace this
-    process's (which trained nothing), and its step figures too when the checkpoint had none
-    (one written before checkpoints carried them)."""
-    best = next((r for r in result.history if r["epoch"] == result.best_epoch), {})
-    t = result.timing
-    if device.type == "cuda":
-        peak_mb = torch.cuda.max_memory_allocated(device) / 2**20
-        mem_limit_mb = torch.cuda.get_device_properties(device).total_memory / 2**20
-        alloc_retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
-    else:  # resident memory of this process and its DataLoader workers, sampled
-        peak_mb = system.get("ram_peak_mb")
-        mem_limit_mb = psutil.virtual_memory().total / 2**20
-        alloc_retries = None
-    row = {
-        "scenario": name, "dataset": index.name, "model": config.model,
-        "train_acc": best.get("train_acc"), "train_loss": best.get("train_loss"),
-        "val_acc": best.get("val_acc"), "val_loss": best.get("val_loss"),
-        "val_acc_se": accuracy_se(best.get("val_acc") or 0.0, len(index.val)),
-        "n_val": len(index.val), "n_test": len(index.test),
-        "test_acc": test["acc"], "test_loss": test["loss"],
-        "test_acc_se": accuracy_se(test["acc"], len(index.test)),
-        "per_class_test_acc": dict(zip(index.classes, test["per_class_acc"])),
-        "confusion_matrix": test["confusion"],
-        "best_resolution": config.image_size, "epochs": result.epochs_run,
-        "best_epoch": result.best_epoch,
-        "avg_step_ms": t.get("avg_step_ms"), "samples_per_s": t.get("samples_per_s"),
-        "data_wait_frac": t.get("data_wait_frac"), "h2d_frac": t.get("h2d_frac"),
-        "gpu_compute_frac": t.get("gpu_compute_frac"),  # CUDA-event time / step time
-        "cpu_exec_us": t.get("cpu_exec_us"),
-        "gpu_util_pct": system.get("gpu_util_pct"), "cpu_util_pct": system.get("cpu_util_pct"),
-        "process_cpu_pct": system.get("process_cpu_pct"),
-        "peak_mem_mb": peak_mb, "gpu_mem_peak_mb": system.get("gpu_mem_peak_mb"),
-        "energy_j": system.get("energy_j"),
-        "wall_s": result.wall_s, "time_to_best_s": result.time_to_best_s,
-        "skipped_files": index.skipped_files, "nonfinite_steps": result.nonfinite_steps,
-        "stopped_early": result.stopped_early, "resumed_from_epoch": result.resumed_from_epoch,
-        "settings": {**config.to_dict(), **result.settings, "data_path": data_path},
-        "history": result.history,
-    }
-    if carried is not None:
-        keys = MACHINE_FIGURES + (STEP_FIGURES if not t.get("steps") else ())
-        row.update({k: carried[k] for k in keys if k in carried})
-    row["diagnosis"] = diagnose({
-        **{k: row[k] for k in ("data_wait_frac", "h2d_frac", "avg_step_ms", "samples_per_s",
-                               "gpu_util_pct", "cpu_util_pct", "peak_mem_mb")},
-        "batch_size": config.batch_size, "device": device.type, "mem_limit_mb": mem_limit_mb,
-        "alloc_retries": alloc_retries, "num_workers": config.num_workers,
-        "cpu_count": os.cpu_count(), "channels_last": config.channels_last,
-        "amp_dtype": result.settings.get("amp_dtype"),
-        "native_bf16": native_bf16_cpu() if device.type == "cpu" else None,
-        "cached_decode": data_path == CachedLoader.data_path})
-    return row
-
-
-def _keep_best_model(result: TrainResult, config: TrainConfig, index: DatasetIndex,
-                     row: dict[str, Any], output_dir: Path) -> None:
-    """Save this scenario's model as <dataset>_model.pt only when it beats the one there on
-    test accuracy (whichever run saved it); a model file that cannot be read is kept aside."""
-    path = output_dir / f"{index.name}_model.pt"
-    if path.exists():
-        try:
-            previous = load_model(path).meta.get("extra", {})
-        except UserError as exc:
-            aside = path.with_name(f"{path.stem}.unreadable-{time.strftime('%Y%m%d-%H%M%S')}.pt")
-            path.rename(aside)
-            log.warning("%s; kept it as %s", exc, aside)
-            previous = {}
-        best = previous.get("test_acc")
-        if isinstance(best, (int, float)) and best >= row["test_acc"]:
-            log.info("kept %s (%s of run %s, test accuracy %.1f%%): this %s model's %.1f%% is "
-                     "not better", path, previous.get("scenario"), previous.get("run_id"),
-                     100 * best, row["scenario"], 100 * row["test_acc"])
-            return
-    save_model(result.model, path, arch=config.model, class_names=index.classes,
-               image_size=config.image_size,
-               extra={"scenario": row["scenario"], "dataset": index.name,
-                      "run_id": row.get("run_id"),
-                      "test_acc": row["test_acc"], "val_acc": row["val_acc"],
-                      "per_class_test_acc": row["per_class_test_acc"],
-                      "confusion_matrix": row["confusion_matrix"]})
-    log.info("saved %s: the best test accuracy so far on %s (%.1f%%, %s)", path, index.name,
-             100 * row["test_acc"], row["scenario"])
-
-
-# ----------------------------------------------------------------------------- outputs
-
-def _json_safe(value):
-    """NaN and inf become null: a diverged number must never read as a score."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
-
-
-def write_json(path: Path, data) -> None:
-    """Atomic: readers see the old file or the new one, never half of one."""
-    atomic_write_text(json.dumps(_json_safe(data), indent=2, allow_nan=False), path)
-
-
-def _earlier_rows(path: Path) -> list[dict[str, Any]]:
-    """The rows of an earlier results.json; none when it is missing or unreadable."""
-    try:
-        rows = json.loads(path.read_text()) if path.exists() else []
-    except (OSError, json.JSONDecodeError):
-        return []
-    return [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else []
-
-
-def _previous_row(path: Path, scenario: str, dataset: str, run_id: str | None = None
-                  ) -> dict[str, Any] | None:
-    """The scenario's last row on `dataset` (of run `run_id` when given) in results.json."""
-    rows = [r for r in _earlier_rows(path)
-            if r.get("scenario") == scenario and r.get("dataset") == dataset
-            and (run_id is None or r.get("run_id") == run_id)]
-    return rows[-1] if rows else None
-
-
-def compare_to_baseline(rows: list[dict[str, Any]], baseline: dict[str, Any] | None) -> None:
-    """Each row against the baseline of its dataset, in place: test accuracy difference
-    (points), total time ratio, and time_to_baseline_acc_s: seconds, tuning included, until
-    its validation accuracy first reached the baseline's (None when it never did)."""
-    if baseline is None:
-        return
-    target = baseline.get("val_acc")
-    for row in rows:
-        reached = next((h["elapsed_s"] for h in row.get("history") or []
-                        if target is not None and (h.get("val_acc") or 0) >= target), None)
-        row["time_to_baseline_acc_s"] = (None if reached is None
-                                         else (row.get("tuning_s") or 0.0) + reached)
-        row["test_acc_vs_baseline"] = 100 * (row["test_acc"] - baseline["test_acc"])
-        base_total = baseline.get("total_s") or baseline.get("wall_s")
-        total = row.get("total_s") or row.get("wall_s")
-        row["total_vs_baseline"] = total / base_total if total and base_total else None
-        row["baseline_acc_target"] = target
-
-
-def merge_results(path: Path, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Every earlier run's rows stay; within one run (resumed) a scenario's new row replaces
-    its old one."""
-    new = {(r.get("run_id"), r["scenario"]) for r in rows}
-    kept = [r for r in _earlier_rows(path) if (r.get("run_id"), r.get("scenario")) not in new]
-    return kept + rows
 
 
 def write_outputs(results: list[dict[str, Any]], output_dir: Path, run_id: str | None = None
@@ -848,8 +635,10 @@ def run(args: argparse.Namespace, index: DatasetIndex | None = None) -> list[dic
             logging.getLogger().setLevel(logging.WARNING)
     output_dir = prepare_output_dir(args.output_dir)
     index = index or load_data(args, output_dir)
-    args.run_id = distributed.from_main(start_run(args, output_dir, index)
-                                        if distributed.is_main() else None)
+    # Every process checks (so a refused --resume ends them all); rank 0's id is the run's.
+    args.run_id = distributed.from_main(start_run(
+        output_dir, index, resume=args.resume,
+        command=getattr(args, "command", None) or shlex.join(["python", *sys.argv])))
     log.info("run %s: outputs in %s (earlier runs stay in results.json)", args.run_id,
              output_dir)
     tuned: dict[str, Any] = {}  # what one scenario hands the next (the picked resolution)
@@ -860,7 +649,7 @@ def run(args: argparse.Namespace, index: DatasetIndex | None = None) -> list[dic
         if name == "baseline":
             tuned["baseline_total_s"] = rows[-1]["total_s"]
         baseline = next((r for r in rows if r["scenario"] == "baseline"), None) or \
-            _previous_row(output_dir / "results.json", "baseline", index.name)
+            previous_row(output_dir / "results.json", "baseline", index.name)
         compare_to_baseline(rows, baseline)
         if distributed.is_main():  # as each scenario ends: a crash in the next one loses no row
             path = output_dir / "results.json"

@@ -32,6 +32,13 @@ class UserError(Exception):
     """A mistake in the user's input: the command prints its message as one line, no traceback."""
 
 
+def first_line(exc: BaseException, limit: int = 120) -> str:
+    """An exception's first non-empty line, at most `limit` characters (its type's name when it
+    has no message): what a one-line error quotes of it."""
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    return lines[0][:limit] if lines else type(exc).__name__
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Everything one training run needs. Variants come from `dataclasses.replace`."""

@@ -479,19 +479,3 @@ STREAMED = "per-sample PIL decode"  # how make_loader's batches are made
 def data_path_of(loader) -> str:
     """How a loader makes its batches: its `data_path` (fastdata.CachedLoader's), else STREAMED."""
     return getattr(loader, "data_path", STREAMED)
-
-
-def make_loaders(index: DatasetIndex, config: TrainConfig
-                 ) -> tuple[DataLoader, DataLoader, DataLoader]:
-    """(train, val, test) loaders at config.image_size: from the decoded-image cache with batched
-    augmentation on the device when config.cache_decoded (and it fits in RAM), else the seed's
-    per-sample PIL decode and transforms."""
-    if config.cache_decoded:
-        from modules.fastdata import cached_loaders  # imports this module
-        loaders = cached_loaders(index, config)
-        if loaders is not None:
-            return loaders
-    size = config.image_size
-    return (make_loader(index.train, train_transform(size), config, train=True),
-            make_loader(index.val, eval_transform(size), config, train=False),
-            make_loader(index.test, eval_transform(size), config, train=False))

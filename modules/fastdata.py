@@ -23,7 +23,7 @@ from PIL import Image
 
 from modules.config import IMAGENET_MEAN, IMAGENET_STD, TrainConfig, UserError
 from modules.dataset import Sample, drops_last, eval_sampler, to_rgb, train_sampler
-from modules.trainer import resolve_device
+from modules.device import resolve_device
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from modules.config import UserError
+from modules.config import UserError, first_line
 
 
 def atomic_torch_save(payload: dict, path: Path) -> None:
@@ -77,7 +77,7 @@ def write_error(path: Path, exc: BaseException) -> UserError:
     if code in (errno.ENOSPC, errno.EDQUOT) or disk_full(Path(path).parent):
         return UserError(f"no space left on the device holding {str(path)!r}; free some space or "
                          "pass --output-dir on another disk (earlier files there are intact).")
-    reason = getattr(exc, "strerror", None) or (str(exc).splitlines() or [type(exc).__name__])[0]
+    reason = getattr(exc, "strerror", None) or first_line(exc, limit=1000)
     return UserError(f"cannot write {str(path)!r} ({reason}); pass a writable --output-dir.")
 
 

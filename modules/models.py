@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import torchvision
 from torch import nn
 
-from modules.config import DROPOUT_IMPLS, MODELS, UserError
+from modules.config import DROPOUT_IMPLS, MODELS, UserError, first_line
 from modules.files import read_torch_file
 
 log = logging.getLogger(__name__)
@@ -145,7 +145,7 @@ def _load_imagenet(model: nn.Module, name: str) -> None:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             state = weights.get_state_dict(progress=False, check_hash=True, weights_only=True)
     except Exception as exc:  # offline, proxy, corrupt cache: training from scratch still works
-        reason = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
+        reason = first_line(exc)
         if isinstance(exc, RuntimeError) and "invalid hash value" in reason:
             # Not a failure to train around: what arrived is not torchvision's file.
             raise UserError(f"the ImageNet weights downloaded for {name} do not match their "

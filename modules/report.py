@@ -1,22 +1,24 @@
-"""report.md beside results.json: the comparison table, each scenario's diagnosis, and a chart of
-throughput and where each step's time went."""
+"""Reports: the results table, the charts (training curves, step-time breakdown, confusion
+matrix, predicted test images) and report.md, which puts them on one page with each
+scenario's diagnosis."""
 from __future__ import annotations
 
 import math
 from pathlib import Path
 from typing import Any
 
-from modules.utility import (ACCURACY_PNG, LOSS_PNG, load_model, predict, results_table,
-                             table_markdown)
+from modules.config import UserError
+from modules.model_files import load_model
+from modules.prediction import predict
 
+LOSS_PNG = "training_loss_comparison.png"
+ACCURACY_PNG = "training_accuracy_comparison.png"
+COMPARISON_HTML = "training_comparison.html"
+NA = "n/a"
 BREAKDOWN_PNG = "step_time_breakdown.png"
 CONFUSION_PNG = "confusion_matrix.png"
 PREDICTIONS_PNG = "sample_predictions.png"
 REPORT_MD = "report.md"
-
-
-def _finite(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
 
 
 def step_breakdown(row: dict[str, Any]) -> dict[str, float] | None:
@@ -35,7 +37,7 @@ def plot_breakdown(rows: list[dict[str, Any]], out_dir: Path) -> Path | None:
     parts = {k: v for k, v in parts.items() if v is not None}
     if not parts:
         return None
-    fig = _figure(10, 4.5)
+    fig = _canvas(10, 4.5)
     rate_ax, step_ax = fig.subplots(1, 2)
     names = list(parts)
     rates = [_finite(next(r for r in rows if r["scenario"] == n).get("samples_per_s")) or 0.0
@@ -59,7 +61,7 @@ def plot_breakdown(rows: list[dict[str, Any]], out_dir: Path) -> Path | None:
     return path
 
 
-def _figure(width: float, height: float):
+def _canvas(width: float, height: float):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -83,7 +85,7 @@ def plot_confusion(row: dict[str, Any], out_dir: Path) -> Path | None:
         return None
     names = list(per_class)
     n = len(names)
-    fig = _figure(4 + 0.9 * n, 1.5 + 0.55 * n)
+    fig = _canvas(4 + 0.9 * n, 1.5 + 0.55 * n)
     grid_ax, acc_ax = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})
     shares = [[v / max(1, sum(line)) for v in line] for line in matrix]
     grid_ax.imshow(shares, cmap="Blues", vmin=0, vmax=1)
@@ -117,13 +119,14 @@ def plot_predictions(model_path: Path, samples: list[tuple[str, int]], class_nam
     if not samples or not Path(model_path).exists():
         return None
     import random
+
     from PIL import Image
 
     chosen = random.Random(seed).sample(samples, min(n, len(samples)))
     predictions = predict(load_model(model_path), [path for path, _ in chosen])
     cols = min(4, len(chosen))
     rows = math.ceil(len(chosen) / cols)
-    fig = _figure(2.6 * cols, 2.8 * rows)
+    fig = _canvas(2.6 * cols, 2.8 * rows)
     axes = fig.subplots(rows, cols, squeeze=False)
     for ax in axes.flat:
         ax.axis("off")
@@ -239,3 +242,220 @@ def write_report(rows: list[dict[str, Any]], out_dir: Path,
     path = out_dir / REPORT_MD
     path.write_text(render_report(rows, charts, earlier))
     return path
+
+
+# --------------------------------------------------------------------------- results table
+
+# (results.json key, header, how to show it). "pct" keys hold fractions 0-1.
+_COLUMNS = (
+    ("train_acc", "Train Acc (%)", "pct"),
+    ("val_acc", "Val Acc (%)", "pct"),
+    ("test_acc", "Test Acc (%)", "pct"),
+    ("train_loss", "Train Loss", "loss"),
+    ("test_loss", "Test Loss", "loss"),
+    ("best_resolution", "Best Resolution", "int"),
+    ("epochs", "Epochs", "int"),
+    ("gpu_util_pct", "GPU Util (%)", "1f"),
+    ("cpu_util_pct", "CPU Util (%)", "1f"),
+    ("cpu_exec_us", "CPU Exec (us)", "0f"),
+    ("avg_step_ms", "Step (ms)", "2f"),
+    ("samples_per_s", "Throughput (img/s)", "1f"),
+    ("peak_mem_mb", "Peak Mem (MB)", "0f"),
+    ("data_wait_frac", "Data Wait (%)", "pct"),
+    ("wall_s", "Train (s)", "1f"),
+    ("tuning_s", "Tuning (s)", "1f"),
+    ("total_s", "Total (s)", "1f"),
+    ("test_acc_vs_baseline", "Test Acc vs Baseline (pts)", "signed"),
+    ("total_vs_baseline", "Time vs Baseline (x)", "2f"),
+    ("time_to_baseline_acc_s", "To Baseline Val Acc (s)", "1f"),
+    ("skipped_files", "Skipped Files", "int"),
+    ("diagnosis", "Bottleneck", "diagnosis"),
+)
+
+
+def results_table(rows: list[dict]):
+    """The scenario results as a pandas DataFrame of display strings, indexed by scenario.
+
+    Accuracies and the data-wait fraction are shown as percentages; a missing or None value is
+    "n/a" (never 0, which would read as a measurement).
+    """
+    import pandas as pd  # only the reporting path needs pandas
+
+    if not isinstance(rows, (list, tuple)) or not all(isinstance(r, dict) for r in rows):
+        raise UserError(f"results_table needs a list of result dicts, but got {type(rows).__name__}.")
+    data = [[_cell(row.get(key), kind) for key, _, kind in _COLUMNS] for row in rows]
+    index = pd.Index([str(row.get("scenario", NA)) for row in rows], name="Scenario")
+    return pd.DataFrame(data, index=index, columns=[header for _, header, _ in _COLUMNS],
+                        dtype=object)
+
+
+def _cell(value: Any, kind: str) -> str:
+    if value is None:
+        return NA
+    if kind == "diagnosis" and isinstance(value, dict):  # modules.profiler.diagnose's result
+        return str(value.get("bottleneck", NA))
+    if kind in ("text", "diagnosis") or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # a diverged loss shows as nan/inf rather than vanishing
+    if kind == "pct":
+        return f"{value * 100:.1f}"
+    if kind == "signed":
+        return f"{value:+.1f}"
+    if kind == "loss":
+        return f"{value:.4f}"
+    if kind == "int":
+        return str(int(value)) if float(value).is_integer() else f"{value:g}"
+    return f"{value:.{kind[0]}f}"
+
+
+def table_markdown(df) -> str:
+    """`df` as a GitHub-flavoured markdown table (index first), without the tabulate package."""
+    header = [str(df.index.name or "")] + [str(c) for c in df.columns]
+    lines = [_md_row(header), "|" + "|".join("---" for _ in header) + "|"]
+    for label, values in zip(df.index, df.itertuples(index=False)):
+        lines.append(_md_row([label, *values]))
+    return "\n".join(lines)
+
+
+def _md_row(cells) -> str:
+    return "| " + " | ".join(_md_escape(c) for c in cells) + " |"
+
+
+def _md_escape(value: Any) -> str:
+    text = NA if value is None else str(value)
+    # A bare "|" would split the cell; a newline would end the row.
+    return text.replace("|", "\\|").replace("\r", " ").replace("\n", " ")
+
+
+# --------------------------------------------------------------------------- training curves
+
+def plot_comparison(histories: dict[str, list[dict]], out_dir) -> list[Path]:
+    """Loss and accuracy curves per scenario (train solid, val dashed), as two PNGs and one
+    interactive HTML that works offline (plotly.min.js is written beside it).
+
+    Returns the written paths; with nothing to plot, writes nothing and returns [].
+    """
+    if not isinstance(histories, dict):
+        raise UserError(f"histories must map scenario -> list of epoch dicts, but got "
+                        f"{type(histories).__name__}.")
+    series = {name: _curves(name, epochs) for name, epochs in histories.items()}
+    if not any(points for curves in series.values() for points in curves.values()):
+        return []
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = [
+        _plot_png(series, "loss", "Training loss by scenario", "Loss", out_dir / LOSS_PNG),
+        _plot_png(series, "acc", "Training accuracy by scenario", "Accuracy (%)",
+                  out_dir / ACCURACY_PNG),
+    ]
+    written.extend(_plot_html(series, out_dir / COMPARISON_HTML))
+    return written
+
+
+def _curves(name: str, epochs) -> dict[str, list[tuple[float, float]]]:
+    """{"train_loss": [(epoch, value), ...], ...} with accuracies in percent, bad points dropped."""
+    if not isinstance(epochs, (list, tuple)):
+        raise UserError(f"history of scenario {name!r} must be a list of epoch dicts, but got "
+                        f"{type(epochs).__name__}.")
+    curves: dict[str, list[tuple[float, float]]] = {}
+    for key in ("train_loss", "val_loss", "train_acc", "val_acc"):
+        scale = 100.0 if key.endswith("_acc") else 1.0
+        points = []
+        for i, row in enumerate(epochs):
+            if not isinstance(row, dict):
+                continue
+            x, y = _finite(row.get("epoch", i + 1)), _finite(row.get(key))
+            if x is not None and y is not None:
+                points.append((x, y * scale))
+        curves[key] = points
+    return curves
+
+
+def _finite(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _color(i: int) -> str:
+    from matplotlib.colors import to_hex
+
+    # Same colour per scenario in the PNGs and the HTML, so the two can be read side by side.
+    return to_hex(f"C{i % 10}")
+
+
+def _plot_png(series: dict, metric: str, title: str, ylabel: str, path: Path) -> Path:
+    # Figure + FigureCanvasAgg instead of pyplot: renders headless without switching the
+    # process-wide backend a notebook may have chosen, and leaves no global figure open.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(8, 5), dpi=120)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for i, (name, curves) in enumerate(series.items()):
+        for split, style in (("train", "-"), ("val", "--")):
+            points = curves[f"{split}_{metric}"]
+            if points:
+                xs, ys = zip(*points)
+                ax.plot(xs, ys, style, color=_color(i), marker="o", markersize=3,
+                        label=f"{name} ({split})")
+    ax.set_title(title)
+    ax.set_xlabel("Epoch")
+    ax.set_ylabel(ylabel)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(True, alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
+def comparison_figure(histories: dict[str, list[dict]]):
+    """The interactive loss/accuracy figure of plot_comparison's HTML, for a notebook to show."""
+    return _plotly_figure({name: _curves(name, epochs) for name, epochs in histories.items()})
+
+
+def _plotly_figure(series: dict):
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("Loss", "Accuracy (%)"))
+    for i, (name, curves) in enumerate(series.items()):
+        for col, metric in ((1, "loss"), (2, "acc")):
+            for split, dash in (("train", "solid"), ("val", "dash")):
+                points = curves[f"{split}_{metric}"]
+                if not points:
+                    continue
+                xs, ys = zip(*points)
+                fig.add_trace(go.Scatter(
+                    x=xs, y=ys, mode="lines+markers", name=f"{name} ({split})",
+                    line={"color": _color(i), "dash": dash},
+                    # One legend entry per scenario/split toggles both subplots together.
+                    legendgroup=f"{name} ({split})", showlegend=(col == 1)))
+    fig.update_xaxes(title_text="Epoch")
+    fig.update_yaxes(title_text="Loss", row=1, col=1)
+    fig.update_yaxes(title_text="Accuracy (%)", row=1, col=2)
+    fig.update_layout(title="Training comparison by scenario", template="plotly_white")
+    return fig
+
+
+def _plot_html(series: dict, path: Path) -> list[Path]:
+    import plotly
+
+    fig = _plotly_figure(series)
+    bundle = path.parent / "plotly.min.js"
+    # plotly keeps an existing plotly.min.js; one left by another plotly version could break
+    # the page, so refresh it when it differs from the version that writes the HTML.
+    if bundle.exists() and bundle.read_text(encoding="utf-8", errors="replace") \
+            != plotly.offline.get_plotlyjs():
+        bundle.unlink()
+    fig.write_html(path, include_plotlyjs="directory", full_html=True, auto_open=False)
+    return [path, bundle]

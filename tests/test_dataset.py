@@ -11,8 +11,8 @@ from PIL import Image
 
 from conftest import COLOURS, make_folder, write_image
 from modules.config import TrainConfig, UserError
-from modules.dataset import (EpochSampler, index_dataset, load_rgb, make_loaders,
-                             resolve_source, subset)
+from modules.dataset import EpochSampler, index_dataset, load_rgb, resolve_source, subset
+from modules.loaders import make_loaders
 
 
 @pytest.mark.parametrize("layout", ["intel", "train/test", "class folders"])

@@ -9,7 +9,8 @@ from torch.utils.data import DataLoader
 
 from modules import fastdata
 from modules.config import TrainConfig, UserError
-from modules.dataset import index_dataset, make_loaders
+from modules.dataset import index_dataset
+from modules.loaders import make_loaders
 from modules.fastdata import CachedLoader, augment, normalise
 
 

@@ -131,13 +131,13 @@ def test_oom_with_one_sample_per_pass_is_a_one_line_user_error(caplog):
 
 def test_evaluation_out_of_memory_goes_on_in_smaller_pieces_with_the_same_figures(
         reference, caplog):
-    caplog.set_level(logging.WARNING, logger="modules.utility")
+    caplog.set_level(logging.WARNING, logger="modules.evaluation")
     result = run(eval_limit=4)  # validation batches of 12: 12 -> 6 -> 3 images per piece
     for got, want in zip(result.history, reference.history):
         assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-5)
         assert got["val_acc"] == want["val_acc"]
         assert got["train_loss"] == pytest.approx(want["train_loss"], rel=1e-5)
-    halvings = [r.getMessage() for r in caplog.records if r.name == "modules.utility"]
+    halvings = [r.getMessage() for r in caplog.records if r.name == "modules.evaluation"]
     assert halvings[:2] == ["out of memory evaluating batches of 12; continuing in pieces of 6",
                             "out of memory evaluating batches of 6; continuing in pieces of 3"]
     assert len(halvings) == 2 * BASE.epochs  # once per halving, in each evaluate() call

@@ -9,6 +9,7 @@ import torch
 import pipeline
 from conftest import make_folder, run_path
 from modules.models import build_model
+from modules.results import keep_best_model
 from modules.utility import load_model
 
 RUN = ("--scenarios", "baseline", "--epochs", "1", "--image-size", "32", "--batch-size", "8",
@@ -64,7 +65,7 @@ def _keep(out: Path, test_acc: float, scenario: str) -> dict:
     row = {"scenario": scenario, "run_id": scenario, "test_acc": test_acc, "val_acc": test_acc,
            "per_class_test_acc": {"a": test_acc, "b": test_acc},
            "confusion_matrix": [[1, 0], [0, 1]]}
-    pipeline._keep_best_model(SimpleNamespace(model=model),
+    keep_best_model(SimpleNamespace(model=model),
                               pipeline.TrainConfig(model="squeezenet1_1", image_size=32),
                               SimpleNamespace(name="d", classes=["a", "b"]), row, out)
     return load_model(out / "d_model.pt").meta["extra"]

@@ -1,0 +1,232 @@
+"""The bottleneck of a run, named from its measured figures, with what to change."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from modules.config import UserError
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Where `diagnose` draws its lines. Fractions are shares of the measured step time."""
+
+    mem_frac: float = 0.90            # peak / limit of device memory above this: memory-bound
+    data_wait_frac: float = 0.30      # share of step time blocked in next(loader): input-bound
+    h2d_frac: float = 0.15            # share of step time in host-to-device copies: transfer-bound
+    tiny_step_ms_cuda: float = 5.0    # CUDA steps shorter than this, ms: launch/Python overhead rules
+    tiny_step_ms_cpu: float = 2.0     # CPU steps shorter than this, ms: framework overhead rules
+    low_gpu_util_pct: float = 50.0    # GPU busy below this, % of time, ...
+    low_data_wait_frac: float = 0.10  # ... while input waits below this share: overhead-bound
+    batch_headroom_frac: float = 0.50  # peak / limit below this: a larger batch fits
+
+
+THRESHOLDS = Thresholds()
+
+BOTTLENECKS = ("input-bound", "transfer-bound", "compute-bound", "memory-bound", "overhead-bound")
+
+
+THRESHOLDS = Thresholds()
+BOTTLENECKS = ("input-bound", "transfer-bound", "compute-bound", "memory-bound", "overhead-bound")
+
+
+def diagnose(figures: dict[str, Any]) -> dict[str, Any]:
+    """Name the bottleneck of a run from its measured figures, with 1-3 recommendations.
+
+    Any figure may be missing or None; a rule whose figures are missing is skipped. Returns
+    {"bottleneck": one of BOTTLENECKS, "summary": a sentence, "recommendations": [str, ...]}.
+    """
+    if not isinstance(figures, dict):
+        raise UserError(f"diagnose needs a dict of figures, but got {type(figures).__name__}.")
+    f = _Figures(figures)
+    for rule in (_memory_bound, _input_bound, _transfer_bound, _overhead_bound):
+        found = rule(f)
+        if found is not None:
+            return found
+    return _compute_bound(f)
+
+
+class _Figures:
+    """The figures, with NaN/inf and wrong types read as missing."""
+
+    def __init__(self, raw: dict[str, Any]):
+        self.raw = raw
+
+    def num(self, key: str) -> float | None:
+        v = self.raw.get(key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            return None
+        return float(v)
+
+    def get(self, key: str) -> Any:
+        return self.raw.get(key)
+
+    @property
+    def cuda(self) -> bool:
+        return str(self.raw.get("device") or "").startswith("cuda")
+
+
+def _pct(frac: float) -> str:
+    return f"{100 * frac:.0f}%"
+
+
+def _step(f: _Figures) -> str:
+    ms = f.num("avg_step_ms")
+    return f" {ms:.1f} ms" if ms is not None else ""
+
+
+def _result(bottleneck: str, summary: str, recs: list[str]) -> dict[str, Any]:
+    return {"bottleneck": bottleneck, "summary": summary, "recommendations": recs[:3]}
+
+
+def _memory_bound(f: _Figures) -> dict[str, Any] | None:
+    peak, limit = f.num("peak_mem_mb"), f.num("mem_limit_mb")
+    retries = f.num("alloc_retries") or 0
+    frac = peak / limit if peak is not None and limit else None
+    if not ((frac is not None and frac > THRESHOLDS.mem_frac) or retries > 0):
+        return None
+    used = (f"peak memory {peak:.0f} of {limit:.0f} MB ({_pct(frac)})" if frac is not None
+            else "device memory is full")
+    retry_txt = f", {retries:.0f} allocator retries" if retries else ""
+    batch = f.num("batch_size")
+    recs = [f"Lower batch_size{f' from {batch:.0f}' if batch else ''} and raise "
+            f"grad_accum_steps to keep the effective batch: {used}{retry_txt}."]
+    if f.cuda and f.get("amp_dtype") in (None, "fp32"):
+        recs.append(f"Turn on AMP (--amp auto): 16-bit activations take half the memory of fp32; "
+                    f"{used}.")
+    if retries:
+        recs.append(f"Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to cut fragmentation: "
+                    f"the allocator had to free its cache and retry {retries:.0f} times.")
+    return _result("memory-bound", f"Memory-bound: {used}{retry_txt}.", recs)
+
+
+def _input_bound(f: _Figures) -> dict[str, Any] | None:
+    wait = f.num("data_wait_frac")
+    if wait is None or wait <= THRESHOLDS.data_wait_frac:
+        return None
+    workers, cores = f.num("num_workers"), f.num("cpu_count")
+    setup = ""
+    if workers is not None:
+        setup = f" with {workers:.0f} worker{'s' if workers != 1 else ''}"
+        if cores is not None:
+            setup += f" on {cores:.0f} core{'s' if cores != 1 else ''}"
+    waits = f"{_pct(wait)} of each{_step(f)} step waits for data{setup}"
+    if f.get("cached_decode"):  # no decoding left: the wait is the batched augmentation
+        return _result("input-bound", f"Input-bound: {waits}.", [
+            f"The decoded cache already skips decoding; the wait is batched augmentation on the "
+            f"{'GPU' if f.cuda else 'CPU'}: {waits}. A smaller --image-size shrinks it with the "
+            f"model's own work; on a CPU a GPU run moves it off the cores."])
+    recs = []
+    if workers is None or cores is None or workers < cores:
+        target = f" toward {cores:.0f} (one per core)" if cores else " (up to one per core)"
+        start = f" from {workers:.0f}" if workers is not None else ""
+        recs.append(f"Raise num_workers{start}{target}: {waits}.")
+    recs.append(f"Cache the decoded images in memory so later epochs skip JPEG decoding: "
+                f"{waits}.")
+    recs.append(f"Lower the decode cost: decode JPEGs at reduced size (PIL draft mode) or store "
+                f"images pre-resized to the input size ({_pct(wait)} of step time is input).")
+    if f.cuda:
+        recs.append(f"Move augmentation to the GPU (batched transforms after the copy) to take "
+                    f"it off the {cores:.0f} CPU cores." if cores else
+                    "Move augmentation to the GPU (batched transforms after the copy).")
+    return _result("input-bound", f"Input-bound: {waits}.", recs)
+
+
+def _transfer_bound(f: _Figures) -> dict[str, Any] | None:
+    h2d = f.num("h2d_frac")
+    if h2d is None or h2d <= THRESHOLDS.h2d_frac:
+        return None
+    share = f"{_pct(h2d)} of each{_step(f)} step is spent copying batches to the device"
+    recs = [f"Set pin_memory=True and copy with non_blocking=True so the copy overlaps compute: "
+            f"{share}.",
+            f"Send uint8 images (a quarter of float32's bytes) and convert/normalise on the device: "
+            f"{share}."]
+    return _result("transfer-bound", f"Transfer-bound: {share}.", recs)
+
+
+def _overhead_bound(f: _Figures) -> dict[str, Any] | None:
+    ms, util, wait = f.num("avg_step_ms"), f.num("gpu_util_pct"), f.num("data_wait_frac")
+    tiny = THRESHOLDS.tiny_step_ms_cuda if f.cuda else THRESHOLDS.tiny_step_ms_cpu
+    idle_gpu = (f.cuda and util is not None and util < THRESHOLDS.low_gpu_util_pct
+                and wait is not None and wait < THRESHOLDS.low_data_wait_frac)
+    if not ((ms is not None and ms < tiny) or idle_gpu):
+        return None
+    why = []
+    if ms is not None and ms < tiny:
+        why.append(f"each step takes only {ms:.2f} ms (under {tiny:g} ms)")
+    if idle_gpu:
+        why.append(f"the GPU is busy {util:.0f}% of the time while input waits only {_pct(wait)}")
+    why_txt = " and ".join(why)
+    batch = f.num("batch_size")
+    recs = [f"Raise batch_size{f' from {batch:.0f}' if batch else ''} so fixed per-step costs "
+            f"are shared by more samples: {why_txt}."]
+    if f.cuda:
+        recs.append(f"Try --compile (torch.compile; mode='reduce-overhead' adds CUDA graphs) to cut "
+                    f"kernel-launch and Python overhead: {why_txt}.")
+    else:
+        recs.append(f"Try --compile (torch.compile) to fuse small ops and cut Python overhead: "
+                    f"{why_txt}.")
+    return _result("overhead-bound", f"Overhead-bound: {why_txt}.", recs)
+
+
+def _compute_bound(f: _Figures) -> dict[str, Any]:
+    wait, rate = f.num("data_wait_frac"), f.num("samples_per_s")
+    facts = []
+    if wait is not None:
+        facts.append(f"input waits only {_pct(wait)} of each{_step(f)} step")
+    elif f.num("avg_step_ms") is not None:
+        facts.append(f"each step takes{_step(f)}")
+    if rate is not None:
+        facts.append(f"the model runs at {rate:.0f} samples/s")
+    if f.cuda and f.num("gpu_util_pct") is not None:
+        facts.append(f"the GPU is busy {f.num('gpu_util_pct'):.0f}% of the time")
+    if not facts:
+        return _result("compute-bound",
+                       "Compute-bound by default: no figures on input, copies or memory were given.",
+                       ["Measure the step-time breakdown (data_wait_frac, h2d_frac, avg_step_ms) "
+                        "before tuning: without numbers there is nothing to act on."])
+    basis = "; ".join(facts)
+    summary = f"Compute-bound: {basis}, so the model's arithmetic sets the pace."
+    recs = []
+    if f.cuda:
+        recs += _gpu_compute_recs(f, basis)
+    else:
+        recs += _cpu_compute_recs(f, basis)
+    return _result("compute-bound", summary, recs)
+
+
+def _cpu_compute_recs(f: _Figures, basis: str) -> list[str]:
+    recs = []
+    if not f.get("channels_last"):
+        recs.append(f"Try channels_last (--channels-last): oneDNN's convolutions on CPU are faster in NHWC layout "
+                    f"({basis}).")
+    amp, native = f.get("amp_dtype"), f.get("native_bf16")
+    if native:
+        if amp != "bfloat16":
+            recs.append(f"Try --amp bf16: this CPU has native bf16 units (AVX512-BF16/AMX); keep "
+                        f"it only if samples/s beats today's ({basis}).")
+    elif amp == "bfloat16":
+        recs.append(f"Turn bf16 autocast off (--amp off): with no native bf16 on this CPU it is "
+                    f"emulated and slower than fp32 ({basis}).")
+    else:
+        recs.append(f"bf16 autocast would not help: there is no native bf16 here, so it is "
+                    f"emulated and slower than fp32 ({basis}).")
+    return recs
+
+
+def _gpu_compute_recs(f: _Figures, basis: str) -> list[str]:
+    recs = []
+    if f.get("amp_dtype") in (None, "fp32"):
+        recs.append(f"Turn on AMP (--amp auto): bf16/fp16 tensor cores run several times faster "
+                    f"than fp32 ({basis}).")
+    if not f.get("channels_last"):
+        recs.append(f"Try channels_last (--channels-last): cuDNN's tensor-core convolutions prefer NHWC ({basis}).")
+    peak, limit, batch = f.num("peak_mem_mb"), f.num("mem_limit_mb"), f.num("batch_size")
+    if peak is not None and limit and peak / limit < THRESHOLDS.batch_headroom_frac:
+        recs.append(f"Raise batch_size{f' from {batch:.0f}' if batch else ''}: only "
+                    f"{peak:.0f} of {limit:.0f} MB ({_pct(peak / limit)}) of device memory is used.")
+    if not recs:
+        recs.append(f"The usual speed knobs are on; a smaller model or input size is what is left "
+                    f"({basis}).")
+    return recs

@@ -1,0 +1,89 @@
+"""Evaluation beside training: loss, accuracy, per-class accuracy and the confusion matrix of a
+model over a loader, in pieces when memory runs out, summed across processes under torchrun."""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchmetrics.classification import MulticlassConfusionMatrix
+
+from modules import distributed
+from modules.oom import is_out_of_memory, more_pieces, release
+
+log = logging.getLogger(__name__)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader, *, device: torch.device | str | None = None,
+             amp_dtype: torch.dtype | None = None, channels_last: bool = False,
+             num_classes: int | None = None) -> dict[str, Any]:
+    """Loss, accuracy, per-class accuracy and confusion matrix of `model` over `loader`.
+
+    A batch that runs out of memory is run again in halves (then quarters ...) for the rest of
+    the call, each halving said in the log; the figures do not depend on the pieces."""
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    num_classes = int(num_classes or model.num_classes)
+    memory_format = torch.channels_last if channels_last else torch.contiguous_format
+    # Summed across processes below, only when each evaluated its own share (torchmetrics
+    # would otherwise sum whole copies under torchrun).
+    confusion = MulticlassConfusionMatrix(num_classes=num_classes, sync_on_compute=False).to(device)
+    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+    was_training = model.training
+    model.eval()
+    splits = 1
+    try:
+        for x, y in loader:
+            x = x.to(device, non_blocking=True, memory_format=memory_format)
+            y = y.to(device, non_blocking=True)
+            while True:
+                try:
+                    logits = _logits(model, x, splits, device, amp_dtype)
+                    break
+                except RuntimeError as exc:
+                    if not is_out_of_memory(exc):
+                        raise
+                # outside the except block, whose traceback holds the failed pass's tensors
+                release(device)
+                splits = _smaller_pieces(splits, x.shape[0], tuple(x.shape[2:]))
+            loss_sum += F.cross_entropy(logits.float(), y, reduction="sum")
+            confusion.update(logits, y)
+    finally:
+        model.train(was_training)
+    matrix = confusion.compute()
+    if getattr(getattr(loader, "sampler", None), "sharded", False):
+        # Under torchrun each process evaluated its own share (EvalShard): sum the shares.
+        distributed.all_reduce_sum(matrix)
+        distributed.all_reduce_sum(loss_sum)
+    matrix = matrix.cpu()
+    total = int(matrix.sum())
+    if total == 0:
+        return {"loss": float("nan"), "acc": float("nan"), "per_class_acc": [], "confusion": [],
+                "n": 0}
+    per_class = matrix.diag() / matrix.sum(dim=1).clamp(min=1)
+    return {"loss": loss_sum.item() / total, "acc": matrix.diag().sum().item() / total,
+            "per_class_acc": per_class.tolist(), "confusion": matrix.tolist(), "n": total}
+
+
+def _logits(model: nn.Module, x: torch.Tensor, splits: int, device: torch.device,
+            amp_dtype: torch.dtype | None) -> torch.Tensor:
+    """model(x) in `splits` pieces, concatenated."""
+    size = math.ceil(x.shape[0] / splits)
+    with torch.autocast(device.type, dtype=amp_dtype or torch.float32,
+                        enabled=amp_dtype is not None):
+        if size >= x.shape[0]:
+            return model(x)
+        return torch.cat([model(piece) for piece in x.split(size)])
+
+
+def _smaller_pieces(splits: int, n: int, image_shape: tuple[int, ...]) -> int:
+    """Twice the pieces per evaluation batch after running out of memory, or OutOfMemoryError
+    when a piece already held a single image."""
+    more = more_pieces(splits, n, f"out of memory evaluating even one {image_shape[-1]} px image "
+                                  "at a time; lower --image-size or use a smaller --model.")
+    log.warning("out of memory evaluating batches of %d; continuing in pieces of %d",
+                math.ceil(n / splits), math.ceil(n / more))
+    return more

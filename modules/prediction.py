@@ -1,0 +1,73 @@
+"""Prediction: class probabilities for image files from a model that load_model rebuilt."""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from modules.config import UserError, first_line
+from modules.dataset import eval_transform, load_rgb
+
+
+def predict(model: nn.Module, image_paths, *, batch_size: int = 32, device=None) -> list[dict]:
+    """Classify image files with a model from `load_model`.
+
+    Returns one dict per path, in order: {"path", "label", "prob", "probs": {class: prob}}.
+    `device`: None keeps the model where it is; otherwise the model is moved there.
+    """
+    meta = getattr(model, "meta", None)
+    if not isinstance(meta, dict) or "class_names" not in meta:
+        raise UserError("predict needs a model from load_model (it has no .meta with class_names).")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise UserError(f"batch_size must be a positive integer, but got {batch_size!r}.")
+    # A lone path would otherwise be iterated character by character.
+    if isinstance(image_paths, (str, os.PathLike)):
+        image_paths = [image_paths]
+    paths = [str(p) for p in image_paths]
+    if device is not None:
+        model.to(device)
+    device = _model_device(model)
+    transform = eval_transform(meta["image_size"], meta["mean"], meta["std"])
+    results: list[dict] = []
+    was_training = model.training
+    model.eval()  # BatchNorm/Dropout must not use batch statistics at inference
+    try:
+        for start in range(0, len(paths), batch_size):
+            chunk = paths[start:start + batch_size]
+            batch = torch.stack([transform(_decode(p)) for p in chunk]).to(device)
+            probs = _softmax(model, batch)
+            results.extend(_describe(p, row, meta["class_names"]) for p, row in zip(chunk, probs))
+    finally:
+        model.train(was_training)
+    return results
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    param = next(model.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
+def _decode(path: str):
+    try:
+        return load_rgb(path)
+    except Exception as exc:  # missing, truncated, not an image, decompression bomb ...
+        reason = first_line(exc)
+        raise UserError(f"cannot decode image {path!r}: {reason}") from None
+
+
+def _softmax(model: nn.Module, batch: torch.Tensor) -> list[list[float]]:
+    with torch.inference_mode():
+        logits = model(batch)
+    # float32 softmax: half-precision logits would give probabilities that visibly miss 1.
+    return logits.float().softmax(dim=1).cpu().tolist()
+
+
+def _describe(path: str, probs: list[float], class_names: list[str]) -> dict:
+    best = max(range(len(probs)), key=probs.__getitem__)
+    return {
+        "path": path,
+        "label": class_names[best],
+        "prob": float(probs[best]),
+        "probs": {name: float(p) for name, p in zip(class_names, probs)},
+    }

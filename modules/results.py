@@ -1,0 +1,242 @@
+"""The results schema and what a run leaves behind: each scenario's results.json row, the
+rows of every run merged (none lost), the run's id and folders, and the best model per data
+set, replaced only by a better one."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+from modules import distributed
+from modules.config import TrainConfig, UserError
+from modules.dataset import DatasetIndex
+from modules.device import native_bf16_cpu
+from modules.diagnosis import diagnose
+from modules.fastdata import CachedLoader
+from modules.files import atomic_write_text
+from modules.model_files import load_model, save_model
+from modules.selection import accuracy_se
+from modules.trainer import TrainResult
+
+log = logging.getLogger("pipeline")
+
+RUN_FILE = "latest_run.json"  # in the output dir: the newest run's id, data and command
+
+
+def checkpoint_file(output_dir: Path, scenario: str, suffix: str = ".pt",
+                    run_id: str | None = None) -> Path:
+    """Where a scenario of run `run_id` keeps what --resume continues from: its training
+    state (.pt), the autotuner's choice (.autotune.json), the resolution tuning's results
+    (.tuning.json)."""
+    return run_folder(output_dir, "checkpoints", run_id) / f"{scenario}{suffix}"
+
+
+def run_folder(output_dir: Path, kind: str, run_id: str | None) -> Path:
+    """output_dir/kind/run_id: each run's checkpoints, TensorBoard scalars (runs) and traces
+    (profiler) have their own folder, so no run overwrites or mixes with another's."""
+    return Path(output_dir) / kind / (run_id or "")
+
+
+def latest_run(output_dir: Path) -> dict[str, Any] | None:
+    """The record of the newest run in output_dir (what --resume continues), or None."""
+    try:
+        record = json.loads((Path(output_dir) / RUN_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return record if isinstance(record, dict) and record.get("run_id") else None
+
+
+def start_run(output_dir: Path, index: DatasetIndex, *, resume: bool, command: str) -> str:
+    """This run's id: with resume the newest run's, which must be on the same data; else a
+    new one (the UTC time), recorded as the newest. Earlier runs' files stay."""
+    latest = latest_run(output_dir)
+    fingerprint = index.fingerprint()
+    if resume and latest is not None:
+        if latest.get("data_fingerprint") != fingerprint:
+            raise UserError(
+                f"cannot resume: the newest run in {output_dir} ({latest['run_id']}) trained on "
+                f"{latest.get('dataset')!r} ({latest.get('n_images')} images), this one is on "
+                f"{index.name!r} ({index.n_images()} images); drop --resume to start a new run "
+                "beside it (nothing is deleted).")
+        log.info("resuming run %s (%s)", latest["run_id"], latest.get("command") or "")
+        return latest["run_id"]
+    if resume:
+        log.info("--resume: no earlier run in %s; starting a new one", output_dir)
+    run_id = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    taken = {latest["run_id"]} if latest else set()
+    taken |= {p.name for p in (output_dir / "checkpoints").glob("*") if p.is_dir()}
+    suffix = 1
+    while run_id in taken:  # two runs started within one second
+        suffix += 1
+        run_id = f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{suffix}"
+    if distributed.is_main():
+        write_json(output_dir / RUN_FILE, {
+            "run_id": run_id, "dataset": index.name, "data_fingerprint": fingerprint,
+            "n_images": index.n_images(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                   time.gmtime()),
+            "command": command})
+    return run_id
+
+
+# results.json fields measured while a scenario trains: the step timing (the checkpoint
+# carries it across a resume) and samples of the machine (results.json keeps them).
+STEP_FIGURES = ("avg_step_ms", "samples_per_s", "data_wait_frac", "h2d_frac",
+                "gpu_compute_frac", "cpu_exec_us")
+MACHINE_FIGURES = ("gpu_util_pct", "cpu_util_pct", "process_cpu_pct", "peak_mem_mb",
+                   "gpu_mem_peak_mb", "energy_j")
+
+
+def result_row(name: str, config: TrainConfig, result: TrainResult, test: dict[str, Any],
+               index: DatasetIndex, device: torch.device, system: dict[str, Any],
+               data_path: str, carried: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The scenario's results.json object: accuracy, timing, hardware figures, diagnosis.
+    carried: the earlier row of this same training, whose machine figures replace this
+    process's (which trained nothing), and its step figures too when the checkpoint had none
+    (one written before checkpoints carried them)."""
+    best = next((r for r in result.history if r["epoch"] == result.best_epoch), {})
+    t = result.timing
+    if device.type == "cuda":
+        peak_mb = torch.cuda.max_memory_allocated(device) / 2**20
+        mem_limit_mb = torch.cuda.get_device_properties(device).total_memory / 2**20
+        alloc_retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+    else:  # resident memory of this process and its DataLoader workers, sampled
+        peak_mb = system.get("ram_peak_mb")
+        mem_limit_mb = psutil.virtual_memory().total / 2**20
+        alloc_retries = None
+    row = {
+        "scenario": name, "dataset": index.name, "model": config.model,
+        "train_acc": best.get("train_acc"), "train_loss": best.get("train_loss"),
+        "val_acc": best.get("val_acc"), "val_loss": best.get("val_loss"),
+        "val_acc_se": accuracy_se(best.get("val_acc") or 0.0, len(index.val)),
+        "n_val": len(index.val), "n_test": len(index.test),
+        "test_acc": test["acc"], "test_loss": test["loss"],
+        "test_acc_se": accuracy_se(test["acc"], len(index.test)),
+        "per_class_test_acc": dict(zip(index.classes, test["per_class_acc"])),
+        "confusion_matrix": test["confusion"],
+        "best_resolution": config.image_size, "epochs": result.epochs_run,
+        "best_epoch": result.best_epoch,
+        "avg_step_ms": t.get("avg_step_ms"), "samples_per_s": t.get("samples_per_s"),
+        "data_wait_frac": t.get("data_wait_frac"), "h2d_frac": t.get("h2d_frac"),
+        "gpu_compute_frac": t.get("gpu_compute_frac"),  # CUDA-event time / step time
+        "cpu_exec_us": t.get("cpu_exec_us"),
+        "gpu_util_pct": system.get("gpu_util_pct"), "cpu_util_pct": system.get("cpu_util_pct"),
+        "process_cpu_pct": system.get("process_cpu_pct"),
+        "peak_mem_mb": peak_mb, "gpu_mem_peak_mb": system.get("gpu_mem_peak_mb"),
+        "energy_j": system.get("energy_j"),
+        "wall_s": result.wall_s, "time_to_best_s": result.time_to_best_s,
+        "skipped_files": index.skipped_files, "nonfinite_steps": result.nonfinite_steps,
+        "stopped_early": result.stopped_early, "resumed_from_epoch": result.resumed_from_epoch,
+        "settings": {**config.to_dict(), **result.settings, "data_path": data_path},
+        "history": result.history,
+    }
+    if carried is not None:
+        keys = MACHINE_FIGURES + (STEP_FIGURES if not t.get("steps") else ())
+        row.update({k: carried[k] for k in keys if k in carried})
+    row["diagnosis"] = diagnose({
+        **{k: row[k] for k in ("data_wait_frac", "h2d_frac", "avg_step_ms", "samples_per_s",
+                               "gpu_util_pct", "cpu_util_pct", "peak_mem_mb")},
+        "batch_size": config.batch_size, "device": device.type, "mem_limit_mb": mem_limit_mb,
+        "alloc_retries": alloc_retries, "num_workers": config.num_workers,
+        "cpu_count": os.cpu_count(), "channels_last": config.channels_last,
+        "amp_dtype": result.settings.get("amp_dtype"),
+        "native_bf16": native_bf16_cpu() if device.type == "cpu" else None,
+        "cached_decode": data_path == CachedLoader.data_path})
+    return row
+
+
+def keep_best_model(result: TrainResult, config: TrainConfig, index: DatasetIndex,
+                     row: dict[str, Any], output_dir: Path) -> None:
+    """Save this scenario's model as <dataset>_model.pt only when it beats the one there on
+    test accuracy (whichever run saved it); a model file that cannot be read is kept aside."""
+    path = output_dir / f"{index.name}_model.pt"
+    if path.exists():
+        try:
+            previous = load_model(path).meta.get("extra", {})
+        except UserError as exc:
+            aside = path.with_name(f"{path.stem}.unreadable-{time.strftime('%Y%m%d-%H%M%S')}.pt")
+            path.rename(aside)
+            log.warning("%s; kept it as %s", exc, aside)
+            previous = {}
+        best = previous.get("test_acc")
+        if isinstance(best, (int, float)) and best >= row["test_acc"]:
+            log.info("kept %s (%s of run %s, test accuracy %.1f%%): this %s model's %.1f%% is "
+                     "not better", path, previous.get("scenario"), previous.get("run_id"),
+                     100 * best, row["scenario"], 100 * row["test_acc"])
+            return
+    save_model(result.model, path, arch=config.model, class_names=index.classes,
+               image_size=config.image_size,
+               extra={"scenario": row["scenario"], "dataset": index.name,
+                      "run_id": row.get("run_id"),
+                      "test_acc": row["test_acc"], "val_acc": row["val_acc"],
+                      "per_class_test_acc": row["per_class_test_acc"],
+                      "confusion_matrix": row["confusion_matrix"]})
+    log.info("saved %s: the best test accuracy so far on %s (%.1f%%, %s)", path, index.name,
+             100 * row["test_acc"], row["scenario"])
+
+
+def json_safe(value):
+    """NaN and inf become null: a diverged number must never read as a score."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def write_json(path: Path, data) -> None:
+    """Atomic: readers see the old file or the new one, never half of one."""
+    atomic_write_text(json.dumps(json_safe(data), indent=2, allow_nan=False), path)
+
+
+def earlier_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of an earlier results.json; none when it is missing or unreadable."""
+    try:
+        rows = json.loads(path.read_text()) if path.exists() else []
+    except (OSError, json.JSONDecodeError):
+        return []
+    return [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else []
+
+
+def previous_row(path: Path, scenario: str, dataset: str, run_id: str | None = None
+                  ) -> dict[str, Any] | None:
+    """The scenario's last row on `dataset` (of run `run_id` when given) in results.json."""
+    rows = [r for r in earlier_rows(path)
+            if r.get("scenario") == scenario and r.get("dataset") == dataset
+            and (run_id is None or r.get("run_id") == run_id)]
+    return rows[-1] if rows else None
+
+
+def compare_to_baseline(rows: list[dict[str, Any]], baseline: dict[str, Any] | None) -> None:
+    """Each row against the baseline of its dataset, in place: test accuracy difference
+    (points), total time ratio, and time_to_baseline_acc_s: seconds, tuning included, until
+    its validation accuracy first reached the baseline's (None when it never did)."""
+    if baseline is None:
+        return
+    target = baseline.get("val_acc")
+    for row in rows:
+        reached = next((h["elapsed_s"] for h in row.get("history") or []
+                        if target is not None and (h.get("val_acc") or 0) >= target), None)
+        row["time_to_baseline_acc_s"] = (None if reached is None
+                                         else (row.get("tuning_s") or 0.0) + reached)
+        row["test_acc_vs_baseline"] = 100 * (row["test_acc"] - baseline["test_acc"])
+        base_total = baseline.get("total_s") or baseline.get("wall_s")
+        total = row.get("total_s") or row.get("wall_s")
+        row["total_vs_baseline"] = total / base_total if total and base_total else None
+        row["baseline_acc_target"] = target
+
+
+def merge_results(path: Path, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every earlier run's rows stay; within one run (resumed) a scenario's new row replaces
+    its old one."""
+    new = {(r.get("run_id"), r["scenario"]) for r in rows}
+    kept = [r for r in earlier_rows(path) if (r.get("run_id"), r.get("scenario")) not in new]
+    return kept + rows
