@@ -299,7 +299,7 @@ def autotune_scenario(config: TrainConfig, args: argparse.Namespace, index: Data
                                     prefetch_factor=None), train=True)
     tuned, report = autotune(config, len(index.classes), planned_steps=planned_steps,
                              fixed=fixed, loader_factory=factory, budget_share=MEASURE_SHARE,
-                             cache_path=saved.parent.parent / AUTOTUNE_CACHE)
+                             cache_path=Path(args.output_dir).expanduser() / AUTOTUNE_CACHE)
     if distributed.is_main():
         saved.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(json.dumps({"start": config.to_dict(), "config": tuned.to_dict(),

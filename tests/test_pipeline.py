@@ -279,6 +279,7 @@ def test_resume_keeps_the_autotuned_settings_instead_of_measuring_again(small, t
     first = json.loads((out / "results.json").read_text())[-1]
     saved = run_path(out) / "resolution.autotune.json"
     assert json.loads(saved.read_text())["report"]["knobs"] == first["autotune"]["knobs"]
+    assert (out / "autotune_cache.json").exists()  # beside results.json, for every later run
 
     def measure_again(*_, **__):
         raise AssertionError("--resume measured the knobs again")
