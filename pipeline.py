@@ -434,9 +434,9 @@ def run_scenario(name: str, args: argparse.Namespace, index: DatasetIndex, outpu
 def estimate(args: argparse.Namespace, index: DatasetIndex) -> dict[str, Any]:
     """Before a run: about how long each scenario will take, from its planned steps and a
     speed measured now (training steps on one batch in memory, and decoding a few images for
-    the per-epoch decode of the baseline and the one-time decode of the tuned scenarios).
-    An upper-side estimate: pruning and early stopping end runs sooner, the autotuner makes
-    steps faster, and --match-time fills the tuned runs to at most the baseline's time."""
+    the per-epoch decode of the baseline and the one-time decode of the tuned scenarios),
+    with --match-time's fill of the tuned final runs. Pruning and early stopping can end runs
+    sooner, and the autotuner can make steps faster."""
     device = resolve_device(args.device)
     n_train, n_eval = len(index.train), len(index.val) + len(index.test)
     paths = [s[0] for s in index.train[:8]]
@@ -460,7 +460,11 @@ def estimate(args: argparse.Namespace, index: DatasetIndex) -> dict[str, Any]:
                 else args.n_trials or (QUICK_N_TRIALS if args.quick else N_TRIALS))
         decode = (runs if name == "resolution" else 1) * (n_train + n_eval) * decode_s
         tuning = runs * short_budget(config) * epoch_s + decode
-        scenarios[name] = tuning + config.epochs * epoch_s
+        final = config.epochs * epoch_s
+        if args.match_time and args.epochs is None and "baseline" in scenarios:
+            final = min(max(final, TIME_SHARE * scenarios["baseline"] - tuning),
+                        MAX_EPOCH_FACTOR * final)  # as fill_time decides it
+        scenarios[name] = tuning + final
     return {"device": str(device), "n_train": n_train, "decode_ms": 1e3 * decode_s,
             "scenarios": scenarios, "total_s": sum(scenarios.values())}
 

@@ -426,3 +426,27 @@ def test_each_row_is_compared_with_the_baseline():
     assert fast["time_to_baseline_acc_s"] == 25.0  # tuning included: 5 + 20
     assert fast["test_acc_vs_baseline"] == pytest.approx(5.0) and fast["total_vs_baseline"] == 0.5
     assert slow["time_to_baseline_acc_s"] is None and slow["total_vs_baseline"] == 1.5
+
+
+def test_the_estimate_covers_every_scenario_and_match_times_fill(small, tmp_path, monkeypatch):
+    """The duration printed before a run: one figure per scenario, from a measured speed (here
+    a fixed one); --match-time lengthens the tuned final runs toward 80% of the baseline's
+    time, at most 3x their epochs."""
+    class Probe:  # the baseline's steps slow, the tuned scenarios' fast: the fill applies
+        def __init__(self, config, num_classes):
+            self.img_s = 1000.0 if config.cache_decoded else 10.0
+
+        def measure(self, **_):
+            return {"img_s": self.img_s}
+    monkeypatch.setattr(pipeline, "ComputeProbe", Probe)
+    argv = ["--data-dir", str(small), "--image-size", "32", "--weights", "none",
+            "--output-dir", str(tmp_path / "out")]
+    index = pipeline.load_data(pipeline.parse_args(argv), tmp_path / "out")
+    plain = pipeline.estimate(pipeline.parse_args(argv + ["--no-match-time"]), index)
+    filled = pipeline.estimate(pipeline.parse_args(argv), index)
+    assert list(plain["scenarios"]) == ["baseline", "resolution", "hpo"]
+    assert plain["total_s"] == pytest.approx(sum(plain["scenarios"].values()))
+    for name in ("resolution", "hpo"):
+        assert plain["scenarios"][name] > 0
+        assert 1.2 * plain["scenarios"][name] < filled["scenarios"][name] \
+            <= 3 * plain["scenarios"][name]
