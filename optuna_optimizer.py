@@ -19,6 +19,7 @@ import optuna
 
 from modules.config import TrainConfig, UserError, first_line
 from modules.oom import is_out_of_memory, release
+from modules.report import figure
 from modules.selection import accuracy_se, beats, informative, tie_margin
 from modules.device import resolve_device
 from modules.trainer import DivergedError, fit
@@ -139,7 +140,7 @@ class OptunaTuner:
         # SQLite by default: a file in the output folder outlives a crashed Colab session. With
         # local_dir the file lives there and is copied to the output folder after every trial:
         # SQLite's locking is unsafe on network drives (Google Drive among them).
-        self.mirror = None
+        self.mirror: tuple[Path, Path] | None = None  # (the local study file, its copy)
         db = self.output_dir / "optuna.db"
         if local_dir is not None and storage is None:
             # One local file per output folder, so two runs on one machine never share it.
@@ -149,7 +150,7 @@ class OptunaTuner:
             if db.exists() and (not local.exists() or db.stat().st_mtime > local.stat().st_mtime):
                 log.info("restoring the study from %s to %s", db, local)
                 _copy_sqlite(db, local)
-            db, self.mirror = local, db
+            db, self.mirror = local, (local, db)
         self.storage_url = storage or f"sqlite:///{db.resolve()}"
         self.storage = self._storage()  # opened now, so a bad URL fails before any training
         self.study: optuna.Study | None = None
@@ -299,7 +300,7 @@ class OptunaTuner:
 
     def _copy_to_mirror(self, study=None, trial=None) -> None:
         if self.mirror is not None:
-            _copy_sqlite(Path(self.storage_url.removeprefix("sqlite:///")), self.mirror)
+            _copy_sqlite(*self.mirror)
 
     def summary(self) -> dict:
         study = self._require_study()
@@ -403,11 +404,8 @@ class OptunaTuner:
         return written
 
     def _importance_png(self, study: optuna.Study) -> Path:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
         importances = optuna.importance.get_param_importances(study)
-        fig = Figure(figsize=(6, 0.6 + 0.5 * len(importances)))
-        FigureCanvasAgg(fig)
+        fig = figure(6, 0.6 + 0.5 * len(importances))
         ax = fig.add_subplot()
         names = list(importances)[::-1]
         ax.barh(names, [importances[n] for n in names], color="tab:blue")
@@ -418,11 +416,7 @@ class OptunaTuner:
         return path
 
     def _history_png(self, complete: list[optuna.trial.FrozenTrial]) -> Path:
-        # Figure + Agg canvas rather than pyplot: no global state, no display backend needed.
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-        fig = Figure(figsize=(6, 4))
-        FigureCanvasAgg(fig)
+        fig = figure(6, 4)
         ax = fig.add_subplot()
         numbers = [t.number for t in complete]
         values = [t.value for t in complete]

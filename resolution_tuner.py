@@ -17,6 +17,7 @@ from modules import distributed
 from modules.config import TrainConfig, UserError
 from modules.dataset import DatasetIndex
 from modules.files import atomic_write_text
+from modules.report import figure
 from modules.selection import accuracy_se, informative, tie_margin
 from modules.trainer import fit
 
@@ -159,11 +160,7 @@ class ResolutionTuner:
         """Validation accuracy against seconds per epoch, one labelled point per size."""
         if not self.trials:
             return None
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-
-        fig = Figure(figsize=(6, 4.5), dpi=120)
-        FigureCanvasAgg(fig)
+        fig = figure(6, 4.5, dpi=120)
         ax = fig.add_subplot()
         xs = [t.epoch_s for t in self.trials]
         ys = [100 * t.val_acc for t in self.trials]

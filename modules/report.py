@@ -37,7 +37,7 @@ def plot_breakdown(rows: list[dict[str, Any]], out_dir: Path) -> Path | None:
     parts = {k: v for k, v in parts.items() if v is not None}
     if not parts:
         return None
-    fig = _canvas(10, 4.5)
+    fig = figure(10, 4.5, dpi=120)
     rate_ax, step_ax = fig.subplots(1, 2)
     names = list(parts)
     rates = [_finite(next(r for r in rows if r["scenario"] == n).get("samples_per_s")) or 0.0
@@ -61,11 +61,14 @@ def plot_breakdown(rows: list[dict[str, Any]], out_dir: Path) -> Path | None:
     return path
 
 
-def _canvas(width: float, height: float):
+def figure(width: float, height: float, dpi: float | None = None):
+    """A matplotlib Figure on its own Agg canvas rather than pyplot's: it renders headless
+    without switching the process-wide backend a notebook may have chosen, and leaves no
+    global figure open."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(width, height), dpi=110)
+    fig = Figure(figsize=(width, height), dpi=dpi)
     FigureCanvasAgg(fig)
     return fig
 
@@ -85,7 +88,7 @@ def plot_confusion(row: dict[str, Any], out_dir: Path) -> Path | None:
         return None
     names = list(per_class)
     n = len(names)
-    fig = _canvas(4 + 0.9 * n, 1.5 + 0.55 * n)
+    fig = figure(4 + 0.9 * n, 1.5 + 0.55 * n, dpi=110)
     grid_ax, acc_ax = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})
     shares = [[v / max(1, sum(line)) for v in line] for line in matrix]
     grid_ax.imshow(shares, cmap="Blues", vmin=0, vmax=1)
@@ -126,7 +129,7 @@ def plot_predictions(model_path: Path, samples: list[tuple[str, int]], class_nam
     predictions = predict(load_model(model_path), [path for path, _ in chosen])
     cols = min(4, len(chosen))
     rows = math.ceil(len(chosen) / cols)
-    fig = _canvas(2.6 * cols, 2.8 * rows)
+    fig = figure(2.6 * cols, 2.8 * rows, dpi=110)
     axes = fig.subplots(rows, cols, squeeze=False)
     for ax in axes.flat:
         ax.axis("off")
@@ -390,14 +393,9 @@ def _color(i: int) -> str:
 
 
 def _plot_png(series: dict, metric: str, title: str, ylabel: str, path: Path) -> Path:
-    # Figure + FigureCanvasAgg instead of pyplot: renders headless without switching the
-    # process-wide backend a notebook may have chosen, and leaves no global figure open.
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    fig = Figure(figsize=(8, 5), dpi=120)
-    FigureCanvasAgg(fig)
+    fig = figure(8, 5, dpi=120)
     ax = fig.add_subplot()
     for i, (name, curves) in enumerate(series.items()):
         for split, style in (("train", "-"), ("val", "--")):

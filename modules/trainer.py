@@ -435,9 +435,10 @@ def train_step(forward, model: nn.Module, optimizer: torch.optim.Optimizer, scal
     measures is the step that trains. Returns whether the loss was finite (if not, no update)."""
     optimizer.zero_grad(set_to_none=True)
     finite, _ = forward_backward(forward, x, y, 1, 1, device, dtype, scaler)
-    if bool(finite):
+    ok = bool(finite)  # on a GPU: waits for the loss flag's copy, once
+    if ok:
         optimizer_step(model, optimizer, scaler, max_grad_norm)
-    return bool(finite)
+    return ok
 
 
 def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler,
