@@ -3,9 +3,16 @@ Outside torchrun (WORLD_SIZE unset or 1) every function is a cheap no-op."""
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch import nn
+
+# How long a rank waits at a collective for the others. Rank 0 alone measures the speed knobs
+# (bounded by a share of the planned training time) while the others wait for its choice.
+TIMEOUT = timedelta(hours=1)
+BUCKET_BYTES = 25 << 20  # gradients all-reduced together, as DDP's default bucket
 
 
 def world_size() -> int:
@@ -27,7 +34,8 @@ def init_from_env(device_type: str) -> torch.device | None:
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return None
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo",
+                                timeout=TIMEOUT)
     if device_type == "cuda":
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
@@ -58,3 +66,41 @@ def from_main(value):
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def broadcast_state(model: nn.Module, *, buffers_only: bool = False) -> None:
+    """Rank 0's parameters and buffers on every rank: every rank starts a run as rank 0, and
+    after each step takes rank 0's buffers (BatchNorm statistics), as DDP does."""
+    if world_size() > 1:
+        tensors = [*([] if buffers_only else model.parameters()), *model.buffers()]
+        for tensor in tensors:
+            dist.broadcast(tensor.data, src=0)
+
+
+def average_gradients(model: nn.Module) -> None:
+    """Every rank's gradients replaced by their mean over the ranks, once per optimizer step,
+    in buckets of about BUCKET_BYTES (one all-reduce each).
+
+    Done here after the step's micro-batches rather than by DDP's hooks during the last
+    backward: a rank that ran out of memory replays its micro-batches in smaller pieces (more
+    backward passes than the other ranks), which DDP cannot allow, since its hooks are
+    collectives every rank must reach equally often. Each rank splits its own batches as its
+    memory needs; the ranks meet here once per step whatever they did. The cost is that the
+    all-reduce no longer overlaps the backward pass."""
+    if world_size() == 1:
+        return
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for i, grad in enumerate(grads):
+        bucket.append(grad)
+        size += grad.numel() * grad.element_size()
+        if size >= BUCKET_BYTES or i == len(grads) - 1:
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            flat /= world_size()
+            offset = 0
+            for g in bucket:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+            bucket, size = [], 0

@@ -3,7 +3,6 @@ stopping, per-epoch checkpoints and resume, and recovery from running out of mem
 micro-batches, same effective batch). Knows nothing of Optuna: tuners pass `report`."""
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
@@ -192,10 +191,7 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
     # GradScaler only matters for fp16, whose narrow range underflows small gradients.
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     world = distributed.world_size()
-    # Under torchrun, DDP averages gradients across processes during backward.
-    ddp = nn.parallel.DistributedDataParallel(
-        model, device_ids=[device.index] if device.type == "cuda" else None) if world > 1 else None
-    forward = torch.compile(ddp or model) if config.compile else ddp or model
+    forward = torch.compile(model) if config.compile else model
 
     history: list[dict[str, float]] = []
     best = {"acc": -1.0, "epoch": 0, "state": None}
@@ -217,6 +213,9 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
         log.info("resuming from %s after epoch %d", ckpt_path, start_epoch)
         if ckpt["finished"]:
             start_epoch = config.epochs  # nothing left to train; fall through to restore best
+    # Under torchrun every rank trains the same model on its own shard of each batch; the
+    # gradients are averaged once per optimizer step (distributed.average_gradients).
+    distributed.broadcast_state(model)
     elapsed_before = history[-1]["elapsed_s"] if history else 0.0
 
     writer = _summary_writer(run_dir if distributed.is_main() else None, config)
@@ -276,17 +275,14 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
             while True:
                 try:
                     done = []
-                    for j, (bx, by) in enumerate(window_batches[first:], start=first):
-                        # Gradients are averaged across processes once per optimizer step, on
-                        # the window's last batch; the others accumulate locally.
-                        with ddp.no_sync() if ddp is not None and j < window - 1 \
-                                else contextlib.nullcontext():
-                            done.append(forward_backward(forward, bx, by, splits, window, device,
-                                                         dtype, scaler))
+                    for bx, by in window_batches[first:]:
+                        done.append(forward_backward(forward, bx, by, splits, window, device,
+                                                     dtype, scaler))
                     break
                 except RuntimeError as exc:  # torch's OutOfMemoryError is a RuntimeError
-                    # Under DDP the other ranks are already inside this step's collectives.
-                    if world > 1 or not is_out_of_memory(exc):
+                    # Under torchrun too: nothing here is a collective, so this rank alone
+                    # replays its window in smaller pieces while the others wait at the step.
+                    if not is_out_of_memory(exc):
                         raise
                 # Recover outside the except block: its traceback holds the failed pass's
                 # frames and with them its activations; by now they are released.
@@ -321,7 +317,9 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
                 with region("optimizer_step"):
                     if step_ok:  # a NaN/inf anywhere in the window skips its whole update
                         last_lr = optimizer.param_groups[0]["lr"]
+                        distributed.average_gradients(model)
                         optimizer_step(model, optimizer, scaler, config.max_grad_norm)
+                        distributed.broadcast_state(model, buffers_only=True)
                         scheduler.step()
                     optimizer.zero_grad(set_to_none=True)
             t3 = time.perf_counter()

@@ -43,19 +43,16 @@ def test_tuning_under_torchrun_is_refused_in_one_line(tmp_path):
     assert "Traceback" not in proc.stderr.split("error:")[0]
 
 
-def test_data_parallel_training_matches_one_process_over_the_same_global_batch(tmp_path):
-    """Each rank trains on its half of every global batch, with gradient accumulation (no_sync
-    on the first micro-batch) and sharded evaluation: the ranks end with identical weights, equal
-    to one process's over the whole batches. Without gradient averaging the ranks would part
-    ways; without the summed evaluation the validation losses would differ."""
+def _two_ranks_against_one(tmp_path, *extra: str) -> list[dict]:
+    """Both ranks' saved weights, after checking they equal each other and one process's."""
     script = str(ROOT / "tests" / "helpers" / "ddp_same_as_one_process.py")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     one = subprocess.run([sys.executable, script, str(tmp_path / "one"), "8"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr[-2000:]
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc_per_node", "2", script, str(tmp_path / "two"), "4"], cwd=ROOT,
-                         env=env, capture_output=True, text=True, timeout=300)
+                          "--nproc_per_node", "2", script, str(tmp_path / "two"), "4", *extra],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert two.returncode == 0, two.stderr[-3000:]
     single = torch.load(tmp_path / "one.rank0.pt")
     ranks = [torch.load(tmp_path / f"two.rank{r}.pt") for r in (0, 1)]
@@ -64,3 +61,20 @@ def test_data_parallel_training_matches_one_process_over_the_same_global_batch(t
         assert torch.allclose(ranks[0]["weights"][name], value, atol=1e-5), name
     assert ranks[0]["val_loss"] == pytest.approx(single["val_loss"], rel=1e-5)
     assert ranks[1]["val_loss"] == ranks[0]["val_loss"]
+    return ranks
+
+
+def test_data_parallel_training_matches_one_process_over_the_same_global_batch(tmp_path):
+    """Each rank trains on its half of every global batch, with gradient accumulation (averaged
+    once per optimizer step) and sharded evaluation: the ranks end with identical weights, equal
+    to one process's over the whole batches. Without gradient averaging the ranks would part
+    ways; without the summed evaluation the validation losses would differ."""
+    ranks = _two_ranks_against_one(tmp_path)
+    assert [r["oom_recoveries"] for r in ranks] == [0, 0]
+
+
+def test_one_rank_out_of_memory_recovers_and_the_ranks_stay_in_step(tmp_path):
+    """Rank 1 alone runs out of memory mid-step: it replays its micro-batches in halves, the
+    other rank waits at the gradient average, and both still end as one process would."""
+    ranks = _two_ranks_against_one(tmp_path, "1")
+    assert [r["oom_recoveries"] for r in ranks] == [0, 1]

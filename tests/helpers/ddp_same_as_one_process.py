@@ -1,7 +1,9 @@
 """Trains a small deterministic model (no dropout, no BatchNorm, no augmentation) with
 modules.trainer.train, in order, and saves the final weights and history: run under torchrun
 with a per-process batch B, or as one process with batch B x processes, the same global batches
-are seen, so the weights must agree (tests/test_distributed.py)."""
+are seen, so the weights must agree (tests/test_distributed.py). A third argument, a rank,
+makes that rank alone run out of memory once, in its third forward pass: it replays its
+micro-batches in halves while the other rank waits, and the weights must still agree."""
 import sys
 
 import torch
@@ -21,6 +23,17 @@ y = (x.mean(dim=(1, 2, 3)) > 0).long() + (x[:, 0].mean(dim=(1, 2)) > 0).long()
 model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
                       nn.Linear(8, 3))
 model.num_classes = 3
+oom_rank = int(sys.argv[3]) if len(sys.argv) > 3 else None
+if oom_rank == distributed.rank():
+    calls = 0
+
+    def out_of_memory_once(module, inputs):
+        global calls
+        calls += 1
+        if calls == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected by the test)")
+
+    model.register_forward_pre_hook(out_of_memory_once)
 # In order: under torchrun rank r takes samples r, r + world, ..., so its batch k and the other
 # ranks' together are exactly one process's batch k of batch_size x world.
 train_loader = DataLoader(TensorDataset(x[:48], y[:48]), batch_size=batch_size,
@@ -32,7 +45,8 @@ config = TrainConfig(epochs=3, batch_size=batch_size, grad_accum_steps=2, lr=0.0
                      seed=0, max_nonfinite_steps=1000)
 result = train(model, train_loader, val_loader, config)
 torch.save({"weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
-            "val_loss": [r["val_loss"] for r in result.history]},
+            "val_loss": [r["val_loss"] for r in result.history],
+            "oom_recoveries": result.settings["oom_recoveries"]},
            f"{out}.rank{distributed.rank()}.pt")
 if torch.distributed.is_initialized():
     torch.distributed.destroy_process_group()
