@@ -17,6 +17,7 @@ from pathlib import Path
 
 import optuna
 
+from modules import distributed
 from modules.config import TrainConfig, UserError, first_line
 from modules.oom import is_out_of_memory, release
 from modules.report import figure
@@ -182,10 +183,11 @@ class OptunaTuner:
     def objective(self, trial) -> float:
         """Train one candidate; return its best validation accuracy."""
         config = dataclasses.replace(self.suggest(trial), progress=False)
+        distributed.from_main(config)  # under torchrun: the other ranks train it too
 
         def report(epoch: int, metrics: dict[str, float]) -> None:
             trial.report(metrics["val_acc"], epoch)
-            if trial.should_prune():
+            if distributed.from_main(trial.should_prune()):
                 trial.set_user_attr("pruned_reason", f"pruned after epoch {epoch}")
                 raise optuna.TrialPruned(f"pruned after epoch {epoch}")
 
@@ -428,6 +430,35 @@ class OptunaTuner:
         path = self.output_dir / "optuna_history.png"
         fig.savefig(path, dpi=100, bbox_inches="tight")
         return path
+
+
+class _Pruned(Exception):
+    """Rank 0's study pruned the trial this rank trains with it."""
+
+
+def follow_trials(index) -> None:
+    """Under torchrun, on every rank but 0: train each trial rank 0's study starts, data-parallel
+    with it (the same configuration, a share of each batch), stopping where rank 0 prunes it,
+    until end_trials(). Trials run on all ranks together rather than one per rank: the batch
+    searched is the global batch the final run trains, and the study needs no storage that
+    several processes write at once."""
+    while (config := distributed.from_main(None)) is not None:
+        def report(epoch: int, metrics: dict[str, float]) -> None:
+            if distributed.from_main(None):
+                raise _Pruned
+        try:
+            fit(index, config, report=report)
+        except (_Pruned, DivergedError):  # rank 0 records the trial as pruned
+            pass
+        except RuntimeError as exc:
+            if not is_out_of_memory(exc):
+                raise
+            release(resolve_device(config.device))
+
+
+def end_trials() -> None:
+    """On rank 0 under torchrun, after the study: the other ranks' follow_trials returns."""
+    distributed.from_main(None)
 
 
 def _copy_sqlite(source: Path, target: Path) -> None:

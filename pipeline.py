@@ -38,7 +38,7 @@ from modules.results import (MACHINE_FIGURES, STEP_FIGURES, checkpoint_file,  # 
                              merge_results, previous_row, result_row, run_folder, start_run,
                              write_json)
 from modules.trainer import load_checkpoint, prepare, train
-from optuna_optimizer import BATCH_SIZES, OptunaTuner
+from optuna_optimizer import BATCH_SIZES, OptunaTuner, end_trials, follow_trials
 from resolution_tuner import (CPU_RESOLUTIONS, GPU_RESOLUTIONS, QUICK_CPU_RESOLUTIONS,
                               ResolutionTuner)
 
@@ -284,12 +284,26 @@ def autotune_scenario(config: TrainConfig, args: argparse.Namespace, index: Data
     by noise: another optimizer kernel, an AMP dtype, on a GPU another batch that fits)."""
     if not args.autotune:
         return config, None
+    if distributed.world_size() > 1:
+        # Every rank must train with the same settings: rank 0 measures (on its own, the
+        # others idle meanwhile) and hands its choice to the others.
+        return distributed.from_main(_measure_settings(config, args, index, planned_steps, saved)
+                                     if distributed.is_main() else None)
+    return _measure_settings(config, args, index, planned_steps, saved)
+
+
+def _measure_settings(config: TrainConfig, args: argparse.Namespace, index: DatasetIndex,
+                      planned_steps: int, saved: Path) -> tuple[TrainConfig, dict[str, Any]]:
     if args.resume:
         reused = _saved_autotune(saved, config)
         if reused is not None:
             return reused
     fixed = frozenset(knob for option, knob in USER_KNOBS.items()
                       if getattr(args, option, None) not in (None, False))
+    launcher_threads = distributed.world_size() > 1 and config.device == "cpu"
+    if launcher_threads:  # torchrun gave each process its share of the cores (OMP_NUM_THREADS)
+        config = dataclasses.replace(config, cpu_threads=torch.get_num_threads())
+        fixed |= {"cpu_threads"}
     factory = None
     if not (config.cache_decoded and cache_fits(index, config.image_size)):
         def factory(cfg: TrainConfig):  # the streaming path: how many decoding workers keep up
@@ -300,10 +314,12 @@ def autotune_scenario(config: TrainConfig, args: argparse.Namespace, index: Data
     tuned, report = autotune(config, len(index.classes), planned_steps=planned_steps,
                              fixed=fixed, loader_factory=factory, budget_share=MEASURE_SHARE,
                              cache_path=Path(args.output_dir).expanduser() / AUTOTUNE_CACHE)
-    if distributed.is_main():
-        saved.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(json.dumps({"start": config.to_dict(), "config": tuned.to_dict(),
-                                      "report": report}, indent=2), saved)
+    if launcher_threads:
+        report["knobs"]["cpu_threads"]["reason"] = ("one share of the cores per process, as "
+                                                     "torchrun set it (OMP_NUM_THREADS)")
+    saved.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(json.dumps({"start": config.to_dict(), "config": tuned.to_dict(),
+                                  "report": report}, indent=2), saved)
     return tuned, report
 
 
@@ -368,7 +384,8 @@ def run_scenario(name: str, args: argparse.Namespace, index: DatasetIndex, outpu
     config = scenario_config(name, args, device)
     extra: dict[str, Any] = {}
     if name == "hpo" and args.image_size is None:
-        size = tuned.get("image_size") or _previous_resolution(output_dir, index.name)
+        size = tuned.get("image_size") or distributed.from_main(
+            _previous_resolution(output_dir, index.name))
         config = dataclasses.replace(config, image_size=size or config.image_size)
     if name != "baseline":
         tuning_runs = (len(tuned_resolutions(args, device, config.image_size))
@@ -392,13 +409,14 @@ def run_scenario(name: str, args: argparse.Namespace, index: DatasetIndex, outpu
     if name != "baseline":
         config = fill_time(config, name, args, output_dir, index, tuned, tuning_s,
                            _epoch_seconds(name, config, extra))
+        config = distributed.from_main(config)  # under torchrun: rank 0's timing decides
     log.info("== scenario %s: %s, %d px, batch %d, %d epochs on %s", name, config.model,
              config.image_size, config.batch_size, config.epochs, device)
     model, train_loader, val_loader, test_loader = prepare(index, config)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     profiler = TorchProfiler(run_folder(output_dir, "profiler", args.run_id) / name,
-                             enabled=args.profile)
+                             enabled=args.profile and distributed.is_main())
     with SystemSampler(cuda_device=_cuda_index(device)) as sampler, profiler:
         result = train(model, train_loader, val_loader, config,
                        run_dir=run_folder(output_dir, "runs", args.run_id) / name,
@@ -522,8 +540,9 @@ def tune_resolution(config: TrainConfig, args: argparse.Namespace, index: Datase
                             epochs=short_budget(config), resume=args.resume,
                             journal=checkpoint_file(output_dir, "resolution", ".tuning.json",
                                                     args.run_id))
-    size = tuner.run()
-    tuner.save_plot(output_dir / "resolution_tradeoff.png")
+    size = tuner.run()  # under torchrun every rank trains each size, data-parallel
+    if distributed.is_main():
+        tuner.save_plot(output_dir / "resolution_tradeoff.png")
     return dataclasses.replace(config, image_size=size), {"resolution_trials": tuner.tradeoff()}
 
 
@@ -532,6 +551,10 @@ def tune_hyperparameters(config: TrainConfig, args: argparse.Namespace, index: D
                          ) -> tuple[TrainConfig, dict[str, Any]]:
     """The search, then the final run's configuration: the search's winner only when it beat
     the default configuration (its first trial) on validation, else the default."""
+    if not distributed.is_main():
+        # Under torchrun rank 0 runs the study; every trial trains data-parallel on all ranks.
+        follow_trials(index)
+        return distributed.from_main(None), {}
     n_trials = args.n_trials or (QUICK_N_TRIALS if args.quick else N_TRIALS)
     trial_epochs = short_budget(config)
     log.info("== hyperparameter search: %d trials of %d epochs at %d px (the default "
@@ -577,6 +600,9 @@ def tune_hyperparameters(config: TrainConfig, args: argparse.Namespace, index: D
             final.rename(aside)
             log.info("hpo: the choice changed with the new trials: training the final run "
                      "again (the earlier one is kept as %s)", aside)
+    if distributed.world_size() > 1:
+        end_trials()
+        distributed.from_main(chosen)
     return chosen, {"hpo": summary}
 
 
@@ -631,12 +657,8 @@ def run(args: argparse.Namespace, index: DatasetIndex | None = None) -> list[dic
     `load_data` gave it, to save a second scan."""
     device = resolve_device(args.device)
     device = distributed.init_from_env(device.type) or device  # under torchrun: this rank's
-    if distributed.world_size() > 1:
-        if args.scenarios != ["baseline"]:
-            raise UserError("under torchrun only --scenarios baseline runs so far; tune on one "
-                            "process, or share an Optuna study with --storage.")
-        if not distributed.is_main():  # one set of logs, from rank 0
-            logging.getLogger().setLevel(logging.WARNING)
+    if distributed.world_size() > 1 and not distributed.is_main():  # one set of logs, rank 0's
+        logging.getLogger().setLevel(logging.WARNING)
     output_dir = prepare_output_dir(args.output_dir)
     index = index or load_data(args, output_dir)
     # Every process checks (so a refused --resume ends them all); rank 0's id is the run's.

@@ -64,7 +64,10 @@ class ResolutionTuner:
         picked size."""
         self.trials, self.reused = [], []
         data = self.index.fingerprint(("train", "val"))  # what a trial's result depends on
-        done = self._journaled(data) if self.resume else {}
+        # Under torchrun every rank trains each size with the others (data-parallel), so all
+        # take rank 0's journal and pick.
+        done = distributed.from_main(self._journaled(data) if self.resume and
+                                     distributed.is_main() else {})
         entries = []
         for size in self.resolutions:
             config = dataclasses.replace(self.base, image_size=size, epochs=self.epochs_for(size),
@@ -87,7 +90,8 @@ class ResolutionTuner:
             self.trials.append(trial)
             entries.append({"config": key, "trial": dataclasses.asdict(trial)})
             self._write_journal(data, entries)
-        best = self.pick(self.trials, self.n_val, self.default_size, len(self.index.classes))
+        best = distributed.from_main(
+            self.pick(self.trials, self.n_val, self.default_size, len(self.index.classes)))
         top = max(self.trials, key=lambda t: t.val_acc)
         log.info("resolution pick: %d px (best %d px at %.1f%% +- %.1f on %d validation images; "
                  "sizes within one standard error of the difference tie, and a tie keeps the "

@@ -437,7 +437,7 @@ def make_loader(samples: list[Sample], transform, config: TrainConfig, *, train:
 
 def train_sampler(n: int, seed: int) -> Sampler[int]:
     """The training order over n samples, a function of (seed, epoch) only. Under torchrun one
-    equal shard per process (DDP needs the same step count on every rank); evaluation is
+    equal shard per process (every rank must take the same number of steps); evaluation is
     sharded by eval_sampler."""
     if distributed.world_size() > 1:
         return DistributedSampler(range(n), num_replicas=distributed.world_size(),

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+from modules import distributed
 from modules.config import IMAGENET_MEAN, IMAGENET_STD, TrainConfig, UserError
 from modules.dataset import Sample, drops_last, eval_sampler, to_rgb, train_sampler
 from modules.device import resolve_device
@@ -233,7 +234,9 @@ class CachedLoader:
         order = torch.tensor(list(self.sampler) if self.sampler is not None else range(self.n_local),
                              dtype=torch.int64).to(self.images.device)  # one copy per epoch
         epoch = getattr(self.sampler, "epoch", 0)
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + 7919 * epoch + 1)
+        # Each rank's own draws under torchrun (rank 0's are one process's).
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + 7919 * epoch + 1 +
+                                                  104_729 * distributed.rank())
         params, used, bs = None, 0, self.batch_size
         n_batches = len(self)
         end = min(self.n_local, n_batches * bs)  # images this epoch yields

@@ -298,8 +298,10 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
                 # busy, instead of idling the device with a sync between forward and backward.
                 flags = [bool(flag) for flag, _ in pending]
                 step_ok = distributed.all_agree(all(flags), device)
-                if all(flags) and not step_ok:
-                    flags[-1] = False  # another process's loss was NaN/inf: skip with it
+                if world > 1 and not step_ok:
+                    # A NaN/inf on any rank: every rank counts the whole window as bad, so all
+                    # stop together when training diverges.
+                    flags = [False] * len(flags)
                 for flag, parts in pending:  # commit each batch's metrics exactly once
                     if flag:
                         for logits, part_y, part_loss in parts:

@@ -1,4 +1,5 @@
-"""torchrun with two CPU processes on gloo: DDP training, sharded data, outputs from rank 0."""
+"""torchrun with two CPU processes on gloo: data-parallel training and tuning, sharded data,
+outputs from rank 0."""
 import json
 import os
 import subprocess
@@ -34,13 +35,25 @@ def test_two_processes_train_one_model(tmp_path):
     assert proc.stderr.count("info: epoch 2/2") == 1  # one set of logs
 
 
-def test_tuning_under_torchrun_is_refused_in_one_line(tmp_path):
-    data = make_folder(tmp_path / "d", n_train=4, n_test=2)
-    proc = torchrun("--scenarios", "hpo", "--data-dir", str(data), "--output-dir",
-                    str(tmp_path / "out"))
-    assert proc.returncode != 0
-    assert "error: under torchrun only --scenarios baseline runs so far" in proc.stderr
-    assert "Traceback" not in proc.stderr.split("error:")[0]
+def test_all_three_scenarios_run_under_torchrun(tmp_path):
+    """Resolution and hpo tune data-parallel: rank 0 measures the speed knobs and runs the
+    study, every trial trains on both ranks, and one set of results and logs comes out."""
+    data = make_folder(tmp_path / "d", n_train=16, n_test=4)
+    out = tmp_path / "out"
+    proc = torchrun("--data-dir", str(data), "--epochs", "2", "--image-size", "32",
+                    "--resolutions", "32,40", "--n-trials", "2", "--batch-size", "4",
+                    "--weights", "none", "--no-progress", "--output-dir", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((out / "results.json").read_text())
+    assert [r["scenario"] for r in rows] == ["baseline", "resolution", "hpo"]
+    assert all(r["settings"]["world_size"] == 2 for r in rows)
+    assert {t["image_size"] for t in rows[1]["resolution_trials"]} == {32, 40}
+    assert rows[2]["hpo"]["n_trials"] == 2
+    threads = rows[1]["autotune"]["knobs"]["cpu_threads"]
+    assert "torchrun" in threads["reason"]
+    assert proc.stderr.count("autotune: measuring the speed knobs") == 1  # rank 0's alone
+    assert proc.stderr.count("trial 1 ") == 1  # one study, on rank 0
+    assert "Traceback" not in proc.stderr
 
 
 def _two_ranks_against_one(tmp_path, *extra: str) -> list[dict]:
