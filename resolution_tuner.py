@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from modules import distributed
 from modules.config import TrainConfig, UserError
 from modules.dataset import DatasetIndex
 from modules.files import atomic_write_text
-from modules.report import figure
+from modules.report import figure, finite_number
 from modules.selection import accuracy_se, informative, tie_margin
 from modules.trainer import fit
 
@@ -82,7 +81,7 @@ class ResolutionTuner:
                 result = fit(self.index, config)
                 trial = ResolutionTrial(
                     image_size=size, val_acc=result.best_val_acc,
-                    samples_per_s=_finite(result.timing.get("samples_per_s")),
+                    samples_per_s=finite_number(result.timing.get("samples_per_s")) or 0.0,
                     epoch_s=sum(r["epoch_s"] for r in result.history) / max(1, len(result.history)),
                     wall_s=result.wall_s)
                 log.info("resolution %d px: val accuracy %.1f%%, %.0f img/s, %.1f s per epoch",
@@ -185,7 +184,3 @@ def _config_key(config: TrainConfig) -> str:
     """One trial's settings as a string: a journaled result is reused only for equal ones."""
     return json.dumps(config.run_settings(), sort_keys=True)
 
-
-def _finite(value) -> float:
-    """A measured figure for the journal (strict JSON): 0.0 where there was nothing to time."""
-    return value if isinstance(value, float) and math.isfinite(value) else 0.0

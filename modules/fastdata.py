@@ -1,7 +1,7 @@
 """The fast data path: decode and resize every image once into a uint8 tensor cache, then
 augment whole batches with tensor operations on the training device.
 
-The seed's path (dataset.ImageListDataset) decodes each JPEG and runs PIL transforms per sample,
+The baseline's path (dataset.ImageListDataset) decodes each JPEG and runs PIL transforms per sample,
 every epoch; on a 2-core CPU that costs as much as the model's own step. Here decoding happens
 once per (image list, size), and the per-epoch work is one gather, one colour matrix and one
 resampling per batch."""
@@ -172,23 +172,17 @@ def _augment_params(n: int, h: int, w: int, generator: torch.Generator, mean, st
     return torch.from_numpy(packed.astype(np.float32))
 
 
-def augment(x: torch.Tensor, generator: torch.Generator, mean=IMAGENET_MEAN, std=IMAGENET_STD
-            ) -> torch.Tensor:
-    """Random resized crop, horizontal flip and colour jitter of a uint8 batch, normalised.
+def augment_with(x: torch.Tensor, params: torch.Tensor, means: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """Random resized crop, horizontal flip and colour jitter of a uint8 batch, normalised,
+    with its per-image parameters already drawn (rows of _augment_params, on x's device): the
+    loader draws them for many batches at once, and gathers the images' means (image_means)
+    from the cache's; without them they are taken from x.
 
     Brightness, contrast, saturation and normalisation are all affine in the pixel values, so
     they fold into one 3x3 matrix plus offset per image (one batched matmul); the crop and the
-    flip are one resampling (grid_sample). The random numbers come from `generator` (CPU), so
-    a batch depends only on the generator's state, on any device."""
-    n, _, h, w = x.shape
-    return augment_with(x, _to(_augment_params(n, h, w, generator, mean, std), x.device))
-
-
-def augment_with(x: torch.Tensor, params: torch.Tensor, means: torch.Tensor | None = None
-                 ) -> torch.Tensor:
-    """augment() with its per-image parameters already drawn (rows of _augment_params, on x's
-    device): the loader draws them for many batches at once, and gathers the images' means
-    (image_means) from the cache's; without them they are taken from x."""
+    flip are one resampling (grid_sample). The random numbers come from a CPU generator, so a
+    batch depends only on the generator's state, on any device."""
     n, _, h, w = x.shape
     matrix, pivot = params[:, :9].view(n, 3, 3), params[:, 9:18].view(n, 3, 3)
     shift = params[:, 18:21]

@@ -28,14 +28,13 @@ class SystemSampler:
     cuda_device: CUDA index whose GPU to watch through NVML (`nvidia-ml-py`); None for CPU runs.
     """
 
-    def __init__(self, interval_s: float = 0.5, *, cuda_device: int | None = None,
-                 pid: int | None = None):
+    def __init__(self, interval_s: float = 0.5, *, cuda_device: int | None = None):
         if not (isinstance(interval_s, (int, float)) and math.isfinite(interval_s)
                 and interval_s > 0):
             raise UserError(f"sampler interval_s must be a number > 0, but got {interval_s=}.")
         self.interval_s = float(interval_s)
         self.cuda_device = cuda_device
-        self._proc = psutil.Process(pid)
+        self._proc = psutil.Process()  # this process, and the workers it starts
         self._thread: threading.Thread | None = None
         self._halt = threading.Event()
         self._lock = threading.Lock()

@@ -23,7 +23,7 @@ REPORT_MD = "report.md"
 
 def step_breakdown(row: dict[str, Any]) -> dict[str, float] | None:
     """Milliseconds per step waiting for data, copying to the device and computing."""
-    step, wait, h2d = (_finite(row.get(k)) for k in ("avg_step_ms", "data_wait_frac", "h2d_frac"))
+    step, wait, h2d = (finite_number(row.get(k)) for k in ("avg_step_ms", "data_wait_frac", "h2d_frac"))
     if step is None or wait is None:
         return None
     h2d = h2d or 0.0
@@ -40,7 +40,7 @@ def plot_breakdown(rows: list[dict[str, Any]], out_dir: Path) -> Path | None:
     fig = figure(10, 4.5, dpi=120)
     rate_ax, step_ax = fig.subplots(1, 2)
     names = list(parts)
-    rates = [_finite(next(r for r in rows if r["scenario"] == n).get("samples_per_s")) or 0.0
+    rates = [finite_number(next(r for r in rows if r["scenario"] == n).get("samples_per_s")) or 0.0
              for n in names]
     rate_ax.bar(names, rates, color="C0")
     rate_ax.set_title("Training throughput")
@@ -75,7 +75,7 @@ def figure(width: float, height: float, dpi: float | None = None):
 
 def best_row(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The row with the highest test accuracy (ties: the earlier scenario)."""
-    scored = [r for r in rows if _finite(r.get("test_acc")) is not None]
+    scored = [r for r in rows if finite_number(r.get("test_acc")) is not None]
     return max(scored, key=lambda r: r["test_acc"]) if scored else None
 
 
@@ -150,11 +150,11 @@ def versus_baseline_lines(rows: list[dict[str, Any]]) -> list[str]:
     baseline, and the time it took, tuning included, against the baseline's."""
     lines = []
     for row in rows:
-        acc, se = _finite(row.get("test_acc")), _finite(row.get("test_acc_se"))
+        acc, se = finite_number(row.get("test_acc")), finite_number(row.get("test_acc_se"))
         line = f"{row['scenario']}: test accuracy " + (
             "n/a" if acc is None else f"{100 * acc:.1f}%" + (f" +- {100 * se:.1f}" if se else ""))
-        diff, ratio = _finite(row.get("test_acc_vs_baseline")), _finite(row.get("total_vs_baseline"))
-        total = _finite(row.get("total_s"))
+        diff, ratio = finite_number(row.get("test_acc_vs_baseline")), finite_number(row.get("total_vs_baseline"))
+        total = finite_number(row.get("total_s"))
         if row["scenario"] != "baseline" and diff is not None:
             line += f", {diff:+.1f} points against the baseline"
         if total is not None:
@@ -368,14 +368,15 @@ def _curves(name: str, epochs) -> dict[str, list[tuple[float, float]]]:
         for i, row in enumerate(epochs):
             if not isinstance(row, dict):
                 continue
-            x, y = _finite(row.get("epoch", i + 1)), _finite(row.get(key))
+            x, y = finite_number(row.get("epoch", i + 1)), finite_number(row.get(key))
             if x is not None and y is not None:
                 points.append((x, y * scale))
         curves[key] = points
     return curves
 
 
-def _finite(value: Any) -> float | None:
+def finite_number(value: Any) -> float | None:
+    """`value` as a float when it is a finite number, else None (missing, NaN, inf, text)."""
     if isinstance(value, bool):
         return None
     try:

@@ -11,7 +11,7 @@ from modules import fastdata
 from modules.config import TrainConfig, UserError
 from modules.dataset import index_dataset
 from modules.loaders import make_loaders
-from modules.fastdata import CachedLoader, augment, normalise
+from modules.fastdata import CachedLoader, augment_with, normalise
 
 
 @pytest.fixture(autouse=True)
@@ -19,6 +19,13 @@ def fresh_cache():
     fastdata.clear_cache()
     yield
     fastdata.clear_cache()
+
+
+def augment(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One batch augmented with parameters drawn from `generator`, as the loader draws them."""
+    n, _, h, w = x.shape
+    return augment_with(x, fastdata._augment_params(n, h, w, generator, fastdata.IMAGENET_MEAN,
+                                                    fastdata.IMAGENET_STD))
 
 
 def _batch(n=16, size=24, seed=0):
