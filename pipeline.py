@@ -21,8 +21,8 @@ import torch
 
 from modules import distributed
 from modules.autotune import MEASURE_SHARE, ComputeProbe, autotune
-from modules.config import (CPU_ALLOCATORS, DISPLAY_ONLY, DROPOUT_IMPLS, MODELS, TrainConfig,
-                            UserError)
+from modules.config import (CPU_ALLOCATORS, DISPLAY_ONLY, DROPOUT_IMPLS, MODELS, SCHEDULERS,
+                            TrainConfig, UserError)
 from modules.dataset import (DatasetIndex, data_path_of, index_dataset, load_rgb, make_loader,
                              resolve_source, subset, train_transform)
 from modules.device import autocast_dtype, resolve_device
@@ -38,7 +38,7 @@ from modules.results import (MACHINE_FIGURES, STEP_FIGURES, checkpoint_file,  # 
                              merge_results, previous_row, result_row, run_folder, start_run,
                              write_json)
 from modules.trainer import load_checkpoint, prepare, train
-from optuna_optimizer import BATCH_SIZES, OptunaTuner, end_trials, follow_trials
+from optuna_optimizer import BATCH_SIZES, PRUNERS, OptunaTuner, end_trials, follow_trials
 from resolution_tuner import (CPU_RESOLUTIONS, GPU_RESOLUTIONS, QUICK_CPU_RESOLUTIONS,
                               ResolutionTuner)
 
@@ -142,6 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help=f"Optuna trials ({N_TRIALS}; {QUICK_N_TRIALS} with --quick)")
     tune.add_argument("--time-budget", type=_bounded(float, 0.0, strict=True), metavar="SECONDS",
                       help="stop starting new Optuna trials after this long")
+    tune.add_argument("--pruner", choices=PRUNERS, default="asha",
+                      help="how the search stops trials that fall behind: asha (successive "
+                           "halving, default), hyperband, median, or none (every trial trains "
+                           "its whole budget: plain TPE)")
     tune.add_argument("--storage", metavar="URL",
                       help="Optuna RDB storage (default: sqlite:///DIR/optuna.db); e.g. "
                            "postgresql://user:pass@host/db to share a study across machines")
@@ -153,6 +157,11 @@ def build_parser() -> argparse.ArgumentParser:
     train_.add_argument("--image-size", type=_bounded(int, 16, 2048))
     train_.add_argument("--batch-size", type=_bounded(int, 1, 1 << 20))
     train_.add_argument("--lr", type=_bounded(float, 0.0, 10.0, strict=True))
+    train_.add_argument("--scheduler", choices=SCHEDULERS,
+                        help="learning-rate schedule per optimizer step (default: cosine)")
+    train_.add_argument("--momentum", type=_bounded(float, 0.0, 0.999),
+                        help="SGD momentum, Nesterov when > 0 (default 0.9; the hpo search "
+                             "can choose SGD)")
     train_.add_argument("--grad-accum-steps", type=_bounded(int, 1, 1 << 16))
     train_.add_argument("--max-grad-norm", type=_bounded(float, 0.0, strict=True))
     train_.add_argument("--match-time", action=argparse.BooleanOptionalAction, default=True,
@@ -166,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     train_.add_argument("--channels-last", action="store_true",
                         help="NHWC memory format for the model and inputs")
     train_.add_argument("--compile", action="store_true", help="torch.compile the model")
+    train_.add_argument("--cudnn-benchmark", action=argparse.BooleanOptionalAction, default=True,
+                        help="let cuDNN time its convolution algorithms for each input shape "
+                             "and keep the fastest (GPU only; default: on)")
     train_.add_argument("--num-workers", type=_bounded(int, 0, 256))
     train_.add_argument("--cpu-allocator", choices=CPU_ALLOCATORS,
                         help="retain: freed CPU memory stays in the process for reuse instead of "
@@ -230,8 +242,9 @@ def scenario_config(name: str, args: argparse.Namespace, device: torch.device) -
     """The scenario's defaults, then the user's overrides."""
     if name not in SCENARIOS:
         raise UserError(f"unknown scenario {name!r}")
-    # The seed notebook's unoptimised setup: fp32, NCHW, batch 32, Adam 1e-3, cosine,
-    # per-sample PIL transforms every epoch, a default single-process DataLoader.
+    # A plain, unoptimised PyTorch setup, the reference the tuned scenarios are judged by:
+    # fp32, NCHW, batch 32, Adam 1e-3, cosine, per-sample PIL transforms every epoch, a
+    # default single-process DataLoader.
     config = TrainConfig(model=args.model, weights=args.weights, image_size=150, epochs=10,
                          batch_size=32, lr=1e-3, optimizer="adam", scheduler="cosine", amp="off",
                          channels_last=False, num_workers=0, seed=args.seed,
@@ -242,7 +255,8 @@ def scenario_config(name: str, args: argparse.Namespace, device: torch.device) -
         config = dataclasses.replace(config, epochs=QUICK_EPOCHS,
                                      image_size=QUICK_IMAGE_SIZE[device.type])
     overrides = {"epochs": args.epochs, "image_size": args.image_size,
-                 "batch_size": args.batch_size, "lr": args.lr,
+                 "batch_size": args.batch_size, "lr": args.lr, "scheduler": args.scheduler,
+                 "momentum": args.momentum, "cudnn_benchmark": args.cudnn_benchmark,
                  "grad_accum_steps": args.grad_accum_steps, "max_grad_norm": args.max_grad_norm,
                  "early_stopping_patience": args.early_stopping, "amp": args.amp,
                  "compile": args.compile or None, "channels_last": args.channels_last or None,
@@ -259,9 +273,9 @@ def optimized_settings(device: torch.device) -> dict[str, Any]:
                 "channels_last": True,
                 "cache_decoded": True}   # decode once; batched augmentation on the device
     if device.type == "cuda":
-        # A GPU runs a batch of 64 far faster per image than one of 32. A CPU keeps the seed's
+        # A GPU runs a batch of 64 far faster per image than one of 32. A CPU keeps the baseline's
         # 32: there 64 measured 18-40% more img/s but, with half the optimizer steps per epoch,
-        # reached the seed's accuracy on 1,200 images later, not sooner (time to accuracy:
+        # reached the baseline's accuracy on 1,200 images later, not sooner (time to accuracy:
         # 7 epochs at 32, not within 15 at 64).
         settings.update(batch_size=64, pin_memory=True)
     elif cores > 2:  # only when the cache does not fit: streaming decodes in workers
@@ -568,6 +582,7 @@ def tune_hyperparameters(config: TrainConfig, args: argparse.Namespace, index: D
     tuner = OptunaTuner(index, config, output_dir=output_dir, n_trials=n_trials,
                         timeout_s=args.time_budget, storage=args.storage, resume=args.resume,
                         epochs=trial_epochs, max_batch_size=largest, local_dir=args.local_dir,
+                        pruner=args.pruner,
                         study_name=f"hpo-{index.name}" + ("" if shared else f"-{args.run_id}"),
                         seed=worker_seed(args) if shared else args.seed,
                         data_fingerprint=index.fingerprint())

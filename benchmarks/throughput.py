@@ -128,7 +128,7 @@ def dataset(args, cache_dir: Path):
 
 
 def base_config(args, device: torch.device) -> TrainConfig:
-    """The seed's setup at the benchmark's size and batch."""
+    """The baseline scenario's setup at the benchmark's size and batch."""
     return TrainConfig(model=args.model, weights="none", image_size=args.image_size,
                        batch_size=args.batch_size, epochs=1, lr=1e-3, optimizer="adam",
                        scheduler="cosine", amp="off", channels_last=False, num_workers=0,
@@ -136,7 +136,7 @@ def base_config(args, device: torch.device) -> TrainConfig:
 
 
 def optimized_start(args, device: torch.device, **overrides) -> TrainConfig:
-    """The tuned scenarios' starting setup (pipeline.optimized_settings) on the seed's config."""
+    """The tuned scenarios' starting setup (pipeline.optimized_settings) on the baseline's config."""
     return dataclasses.replace(base_config(args, device),
                                **{**optimized_settings(device), **overrides})
 
@@ -368,7 +368,7 @@ def lightning_img_s(index, args, device: torch.device, window: int) -> float:
                         devices=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[clock], num_sanity_val_steps=0)
-    # The process-wide knobs as the seed's setup has them (our trainer does this for the
+    # The process-wide knobs as the baseline's setup has them (our trainer does this for the
     # baseline from its config): a Lightning user's process has not had them tuned.
     apply_process_settings(base_config(args, device), device)
     trainer.fit(Classifier(), train_dataloaders=loader)

@@ -82,7 +82,7 @@ def load_rgb(path) -> Image.Image:
 
 
 def train_transform(image_size: int, mean=IMAGENET_MEAN, std=IMAGENET_STD) -> T.Compose:
-    """The seed's per-sample PIL augmentation: random resized crop, flip, mild colour jitter."""
+    """The baseline's per-sample PIL augmentation: random resized crop, flip, mild colour jitter."""
     return T.Compose([
         T.RandomResizedCrop(image_size, scale=(0.6, 1.0), antialias=True),
         T.RandomHorizontalFlip(),
@@ -382,7 +382,7 @@ def subset(index: DatasetIndex, per_class: dict[str, int]) -> DatasetIndex:
 # ----------------------------------------------------------------------------- loading
 
 class ImageListDataset(Dataset):
-    """Decodes (path, label) samples per item and applies a PIL transform: the seed's data path."""
+    """Decodes (path, label) samples per item and applies a PIL transform: the baseline's data path."""
 
     def __init__(self, samples: list[Sample], transform):
         self.samples = samples

@@ -1,6 +1,6 @@
 """The loaders a training run reads: the decoded-image cache with batched augmentation on the
-device (modules.fastdata) when it fits, else the seed's per-sample PIL path (modules.dataset).
-Above both, so neither imports the other."""
+device (modules.fastdata) when it fits, else the baseline's per-sample PIL path
+(modules.dataset). Above both, so neither imports the other."""
 from __future__ import annotations
 
 from torch.utils.data import DataLoader
@@ -13,7 +13,7 @@ from modules.fastdata import cached_loaders
 def make_loaders(index: DatasetIndex, config: TrainConfig
                  ) -> tuple[DataLoader, DataLoader, DataLoader]:
     """(train, val, test) loaders at config.image_size: from the decoded-image cache with batched
-    augmentation on the device when config.cache_decoded (and it fits in RAM), else the seed's
+    augmentation on the device when config.cache_decoded (and it fits in RAM), else the baseline's
     per-sample PIL decode and transforms."""
     if config.cache_decoded:
         loaders = cached_loaders(index, config)

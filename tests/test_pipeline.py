@@ -162,7 +162,7 @@ def test_quick_run_does_all_three_scenarios_on_synthetic_data(tmp_path):
     for name in ("synthetic_model.pt", "optuna.db", "resolution_tradeoff.png", "report.md",
                  "training_accuracy_comparison.png"):
         assert (out / name).exists(), name
-    # the baseline keeps the seed's data path; the optimized scenarios are autotuned
+    # the baseline keeps the per-sample data path; the optimized scenarios are autotuned
     assert rows["baseline"]["settings"]["data_path"] == "per-sample PIL decode"
     assert "autotune" not in rows["baseline"]
     for name in ("resolution", "hpo"):
@@ -450,3 +450,27 @@ def test_the_estimate_covers_every_scenario_and_match_times_fill(small, tmp_path
         assert plain["scenarios"][name] > 0
         assert 1.2 * plain["scenarios"][name] < filled["scenarios"][name] \
             <= 3 * plain["scenarios"][name]
+
+
+def test_schedule_momentum_cudnn_and_pruner_options_reach_the_run(tmp_path, monkeypatch):
+    args = pipeline.parse_args(["--scheduler", "onecycle", "--momentum", "0.5",
+                                "--no-cudnn-benchmark", "--pruner", "hyperband",
+                                "--output-dir", str(tmp_path)])
+    for name in pipeline.SCENARIOS:
+        config = pipeline.scenario_config(name, args, torch.device("cpu"))
+        assert (config.scheduler, config.momentum, config.cudnn_benchmark) == \
+            ("onecycle", 0.5, False)
+    seen = {}
+
+    class Recorded(Exception):
+        pass
+
+    def tuner(*_, **kwargs):
+        seen.update(kwargs)
+        raise Recorded
+    monkeypatch.setattr(pipeline, "OptunaTuner", tuner)
+    data = make_folder(tmp_path / "d")
+    index = pipeline.load_data(pipeline.parse_args(["--data-dir", str(data)]), tmp_path)
+    with pytest.raises(Recorded):
+        pipeline.tune_hyperparameters(config, args, index, tmp_path, torch.device("cpu"))
+    assert seen["pruner"] == "hyperband"

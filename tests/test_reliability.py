@@ -79,7 +79,7 @@ def test_kill_9_then_resume_ends_like_an_uninterrupted_run(data, uninterrupted, 
 
 NUMERIC = ["--epochs", "--image-size", "--batch-size", "--lr", "--grad-accum-steps",
            "--max-grad-norm", "--early-stopping", "--num-workers", "--seed", "--n-trials",
-           "--time-budget", "--resolutions"]
+           "--time-budget", "--resolutions", "--momentum"]
 
 
 @pytest.mark.parametrize("option", NUMERIC)
