@@ -25,7 +25,7 @@ from modules.config import (CPU_ALLOCATORS, DISPLAY_ONLY, DROPOUT_IMPLS, MODELS,
                             TrainConfig, UserError)
 from modules.dataset import (DatasetIndex, data_path_of, index_dataset, load_rgb, make_loader,
                              resolve_source, subset, train_transform)
-from modules.device import autocast_dtype, resolve_device
+from modules.device import apply_process_settings, autocast_dtype, resolve_device
 from modules.evaluation import evaluate
 from modules.fastdata import cache_fits
 from modules.files import atomic_write_text
@@ -426,6 +426,7 @@ def run_scenario(name: str, args: argparse.Namespace, index: DatasetIndex, outpu
         config = distributed.from_main(config)  # under torchrun: rank 0's timing decides
     log.info("== scenario %s: %s, %d px, batch %d, %d epochs on %s", name, config.model,
              config.image_size, config.batch_size, config.epochs, device)
+    apply_process_settings(config, device)
     model, train_loader, val_loader, test_loader = prepare(index, config)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

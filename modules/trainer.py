@@ -19,26 +19,23 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from modules import distributed, hostmem
+# Re-exported: callers load checkpoints through the trainer.
+from modules.checkpoints import CheckpointSaver, Progress, load_checkpoint  # noqa: F401
 from modules.config import TrainConfig, UserError, first_line
 # Re-exported: callers have long imported these from here.
 from modules.device import (REGIONS, apply_process_settings, autocast_dtype,  # noqa: F401
                             region, resolve_device)
 from modules.evaluation import evaluate
-from modules.files import atomic_torch_save, read_torch_file
 from modules.loaders import make_loaders
 from modules.models import build_model
 from modules.oom import is_out_of_memory, more_pieces, release
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_FORMAT = 1
 # Steps left out of the timing figures: the first ones pay for CUDA context, cuDNN autotuning,
 # allocator growth and lazy imports (seen: one 5 s first step on an H200 in a 72-step run).
 TIMING_WARMUP_STEPS = 3
 METRIC_BATCHES = 16  # training batches whose correct predictions are counted together
-# Settings a checkpoint must share with the run that resumes it.
-_RESUME_KEYS = ("model", "image_size", "batch_size", "grad_accum_steps", "optimizer", "scheduler",
-                "epochs", "lr", "seed")
 
 Report = Callable[[int, dict[str, float]], None]
 
@@ -124,43 +121,6 @@ def make_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, total_
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
 
 
-# ----------------------------------------------------------------------------- checkpoints
-
-def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
-    """Atomic: a kill mid-write leaves the previous checkpoint intact."""
-    atomic_torch_save(state, Path(path))
-
-
-def load_checkpoint(path: Path) -> dict[str, Any]:
-    return read_torch_file(path, "checkpoint")
-
-
-def _rng_state() -> dict[str, Any]:
-    """Every RNG stream, as tensors and plain numbers so the checkpoint loads weights_only."""
-    py_version, py_internal, py_gauss = random.getstate()
-    _, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
-    return {"python": [py_version, torch.tensor(py_internal, dtype=torch.int64), py_gauss],
-            "numpy": [torch.from_numpy(np_keys.astype(np.int64)), int(np_pos), int(np_has_gauss),
-                      float(np_gauss)],
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    py_version, py_internal, py_gauss = state["python"]
-    random.setstate((py_version, tuple(py_internal.tolist()), py_gauss))
-    np_keys, np_pos, np_has_gauss, np_gauss = state["numpy"]
-    np.random.set_state(("MT19937", np_keys.numpy().astype(np.uint32), np_pos, np_has_gauss,
-                         np_gauss))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _cpu_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
-
-
 # ----------------------------------------------------------------------------- training
 
 def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
@@ -169,6 +129,8 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
           report: Report | None = None, profiler=None) -> TrainResult:
     """Train `model` in place; return it with the weights of its best validation epoch.
 
+    The process-wide settings of `config` (threads, CPU allocator, cuDNN) are the caller's to
+    apply (device.apply_process_settings; fit() does).
     run_dir: TensorBoard scalars and the run's config.json go here.
     checkpoint_path: state after every epoch; with resume=True training continues from it.
     report(epoch, metrics): called after every epoch (1-based); may raise to stop (pruning).
@@ -176,255 +138,302 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
     """
     started = time.perf_counter()
     device = resolve_device(config.device)
-    apply_process_settings(config, device)
     dtype = autocast_dtype(config.amp, device)
-    memory_format = torch.channels_last if config.channels_last else torch.contiguous_format
-    model.to(device, memory_format=memory_format)
-    num_classes = _num_classes(model)
-
-    accum = config.grad_accum_steps
-    steps_per_epoch = math.ceil(len(train_loader) / accum)
+    model.to(device, memory_format=_memory_format(config))
     if len(train_loader) == 0:
         raise UserError("the training split is empty; add images or lower --batch-size.")
     optimizer = make_optimizer(model, config, device)
-    scheduler = make_scheduler(optimizer, config, steps_per_epoch * config.epochs)
+    scheduler = make_scheduler(optimizer, config, math.ceil(len(train_loader) /
+                                                            config.grad_accum_steps) * config.epochs)
     # GradScaler only matters for fp16, whose narrow range underflows small gradients.
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    world = distributed.world_size()
-    forward = torch.compile(model) if config.compile else model
-
-    history: list[dict[str, float]] = []
-    best = {"acc": -1.0, "epoch": 0, "state": None}
-    bad_epochs, nonfinite_total, start_epoch, resumed_from = 0, 0, 0, None
-    saved_timing: dict[str, float] = {}
-    ckpt_path = Path(checkpoint_path) if checkpoint_path else None
-    if resume and ckpt_path and ckpt_path.exists():
-        ckpt = load_checkpoint(ckpt_path)
-        _check_resumable(ckpt, config, ckpt_path)
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        scheduler.load_state_dict(ckpt["scheduler"])
-        scaler.load_state_dict(ckpt["scaler"])
-        _set_rng_state(ckpt["rng"])
-        history, best = ckpt["history"], ckpt["best"]
-        bad_epochs, nonfinite_total = ckpt["bad_epochs"], ckpt["nonfinite_steps"]
-        saved_timing = ckpt.get("timing", {})  # absent from checkpoints of older versions
-        start_epoch = resumed_from = ckpt["epoch"]
-        log.info("resuming from %s after epoch %d", ckpt_path, start_epoch)
-        if ckpt["finished"]:
-            start_epoch = config.epochs  # nothing left to train; fall through to restore best
+    saver = CheckpointSaver(checkpoint_path, config)
+    progress = (saver.restore(model, optimizer, scheduler, scaler) if resume else None) or Progress()
     # Under torchrun every rank trains the same model on its own shard of each batch; the
     # gradients are averaged once per optimizer step (distributed.average_gradients).
     distributed.broadcast_state(model)
-    elapsed_before = history[-1]["elapsed_s"] if history else 0.0
-
+    timer = StepTimer(device, len(train_loader) * max(0, config.epochs - progress.start_epoch),
+                      carried=progress.timing if progress.resumed_from is not None else None)
+    epochs = _Epochs(model, optimizer, scheduler, scaler, config, device, dtype, progress, timer,
+                     profiler)
     writer = _summary_writer(run_dir if distributed.is_main() else None, config)
-    timing = {"data_wait_s": 0.0, "h2d_s": 0.0, "step_s": 0.0, "cpu_s": 0.0, "steps": 0,
-              "samples": 0}
-    if device.type == "cuda":
-        timing["gpu_compute_s"] = 0.0
-    if resumed_from is not None:  # the step timing of the epochs trained before, continued
-        if (saved_timing.get("device"), saved_timing.get("world")) == (device.type, world):
-            timing.update({k: v for k, v in saved_timing.items() if k in timing})
-        elif saved_timing:
-            log.info("the epochs before were timed on %s x%s; the step timing covers this "
-                     "process's epochs only", saved_timing.get("device"), saved_timing.get("world"))
-    planned_steps = len(train_loader) * max(0, config.epochs - start_epoch)
-    warmup = TIMING_WARMUP_STEPS if planned_steps > 2 * TIMING_WARMUP_STEPS else 0
-    step_no = 0
-    # On a GPU the host only queues work; CUDA events time what the device itself spent.
-    gpu_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-    stopped_early = False
-    # After running out of memory every loader batch goes through in `splits` chunks (x2 per
-    # recovery); the optimizer step still sees the same samples, so the effective batch stays.
-    splits, oom_recoveries = 1, 0
-    for epoch in range(start_epoch, config.epochs):
+    elapsed_before, stopped_early = progress.elapsed_s, False
+    for epoch in range(progress.start_epoch, config.epochs):
         epoch_start = time.perf_counter()
-        if hasattr(train_loader.sampler, "set_epoch"):
-            train_loader.sampler.set_epoch(epoch)
-        model.train()
-        correct = _CorrectCount(device)
-        loss_sum = torch.zeros((), device=device)
-        seen, consecutive_bad = 0, 0
-        last_lr = optimizer.param_groups[0]["lr"]  # the lr of the epoch's last optimizer step
-        n_batches = len(train_loader)
-        bar = tqdm(total=n_batches, desc=f"epoch {epoch + 1}/{config.epochs}", leave=False,
-                   disable=not config.progress, dynamic_ncols=True)
-        batches = iter(train_loader)
+        row = epochs.train_one(train_loader, epoch)
+        val = evaluate(model, val_loader, device=device, amp_dtype=dtype,
+                       channels_last=config.channels_last, num_classes=_num_classes(model))
+        row.update(val_loss=val["loss"], val_acc=val["acc"], lr=row.pop("lr"),
+                   epoch_s=time.perf_counter() - epoch_start,
+                   samples_per_s=row.pop("samples_per_s"))
+        row["elapsed_s"] = elapsed_before + (time.perf_counter() - started)
+        _log_epoch(row, config.epochs, writer)
+        stopped_early = progress.record(row, model, config.early_stopping_patience)
+        saver.save(progress, stopped_early or epoch + 1 == config.epochs, model, optimizer,
+                   scheduler, scaler, timer.state())
+        if report is not None:
+            report(row["epoch"], row)
+        if stopped_early:
+            log.info("early stopping: no better val accuracy for %d epochs; best was epoch %d "
+                     "(%.1f%%)", config.early_stopping_patience, progress.best["epoch"],
+                     100 * progress.best["acc"])
+            break
+    if writer is not None:
+        writer.close()
+    if progress.best["state"] is not None:
+        model.load_state_dict(progress.best["state"])
+    history, best = progress.history, progress.best
+    best_row = next((r for r in history if r["epoch"] == best["epoch"]), None)
+    return TrainResult(
+        model=model, history=history, best_epoch=best["epoch"], best_val_acc=max(best["acc"], 0.0),
+        epochs_run=len(history), nonfinite_steps=progress.nonfinite_steps,
+        stopped_early=stopped_early or (bool(history) and len(history) < config.epochs),
+        resumed_from_epoch=progress.resumed_from,
+        wall_s=elapsed_before + time.perf_counter() - started,
+        time_to_best_s=best_row["elapsed_s"] if best_row else 0.0, timing=timer.summary(),
+        settings={"device": str(device), "amp_dtype": str(dtype).replace("torch.", "") if dtype
+                  else "fp32", "effective_batch_size": config.effective_batch_size,
+                  "micro_batch_size": math.ceil(config.batch_size / epochs.splits),
+                  "oom_recoveries": epochs.oom_recoveries,
+                  "steps_per_epoch": math.ceil(len(train_loader) / config.grad_accum_steps),
+                  "world_size": distributed.world_size(), "cpu_threads": torch.get_num_threads(),
+                  "cpu_allocator": hostmem.current(), "torch": torch.__version__})
+
+
+class _Epochs:
+    """The training epochs of one run: every loader batch's forward and backward (replayed in
+    smaller pieces after running out of memory), and one optimizer step per window of
+    grad_accum_steps batches, skipped when a loss in it was NaN/inf. Holds what lasts from
+    epoch to epoch: the pieces a batch is cut into, and the count of non-finite batches."""
+
+    def __init__(self, model: nn.Module, optimizer, scheduler, scaler, config: TrainConfig,
+                 device: torch.device, dtype: torch.dtype | None, progress: Progress,
+                 timer: StepTimer, profiler=None):
+        self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
+        self.config, self.device, self.dtype = config, device, dtype
+        self.progress, self.timer, self.profiler = progress, timer, profiler
+        self.forward = torch.compile(model) if config.compile else model
+        self.memory_format = _memory_format(config)
+        # After running out of memory every loader batch goes through in `splits` chunks (x2 per
+        # recovery); the optimizer step still sees the same samples, so the effective batch stays.
+        self.splits, self.oom_recoveries = 1, 0
+
+    def train_one(self, loader, epoch: int) -> dict[str, float]:
+        """One epoch over `loader` (0-based `epoch`); returns its training row."""
+        started = time.perf_counter()
+        if hasattr(loader.sampler, "set_epoch"):
+            loader.sampler.set_epoch(epoch)
+        self.model.train()
+        metrics = _EpochMetrics(self.device)
+        self.consecutive_bad = 0
+        self.last_lr = self.optimizer.param_groups[0]["lr"]  # of the epoch's last step
+        accum, n_batches = self.config.grad_accum_steps, len(loader)
+        bar = tqdm(total=n_batches, desc=f"epoch {epoch + 1}/{self.config.epochs}", leave=False,
+                   disable=not self.config.progress, dynamic_ncols=True)
+        batches = iter(loader)
         window_batches: list[tuple[torch.Tensor, torch.Tensor]] = []  # replayed after an OOM
         pending: list[tuple[Any, list]] = []  # (finite flag, metrics) per window batch
         for i in range(n_batches):
-            t0, c0 = time.perf_counter(), time.process_time()
+            self.timer.begin()
             with region("data_wait"):
                 x, y = next(batches)
-            t1 = time.perf_counter()
+            self.timer.loaded()
             with region("h2d"):
-                x = x.to(device, non_blocking=True, memory_format=memory_format)
-                y = y.to(device, non_blocking=True)
-            t2 = time.perf_counter()
-            if device.type == "cuda":
-                gpu_start = torch.cuda.Event(enable_timing=True)
-                gpu_start.record()
+                x = x.to(self.device, non_blocking=True, memory_format=self.memory_format)
+                y = y.to(self.device, non_blocking=True)
+            self.timer.copied()
             window_start = i - i % accum
             window = min(accum, n_batches - window_start)  # loader batches in this optimizer step
             if i == window_start:
                 window_batches.clear()
                 pending.clear()
             window_batches.append((x, y))
-            first = len(window_batches) - 1  # this batch; after running out of memory, the window
-            while True:
-                try:
-                    done = []
-                    for bx, by in window_batches[first:]:
-                        done.append(forward_backward(forward, bx, by, splits, window, device,
-                                                     dtype, scaler))
-                    break
-                except RuntimeError as exc:  # torch's OutOfMemoryError is a RuntimeError
-                    # Under torchrun too: nothing here is a collective, so this rank alone
-                    # replays its window in smaller pieces while the others wait at the step.
-                    if not is_out_of_memory(exc):
-                        raise
-                # Recover outside the except block: its traceback holds the failed pass's
-                # frames and with them its activations; by now they are released.
-                optimizer.zero_grad(set_to_none=True)  # the window's partial gradient
-                release(device)
-                splits = _more_splits(splits, window_batches[-1][1], config)
-                oom_recoveries += 1
-                first = 0  # the whole window again, from its first batch
+            first, done = self._forward_backward(window_batches, window)
             pending[first:] = done  # a replayed window replaces its earlier entries
             if i - window_start + 1 == window:
-                # The finite check reads the losses once per optimizer step, after the backward
-                # is queued: on a GPU the host waits for the forward while the device is still
-                # busy, instead of idling the device with a sync between forward and backward.
-                flags = [bool(flag) for flag, _ in pending]
-                step_ok = distributed.all_agree(all(flags), device)
-                if world > 1 and not step_ok:
-                    # A NaN/inf on any rank: every rank counts the whole window as bad, so all
-                    # stop together when training diverges.
-                    flags = [False] * len(flags)
-                for flag, parts in pending:  # commit each batch's metrics exactly once
-                    if flag:
-                        for logits, part_y, part_loss in parts:
-                            loss_sum.add_(part_loss, alpha=part_y.shape[0])  # one kernel
-                            seen += part_y.shape[0]
-                            correct.add(logits, part_y)
-                for flag in flags:
-                    consecutive_bad = 0 if flag else consecutive_bad + 1
-                    nonfinite_total += 0 if flag else 1
-                    if consecutive_bad >= config.max_nonfinite_steps:
-                        raise DivergedError(
-                            f"training diverged: the loss was NaN/inf for {consecutive_bad} "
-                            f"batches in a row in epoch {epoch + 1} (lr={config.lr:g}); lower --lr"
-                            + ("" if config.max_grad_norm else " or set --max-grad-norm 1.0") + ".")
-                with region("optimizer_step"):
-                    if step_ok:  # a NaN/inf anywhere in the window skips its whole update
-                        last_lr = optimizer.param_groups[0]["lr"]
-                        distributed.average_gradients(model)
-                        optimizer_step(model, optimizer, scaler, config.max_grad_norm)
-                        distributed.broadcast_state(model, buffers_only=True)
-                        scheduler.step()
-                    optimizer.zero_grad(set_to_none=True)
-            t3 = time.perf_counter()
-            if step_no >= warmup:
-                if device.type == "cuda":
-                    gpu_end = torch.cuda.Event(enable_timing=True)
-                    gpu_end.record()
-                    gpu_events.append((gpu_start, gpu_end))
-                timing["data_wait_s"] += t1 - t0
-                timing["h2d_s"] += t2 - t1
-                timing["step_s"] += t3 - t0
-                timing["cpu_s"] += time.process_time() - c0  # host CPU, all threads
-                timing["steps"] += 1
-                timing["samples"] += y.shape[0]
-            step_no += 1
-            if profiler is not None:
-                profiler.step()
+                self._step(pending, metrics, epoch)
+            self.timer.end(y.shape[0])
+            if self.profiler is not None:
+                self.profiler.step()
             bar.update(1)
         bar.close()
-        train_s = time.perf_counter() - epoch_start
-        if world > 1:  # the epoch's loss and sample count over every process
+        train_s = time.perf_counter() - started
+        self.timer.epoch_end()
+        loss, acc, seen = metrics.totals(self.device)
+        return {"epoch": epoch + 1, "train_loss": loss, "train_acc": acc, "samples": seen,
+                "lr": self.last_lr, "samples_per_s": seen / train_s if train_s > 0 else 0.0}
+
+    def _forward_backward(self, window_batches: list[tuple[torch.Tensor, torch.Tensor]],
+                          window: int) -> tuple[int, list[tuple[Any, list]]]:
+        """Forward and backward the window's newest batch; after running out of memory, the
+        whole window again in twice as many pieces. Returns (index of the first batch done,
+        their (finite, parts))."""
+        first = len(window_batches) - 1
+        while True:
+            try:
+                return first, [forward_backward(self.forward, bx, by, self.splits, window,
+                                                self.device, self.dtype, self.scaler)
+                               for bx, by in window_batches[first:]]
+            except RuntimeError as exc:  # torch's OutOfMemoryError is a RuntimeError
+                # Under torchrun too: nothing here is a collective, so this rank alone replays
+                # its window in smaller pieces while the others wait at the step.
+                if not is_out_of_memory(exc):
+                    raise
+            # Recover outside the except block: its traceback holds the failed pass's frames
+            # and with them its activations; by now they are released.
+            self.optimizer.zero_grad(set_to_none=True)  # the window's partial gradient
+            release(self.device)
+            self.splits = _more_splits(self.splits, window_batches[-1][1], self.config)
+            self.oom_recoveries += 1
+            first = 0  # the whole window again, from its first batch
+
+    def _step(self, pending: list[tuple[Any, list]], metrics: _EpochMetrics, epoch: int) -> None:
+        """The window's end: count its batches' metrics and take the optimizer step, or skip it
+        when a loss was NaN/inf (stopping when that keeps happening)."""
+        # The finite check reads the losses once per optimizer step, after the backward is
+        # queued: on a GPU the host waits for the forward while the device is still busy,
+        # instead of idling the device with a sync between forward and backward.
+        flags = [bool(flag) for flag, _ in pending]
+        step_ok = distributed.all_agree(all(flags), self.device)
+        if distributed.world_size() > 1 and not step_ok:
+            # A NaN/inf on any rank: every rank counts the whole window as bad, so all stop
+            # together when training diverges.
+            flags = [False] * len(flags)
+        for flag, parts in pending:  # commit each batch's metrics exactly once
+            if flag:
+                metrics.add(parts)
+        for flag in flags:
+            self.consecutive_bad = 0 if flag else self.consecutive_bad + 1
+            self.progress.nonfinite_steps += 0 if flag else 1
+            if self.consecutive_bad >= self.config.max_nonfinite_steps:
+                raise DivergedError(
+                    f"training diverged: the loss was NaN/inf for {self.consecutive_bad} batches "
+                    f"in a row in epoch {epoch + 1} (lr={self.config.lr:g}); lower --lr"
+                    + ("" if self.config.max_grad_norm else " or set --max-grad-norm 1.0") + ".")
+        with region("optimizer_step"):
+            if step_ok:  # a NaN/inf anywhere in the window skips its whole update
+                self.last_lr = self.optimizer.param_groups[0]["lr"]
+                distributed.average_gradients(self.model)
+                optimizer_step(self.model, self.optimizer, self.scaler, self.config.max_grad_norm)
+                distributed.broadcast_state(self.model, buffers_only=True)
+                self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+
+class _EpochMetrics:
+    """An epoch's training loss and accuracy, summed on the device (no host sync per step) and
+    over every process under torchrun."""
+
+    def __init__(self, device: torch.device):
+        self.correct = _CorrectCount(device)
+        self.loss_sum = torch.zeros((), device=device)
+        self.seen = 0
+
+    def add(self, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+        for logits, y, loss in parts:
+            self.loss_sum.add_(loss, alpha=y.shape[0])  # one kernel
+            self.seen += y.shape[0]
+            self.correct.add(logits, y)
+
+    def totals(self, device: torch.device) -> tuple[float, float, int]:
+        """(mean loss, accuracy, samples); NaN for both when no sample counted."""
+        loss_sum, seen, n_correct = self.loss_sum, self.seen, self.correct.total()
+        if distributed.world_size() > 1:
             totals = distributed.all_reduce_sum(torch.stack([loss_sum.float(), torch.tensor(
-                float(seen), device=device), correct.total().float()]))
+                float(seen), device=device), n_correct.float()]))
             loss_sum, seen, n_correct = totals[0], int(totals[1].item()), totals[2].round().long()
-        else:
-            n_correct = correct.total()
-        if gpu_events:
-            torch.cuda.synchronize(device)  # once per epoch, so steps keep overlapping
-            timing["gpu_compute_s"] += sum(a.elapsed_time(b) for a, b in gpu_events) / 1000
-            gpu_events.clear()
+        if not seen:
+            return float("nan"), float("nan"), 0
+        return (loss_sum / seen).item(), n_correct.item() / seen, seen
 
-        val = evaluate(model, val_loader, device=device, amp_dtype=dtype,
-                       channels_last=config.channels_last, num_classes=num_classes)
-        row = {"epoch": epoch + 1,
-               "train_loss": (loss_sum / seen).item() if seen else float("nan"),
-               "train_acc": n_correct.item() / seen if seen else float("nan"),
-               "samples": seen,
-               "val_loss": val["loss"], "val_acc": val["acc"],
-               "lr": last_lr,
-               "epoch_s": time.perf_counter() - epoch_start,
-               "samples_per_s": seen / train_s if train_s > 0 else 0.0}
-        row["elapsed_s"] = elapsed_before + (time.perf_counter() - started)
-        history.append(row)
-        log.info("epoch %d/%d  train loss %.4f acc %.1f%%  val loss %.4f acc %.1f%%  %.1f s, "
-                 "%.0f img/s", row["epoch"], config.epochs, row["train_loss"],
-                 100 * row["train_acc"], row["val_loss"], 100 * row["val_acc"], row["epoch_s"],
-                 row["samples_per_s"])
-        if writer is not None:
-            for key in ("train_loss", "train_acc", "val_loss", "val_acc", "lr", "samples_per_s"):
-                writer.add_scalar(key.replace("_", "/", 1), row[key], row["epoch"])
-            writer.flush()
 
-        if row["val_acc"] > best["acc"]:
-            best, bad_epochs = {"acc": row["val_acc"], "epoch": row["epoch"],
-                                "state": _cpu_state(model)}, 0
-        else:
-            bad_epochs += 1
-        patience = config.early_stopping_patience
-        stopped_early = patience is not None and bad_epochs >= patience
-        finished = stopped_early or epoch + 1 == config.epochs
-        if ckpt_path is not None and distributed.is_main():
-            save_checkpoint(ckpt_path, {
-                "format": CHECKPOINT_FORMAT, "epoch": epoch + 1, "finished": finished,
-                "config": config.to_dict(), "model": _cpu_state(model),
-                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "scaler": scaler.state_dict(), "rng": _rng_state(), "history": history,
-                "best": best, "bad_epochs": bad_epochs, "nonfinite_steps": nonfinite_total,
-                "timing": {**timing, "device": device.type, "world": world}})
-        if report is not None:
-            report(row["epoch"], row)
-        if stopped_early:
-            log.info("early stopping: no better val accuracy for %d epochs; best was epoch %d "
-                     "(%.1f%%)", patience, best["epoch"], 100 * best["acc"])
-            break
+class StepTimer:
+    """Where the training steps' time goes: waiting for data, the copy to the device, the
+    whole step, host CPU time and, on a GPU, the device's own time (CUDA events, summed once
+    per epoch so steps keep overlapping). The first TIMING_WARMUP_STEPS steps are left out
+    (when the run has enough of them). `carried`: the figures of the epochs a resumed run
+    trained before, added in when they were timed on the same device and process count."""
+
+    def __init__(self, device: torch.device, planned_steps: int,
+                 carried: dict[str, Any] | None = None):
+        self.device, self.world = device, distributed.world_size()
+        self.totals: dict[str, float] = {"data_wait_s": 0.0, "h2d_s": 0.0, "step_s": 0.0,
+                                         "cpu_s": 0.0, "steps": 0, "samples": 0}
+        if device.type == "cuda":
+            self.totals["gpu_compute_s"] = 0.0
+        if carried and (carried.get("device"), carried.get("world")) == (device.type, self.world):
+            self.totals.update({k: v for k, v in carried.items() if k in self.totals})
+        elif carried:
+            log.info("the epochs before were timed on %s x%s; the step timing covers this "
+                     "process's epochs only", carried.get("device"), carried.get("world"))
+        self.warmup = TIMING_WARMUP_STEPS if planned_steps > 2 * TIMING_WARMUP_STEPS else 0
+        self.step_no = 0
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def begin(self) -> None:
+        self._t0, self._c0 = time.perf_counter(), time.process_time()
+
+    def loaded(self) -> None:
+        self._t1 = time.perf_counter()
+
+    def copied(self) -> None:
+        self._t2 = time.perf_counter()
+        if self.device.type == "cuda":
+            self._gpu_start = torch.cuda.Event(enable_timing=True)
+            self._gpu_start.record()
+
+    def end(self, samples: int) -> None:
+        t3 = time.perf_counter()
+        if self.step_no >= self.warmup:
+            if self.device.type == "cuda":
+                gpu_end = torch.cuda.Event(enable_timing=True)
+                gpu_end.record()
+                self._events.append((self._gpu_start, gpu_end))
+            t = self.totals
+            t["data_wait_s"] += self._t1 - self._t0
+            t["h2d_s"] += self._t2 - self._t1
+            t["step_s"] += t3 - self._t0
+            t["cpu_s"] += time.process_time() - self._c0  # host CPU, all threads
+            t["steps"] += 1
+            t["samples"] += samples
+        self.step_no += 1
+
+    def epoch_end(self) -> None:
+        if self._events:
+            torch.cuda.synchronize(self.device)  # once per epoch, so steps keep overlapping
+            self.totals["gpu_compute_s"] += sum(a.elapsed_time(b) for a, b in self._events) / 1000
+            self._events.clear()
+
+    def state(self) -> dict[str, Any]:
+        """The totals, as a checkpoint keeps them."""
+        return {**self.totals, "device": self.device.type, "world": self.world}
+
+    def summary(self) -> dict[str, Any]:
+        """The totals and the figures derived from them (TrainResult.timing)."""
+        t = dict(self.totals)
+        steps = max(1, t["steps"])
+        step_s = t["step_s"] or float("nan")
+        t.update(avg_step_ms=1000 * t["step_s"] / steps,
+                 data_wait_frac=t["data_wait_s"] / step_s,
+                 h2d_frac=t["h2d_s"] / step_s,
+                 gpu_compute_frac=t["gpu_compute_s"] / step_s if "gpu_compute_s" in t else None,
+                 samples_per_s=self.world * t["samples"] / step_s,  # equal shards per rank
+                 cpu_exec_us=1e6 * t["cpu_s"] / steps, warmup_steps=self.warmup)
+        return t
+
+
+def _memory_format(config: TrainConfig) -> torch.memory_format:
+    return torch.channels_last if config.channels_last else torch.contiguous_format
+
+
+def _log_epoch(row: dict[str, float], epochs: int, writer) -> None:
+    log.info("epoch %d/%d  train loss %.4f acc %.1f%%  val loss %.4f acc %.1f%%  %.1f s, "
+             "%.0f img/s", row["epoch"], epochs, row["train_loss"], 100 * row["train_acc"],
+             row["val_loss"], 100 * row["val_acc"], row["epoch_s"], row["samples_per_s"])
     if writer is not None:
-        writer.close()
-
-    if best["state"] is not None:
-        model.load_state_dict(best["state"])
-    best_row = next((r for r in history if r["epoch"] == best["epoch"]), None)
-    steps = max(1, timing["steps"])
-    step_s = timing["step_s"] or float("nan")
-    timing.update(avg_step_ms=1000 * timing["step_s"] / steps,
-                  data_wait_frac=timing["data_wait_s"] / step_s,
-                  h2d_frac=timing["h2d_s"] / step_s,
-                  gpu_compute_frac=timing["gpu_compute_s"] / step_s if "gpu_compute_s" in timing
-                  else None,
-                  samples_per_s=world * timing["samples"] / step_s,  # equal shards per rank
-                  cpu_exec_us=1e6 * timing["cpu_s"] / steps, warmup_steps=warmup)
-    return TrainResult(
-        model=model, history=history, best_epoch=best["epoch"], best_val_acc=max(best["acc"], 0.0),
-        epochs_run=len(history), nonfinite_steps=nonfinite_total,
-        stopped_early=stopped_early or (bool(history) and len(history) < config.epochs),
-        resumed_from_epoch=resumed_from,
-        wall_s=elapsed_before + time.perf_counter() - started,
-        time_to_best_s=best_row["elapsed_s"] if best_row else 0.0, timing=timing,
-        settings={"device": str(device), "amp_dtype": str(dtype).replace("torch.", "") if dtype
-                  else "fp32", "effective_batch_size": config.effective_batch_size,
-                  "micro_batch_size": math.ceil(config.batch_size / splits),
-                  "oom_recoveries": oom_recoveries, "steps_per_epoch": steps_per_epoch,
-                  "world_size": world, "cpu_threads": torch.get_num_threads(),
-                  "cpu_allocator": hostmem.current(),
-                  "torch": torch.__version__})
+        for key in ("train_loss", "train_acc", "val_loss", "val_acc", "lr", "samples_per_s"):
+            writer.add_scalar(key.replace("_", "/", 1), row[key], row["epoch"])
+        writer.flush()
 
 
 def train_step(forward, model: nn.Module, optimizer: torch.optim.Optimizer, scaler,
@@ -556,17 +565,6 @@ def _num_classes(model: nn.Module) -> int:
     return int(n)
 
 
-def _check_resumable(ckpt: dict[str, Any], config: TrainConfig, path: Path) -> None:
-    if ckpt.get("format") != CHECKPOINT_FORMAT:
-        raise UserError(f"checkpoint {str(path)!r} has an unknown format; delete it to start over.")
-    saved = ckpt["config"]
-    changed = [k for k in _RESUME_KEYS if saved.get(k) != getattr(config, k)]
-    if changed:
-        diffs = ", ".join(f"{k} {saved.get(k)!r} -> {getattr(config, k)!r}" for k in changed)
-        raise UserError(f"cannot resume from {str(path)!r}: settings changed ({diffs}); run "
-                        "without --resume to start over.")
-
-
 def _summary_writer(run_dir, config: TrainConfig):
     if run_dir is None:
         return None
@@ -587,7 +585,8 @@ def prepare(index, config: TrainConfig) -> tuple[nn.Module, Any, Any, Any]:
 
 
 def fit(index, config: TrainConfig, **train_kwargs) -> TrainResult:
-    """prepare() and train: what a tuner calls for one candidate. Keyword arguments go to
-    `train` (run_dir, report, checkpoint_path, ...)."""
+    """The process settings, prepare() and train: what a tuner calls for one candidate.
+    Keyword arguments go to `train` (run_dir, report, checkpoint_path, ...)."""
+    apply_process_settings(config, resolve_device(config.device))
     model, train_loader, val_loader, _ = prepare(index, config)
     return train(model, train_loader, val_loader, config, **train_kwargs)

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import modules.trainer as trainer
 from modules.config import TrainConfig, UserError
 from modules.dataset import EpochSampler
+from modules.device import apply_process_settings
 from modules.models import build_model
 from modules.trainer import make_optimizer, set_seed, train
 from modules.utility import evaluate
@@ -207,11 +208,15 @@ def test_unsupported_fused_optimizer_is_a_one_line_user_error(monkeypatch):
     assert "\n" not in str(err.value)
 
 
-def test_cpu_threads_is_applied_and_recorded():
+def test_cpu_threads_is_applied_by_the_caller_and_recorded():
     before = torch.get_num_threads()
     config = dataclasses.replace(BASE, image_size=24, epochs=1)
+    one = dataclasses.replace(config, cpu_threads=1)
     try:
-        result = run(dataclasses.replace(config, cpu_threads=1), make=lambda: TinyNet())
+        # train() leaves the process as it finds it; the caller applies the settings (fit does)
+        assert run(one, make=lambda: TinyNet()).settings["cpu_threads"] == before
+        apply_process_settings(one, torch.device("cpu"))
+        result = run(one, make=lambda: TinyNet())
         assert result.settings["cpu_threads"] == 1 == torch.get_num_threads()
     finally:
         torch.set_num_threads(before)

@@ -1,0 +1,141 @@
+"""A training run's checkpoint: what it has done so far (Progress), written after every epoch
+and read back by a resume (CheckpointSaver), with every random stream, so a resumed run
+continues exactly as the uninterrupted one would."""
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from modules import distributed
+from modules.config import TrainConfig, UserError
+from modules.files import atomic_torch_save, read_torch_file
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_FORMAT = 1
+# Settings a checkpoint must share with the run that resumes it.
+RESUME_KEYS = ("model", "image_size", "batch_size", "grad_accum_steps", "optimizer", "scheduler",
+               "epochs", "lr", "seed")
+
+
+@dataclass
+class Progress:
+    """What a run has done so far: its epochs' rows and its best epoch."""
+    history: list[dict[str, float]] = field(default_factory=list)
+    best: dict[str, Any] = field(default_factory=lambda: {"acc": -1.0, "epoch": 0,
+                                                          "state": None})
+    bad_epochs: int = 0                 # epochs since the best one
+    nonfinite_steps: int = 0            # loader batches whose loss was NaN/inf
+    start_epoch: int = 0                # the first epoch (0-based) this process trains
+    resumed_from: int | None = None     # epochs the checkpoint held, on resume
+    timing: dict[str, Any] = field(default_factory=dict)  # the step timing saved with them
+
+    def record(self, row: dict[str, float], model: nn.Module, patience: int | None) -> bool:
+        """Add an epoch's row; keep the model's weights when it is the best so far. Returns
+        whether to stop early (no better validation accuracy for `patience` epochs)."""
+        self.history.append(row)
+        if row["val_acc"] > self.best["acc"]:
+            self.best = {"acc": row["val_acc"], "epoch": row["epoch"], "state": cpu_state(model)}
+            self.bad_epochs = 0
+        else:
+            self.bad_epochs += 1
+        return patience is not None and self.bad_epochs >= patience
+
+    @property
+    def elapsed_s(self) -> float:
+        """Training seconds of the epochs recorded so far (of earlier processes too)."""
+        return self.history[-1]["elapsed_s"] if self.history else 0.0
+
+
+class CheckpointSaver:
+    """The checkpoint file of one run (timm's CheckpointSaver is the shape): `restore` on
+    resume, `save` after every epoch (rank 0 only, atomically: a kill mid-write leaves the
+    previous one intact). A None path saves and restores nothing."""
+
+    def __init__(self, path: str | Path | None, config: TrainConfig):
+        self.path, self.config = (Path(path) if path else None), config
+
+    def restore(self, model: nn.Module, optimizer, scheduler, scaler) -> Progress | None:
+        """Load the checkpoint into the run's objects and the random streams; None when there
+        is none. A checkpoint of other settings is refused in one line."""
+        if self.path is None or not self.path.exists():
+            return None
+        ckpt = load_checkpoint(self.path)
+        check_resumable(ckpt, self.config, self.path)
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scheduler.load_state_dict(ckpt["scheduler"])
+        scaler.load_state_dict(ckpt["scaler"])
+        set_rng_state(ckpt["rng"])
+        log.info("resuming from %s after epoch %d", self.path, ckpt["epoch"])
+        return Progress(history=ckpt["history"], best=ckpt["best"], bad_epochs=ckpt["bad_epochs"],
+                        nonfinite_steps=ckpt["nonfinite_steps"],
+                        # finished: nothing left to train; the caller restores the best epoch
+                        start_epoch=self.config.epochs if ckpt["finished"] else ckpt["epoch"],
+                        resumed_from=ckpt["epoch"],
+                        timing=ckpt.get("timing", {}))  # absent from older checkpoints
+
+    def save(self, progress: Progress, finished: bool, model: nn.Module, optimizer, scheduler,
+             scaler, timing: dict[str, Any]) -> None:
+        if self.path is None or not distributed.is_main():
+            return
+        save_checkpoint(self.path, {
+            "format": CHECKPOINT_FORMAT, "epoch": progress.history[-1]["epoch"],
+            "finished": finished, "config": self.config.to_dict(), "model": cpu_state(model),
+            "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+            "scaler": scaler.state_dict(), "rng": rng_state(), "history": progress.history,
+            "best": progress.best, "bad_epochs": progress.bad_epochs,
+            "nonfinite_steps": progress.nonfinite_steps, "timing": timing})
+
+
+def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
+    """Atomic: a kill mid-write leaves the previous checkpoint intact."""
+    atomic_torch_save(state, Path(path))
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    return read_torch_file(path, "checkpoint")
+
+
+def check_resumable(ckpt: dict[str, Any], config: TrainConfig, path: Path) -> None:
+    if ckpt.get("format") != CHECKPOINT_FORMAT:
+        raise UserError(f"checkpoint {str(path)!r} has an unknown format; delete it to start over.")
+    saved = ckpt["config"]
+    changed = [k for k in RESUME_KEYS if saved.get(k) != getattr(config, k)]
+    if changed:
+        diffs = ", ".join(f"{k} {saved.get(k)!r} -> {getattr(config, k)!r}" for k in changed)
+        raise UserError(f"cannot resume from {str(path)!r}: settings changed ({diffs}); run "
+                        "without --resume to start over.")
+
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG stream, as tensors and plain numbers so the checkpoint loads weights_only."""
+    py_version, py_internal, py_gauss = random.getstate()
+    _, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    return {"python": [py_version, torch.tensor(py_internal, dtype=torch.int64), py_gauss],
+            "numpy": [torch.from_numpy(np_keys.astype(np.int64)), int(np_pos), int(np_has_gauss),
+                      float(np_gauss)],
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    py_version, py_internal, py_gauss = state["python"]
+    random.setstate((py_version, tuple(py_internal.tolist()), py_gauss))
+    np_keys, np_pos, np_has_gauss, np_gauss = state["numpy"]
+    np.random.set_state(("MT19937", np_keys.numpy().astype(np.uint32), np_pos, np_has_gauss,
+                         np_gauss))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def cpu_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
