@@ -30,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pipeline  # noqa: E402
+import scenario  # noqa: E402
 from modules.selection import accuracy_se  # noqa: E402
 
 log = logging.getLogger("scenarios")
@@ -133,8 +134,8 @@ def compare_search(data: list[str], args, out: Path) -> list[str]:
     index = pipeline.load_data(ns, out)
     device = pipeline.resolve_device(ns.device)
     config = pipeline.scenario_config("hpo", ns, device)
-    config = pipeline.dataclasses.replace(config, progress=False)
-    epochs = pipeline.short_budget(config)
+    config = scenario.dataclasses.replace(config, progress=False)
+    epochs = scenario.short_budget(config)
     results = {}
     for name, pruner in (("ours", "asha"), ("plain TPE", "none")):
         tuner = OptunaTuner(index, config, output_dir=out / name.replace(" ", "_"),

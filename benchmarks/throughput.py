@@ -43,7 +43,7 @@ from modules.models import build_model  # noqa: E402
 from modules.profiler import TorchProfiler  # noqa: E402
 from modules.synthetic import ensure_synthetic  # noqa: E402
 from modules.trainer import REGIONS, apply_process_settings, fit, resolve_device  # noqa: E402
-from pipeline import optimized_settings  # noqa: E402
+from scenario import optimized_settings  # noqa: E402
 
 log = logging.getLogger("throughput")
 
@@ -136,7 +136,7 @@ def base_config(args, device: torch.device) -> TrainConfig:
 
 
 def optimized_start(args, device: torch.device, **overrides) -> TrainConfig:
-    """The tuned scenarios' starting setup (pipeline.optimized_settings) on the baseline's config."""
+    """The tuned scenarios' starting setup (scenario.optimized_settings) on the baseline's config."""
     return dataclasses.replace(base_config(args, device),
                                **{**optimized_settings(device), **overrides})
 

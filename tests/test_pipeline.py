@@ -1,6 +1,7 @@
 """The command end to end: options, outputs, clear errors, resume."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -11,9 +12,11 @@ import pytest
 import torch
 
 import pipeline
+import scenario
 import resolution_tuner
 from conftest import COLOURS, make_folder, run_path, write_image
 from modules import hostmem
+from modules.results import MACHINE_FIGURES, STEP_FIGURES
 from modules.utility import load_model, predict
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,7 +74,7 @@ def test_resume_after_a_finished_run_trains_nothing_more(small, tmp_path):
     assert again["resumed_from_epoch"] == 2 and again["history"] == first["history"]
     assert again["test_acc"] == first["test_acc"]
     # the figures of the run that trained it stay, not those of a process that only evaluated
-    for key in pipeline.STEP_FIGURES + pipeline.MACHINE_FIGURES:
+    for key in STEP_FIGURES + MACHINE_FIGURES:
         assert again[key] == first[key], key
     assert again["diagnosis"] == first["diagnosis"]
     assert again["wall_s"] >= first["history"][-1]["elapsed_s"]
@@ -82,7 +85,7 @@ def test_resume_after_a_finished_run_trains_nothing_more(small, tmp_path):
     torch.save(ckpt, ckpt_path)
     assert run_main(*args, "--resume") == 0
     old = json.loads((tmp_path / "out" / "results.json").read_text())[0]
-    for key in pipeline.STEP_FIGURES + pipeline.MACHINE_FIGURES:
+    for key in STEP_FIGURES + MACHINE_FIGURES:
         assert old[key] == first[key], key
 
 
@@ -90,7 +93,7 @@ def test_each_finished_scenario_is_in_results_json_before_the_next_one_runs(smal
                                                                             monkeypatch):
     def crash(*_, **__):
         raise pipeline.UserError("simulated crash in the second scenario")
-    monkeypatch.setattr(pipeline, "tune_resolution", crash)
+    monkeypatch.setattr(scenario, "tune_resolution", crash)
     out = tmp_path / "out"
     assert run_main("--data-dir", str(small), "--scenarios", "baseline,resolution", "--epochs",
                     "1", "--image-size", "32", "--weights", "none", "--no-progress",
@@ -286,7 +289,7 @@ def test_resume_keeps_the_autotuned_settings_instead_of_measuring_again(small, t
 
     def tune_again(*_, **__):
         raise AssertionError("--resume trained a tuned resolution again")
-    monkeypatch.setattr(pipeline, "autotune", measure_again)
+    monkeypatch.setattr(scenario, "autotune", measure_again)
     monkeypatch.setattr(resolution_tuner, "fit", tune_again)
     assert run_main(*argv, "--resume") == 0
     resumed = json.loads((out / "results.json").read_text())[-1]
@@ -322,7 +325,7 @@ def test_resume_after_the_search_finished_does_not_extend_the_study(small, tmp_p
 
     def search_again(*_, **__):
         raise AssertionError("--resume ran another trial")
-    monkeypatch.setattr(pipeline.OptunaTuner, "objective", search_again)
+    monkeypatch.setattr(scenario.OptunaTuner, "objective", search_again)
     assert run_main(*argv, "--resume") == 0  # the final run continues with what it started with
     resumed = json.loads((out / "results.json").read_text())[-1]
     assert resumed["hpo"]["n_trials"] == first["hpo"]["n_trials"] + 1 == 3
@@ -350,8 +353,8 @@ def test_resume_with_more_trials_grows_a_finished_study(small, tmp_path, monkeyp
     def no_better(self, trial):
         self.suggest(trial)
         return -1.0
-    monkeypatch.setattr(pipeline.OptunaTuner, "objective", no_better)
-    monkeypatch.setattr(pipeline.OptunaTuner, "choice", lambda self: (
+    monkeypatch.setattr(scenario.OptunaTuner, "objective", no_better)
+    monkeypatch.setattr(scenario.OptunaTuner, "choice", lambda self: (
         None, "keeping the default") if first["hpo"]["keeps_default"] else (
         first["hpo"]["chosen_params"], "unchanged"))
     assert run_main(*argv, "--resume", "--n-trials", "1") == 0
@@ -361,7 +364,7 @@ def test_resume_with_more_trials_grows_a_finished_study(small, tmp_path, monkeyp
 
     # one more trial that wins: trained again from the start, the earlier final run kept aside
     better = {"lr": 0.005, "batch_size": 16, "optimizer": "sgd", "weight_decay": 1e-4}
-    monkeypatch.setattr(pipeline.OptunaTuner, "choice", lambda self: (better, "a new winner"))
+    monkeypatch.setattr(scenario.OptunaTuner, "choice", lambda self: (better, "a new winner"))
     assert run_main(*argv, "--resume", "--n-trials", "1") == 0
     changed = json.loads((out / "results.json").read_text())[-1]
     assert changed["hpo"]["n_trials"] == 4 and changed["resumed_from_epoch"] is None
@@ -370,24 +373,24 @@ def test_resume_with_more_trials_grows_a_finished_study(small, tmp_path, monkeyp
 
 
 def test_a_saved_autotune_is_reused_only_for_the_same_start(tmp_path):
-    start = pipeline.TrainConfig(image_size=32, device="cpu")
-    tuned = pipeline.dataclasses.replace(start, amp="bf16", channels_last=True)
+    start = scenario.TrainConfig(image_size=32, device="cpu")
+    tuned = scenario.dataclasses.replace(start, amp="bf16", channels_last=True)
     path = tmp_path / "resolution.autotune.json"
-    assert pipeline._saved_autotune(path, start) is None  # nothing saved
+    assert scenario._saved_autotune(path, start) is None  # nothing saved
     path.write_text(json.dumps({"start": start.to_dict(), "config": tuned.to_dict(),
                                 "report": {"knobs": {}}}))
-    config, report = pipeline._saved_autotune(path, start)
+    config, report = scenario._saved_autotune(path, start)
     assert config == tuned and report["reused_from"] == str(path)
-    other = pipeline.dataclasses.replace(start, lr=0.002)  # the user changed an option
-    assert pipeline._saved_autotune(path, other) is None
+    other = scenario.dataclasses.replace(start, lr=0.002)  # the user changed an option
+    assert scenario._saved_autotune(path, other) is None
     # progress bars change nothing measured: resuming with --no-progress reuses the choice
-    quiet, _ = pipeline._saved_autotune(path, pipeline.dataclasses.replace(start, progress=False))
-    assert quiet == pipeline.dataclasses.replace(tuned, progress=False)
+    quiet, _ = scenario._saved_autotune(path, scenario.dataclasses.replace(start, progress=False))
+    assert quiet == scenario.dataclasses.replace(tuned, progress=False)
     path.write_text("{not json")  # torn or edited: measured again, no traceback
-    assert pipeline._saved_autotune(path, start) is None
+    assert scenario._saved_autotune(path, start) is None
     path.write_text(json.dumps({"start": start.to_dict(), "config": {"amp": "fp8"},
                                 "report": {}}))  # a value this version rejects
-    assert pipeline._saved_autotune(path, start) is None
+    assert scenario._saved_autotune(path, start) is None
 
 
 def _ns(**kw):
@@ -396,12 +399,12 @@ def _ns(**kw):
 
 
 def test_a_tuned_final_run_fills_the_baselines_time_with_epochs(tmp_path):
-    config = pipeline.TrainConfig(epochs=10, device="cpu")
+    config = scenario.TrainConfig(epochs=10, device="cpu")
     index = type("Index", (), {"name": "d"})()
     tuned = {"baseline_total_s": 100.0}
 
     def fill(args=None, **kw):
-        return pipeline.fill_time(config, "hpo", _ns(**(args or {})), tmp_path, index,
+        return scenario.fill_time(config, "hpo", _ns(**(args or {})), tmp_path, index,
                                   kw.get("tuned", tuned), kw.get("tuning_s", 20.0),
                                   kw.get("epoch_s", 2.0))
     # 80% of 100 s, less 20 s of tuning, leaves 60 s: 30 epochs of 2 s, within 3x the 10
@@ -421,7 +424,7 @@ def test_each_row_is_compared_with_the_baseline():
             "history": hist(0.5, 0.65, 0.7)}
     slow = {"scenario": "hpo", "test_acc": 0.5, "total_s": 150.0, "tuning_s": 30.0,
             "history": hist(0.4, 0.5)}
-    pipeline.compare_to_baseline([base, fast, slow], base)
+    scenario.compare_to_baseline([base, fast, slow], base)
     assert base["time_to_baseline_acc_s"] == 20.0 and base["test_acc_vs_baseline"] == 0.0
     assert fast["time_to_baseline_acc_s"] == 25.0  # tuning included: 5 + 20
     assert fast["test_acc_vs_baseline"] == pytest.approx(5.0) and fast["total_vs_baseline"] == 0.5
@@ -438,7 +441,7 @@ def test_the_estimate_covers_every_scenario_and_match_times_fill(small, tmp_path
 
         def measure(self, **_):
             return {"img_s": self.img_s}
-    monkeypatch.setattr(pipeline, "ComputeProbe", Probe)
+    monkeypatch.setattr(scenario, "ComputeProbe", Probe)
     argv = ["--data-dir", str(small), "--image-size", "32", "--weights", "none",
             "--output-dir", str(tmp_path / "out")]
     index = pipeline.load_data(pipeline.parse_args(argv), tmp_path / "out")
@@ -468,9 +471,15 @@ def test_schedule_momentum_cudnn_and_pruner_options_reach_the_run(tmp_path, monk
     def tuner(*_, **kwargs):
         seen.update(kwargs)
         raise Recorded
-    monkeypatch.setattr(pipeline, "OptunaTuner", tuner)
+    monkeypatch.setattr(scenario, "OptunaTuner", tuner)
     data = make_folder(tmp_path / "d")
     index = pipeline.load_data(pipeline.parse_args(["--data-dir", str(data)]), tmp_path)
     with pytest.raises(Recorded):
-        pipeline.tune_hyperparameters(config, args, index, tmp_path, torch.device("cpu"))
+        scenario.tune_hyperparameters(config, args, index, tmp_path, torch.device("cpu"))
     assert seen["pruner"] == "hyperband"
+
+
+def test_run_options_hold_every_command_line_option_and_nothing_else():
+    dests = {a.dest for a in pipeline.build_parser()._actions if a.dest != "help"}
+    fields = {f.name for f in dataclasses.fields(scenario.RunOptions)}
+    assert fields - {"run_id", "command"} == dests

@@ -7,7 +7,9 @@ from types import SimpleNamespace
 import torch
 
 import pipeline
+import scenario
 from conftest import make_folder, run_path
+from modules.config import TrainConfig
 from modules.models import build_model
 from modules.results import keep_best_model
 from modules.utility import load_model
@@ -66,8 +68,8 @@ def _keep(out: Path, test_acc: float, scenario: str) -> dict:
            "per_class_test_acc": {"a": test_acc, "b": test_acc},
            "confusion_matrix": [[1, 0], [0, 1]]}
     keep_best_model(SimpleNamespace(model=model),
-                              pipeline.TrainConfig(model="squeezenet1_1", image_size=32),
-                              SimpleNamespace(name="d", classes=["a", "b"]), row, out)
+                    TrainConfig(model="squeezenet1_1", image_size=32),
+                    SimpleNamespace(name="d", classes=["a", "b"]), row, out)
     return load_model(out / "d_model.pt").meta["extra"]
 
 
@@ -88,9 +90,9 @@ def test_an_unreadable_model_file_is_kept_aside_not_overwritten(tmp_path):
 
 def test_worker_seeds_differ_by_process_unless_given(monkeypatch):
     args = pipeline.parse_args(["--storage", "postgresql://h/db", "--seed", "7"])
-    first = pipeline.worker_seed(args)
-    monkeypatch.setattr(pipeline.os, "getpid", lambda: 123456)
-    assert pipeline.worker_seed(args) != first
+    first = scenario.worker_seed(args)
+    monkeypatch.setattr(scenario.os, "getpid", lambda: 123456)
+    assert scenario.worker_seed(args) != first
     args.worker_seed = 5
-    assert pipeline.worker_seed(args) == 5
+    assert scenario.worker_seed(args) == 5
     assert torch.tensor(first).dtype == torch.int64  # a plain int Optuna accepts

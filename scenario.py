@@ -1,0 +1,573 @@
+"""The scenarios as library code: baseline, resolution and hpo, each a configuration, its
+tuning (ResolutionTuner, OptunaTuner) and its final training, run in order by `run` from one
+RunOptions. pipeline.py is their command line; the notebook calls `pipeline.options` and `run`."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+import shlex
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from modules import distributed
+from modules.autotune import MEASURE_SHARE, ComputeProbe, autotune
+from modules.config import DISPLAY_ONLY, TrainConfig, UserError
+from modules.dataset import (DatasetIndex, data_path_of, index_dataset, load_rgb, make_loader,
+                             resolve_source, subset, train_transform)
+from modules.device import apply_process_settings, autocast_dtype, resolve_device
+from modules.evaluation import evaluate
+from modules.fastdata import cache_fits
+from modules.files import atomic_write_text
+from modules.hardware import max_batch_size
+from modules.monitor import SystemSampler
+from modules.profiler import TorchProfiler
+from modules.report import plot_comparison, results_table, table_markdown, write_report
+from modules.results import (checkpoint_file, compare_to_baseline, json_safe, keep_best_model,
+                             merge_results, previous_row, result_row, run_folder, start_run,
+                             write_json)
+from modules.trainer import load_checkpoint, prepare, train
+from optuna_optimizer import BATCH_SIZES, OptunaTuner, end_trials, follow_trials
+from resolution_tuner import (CPU_RESOLUTIONS, GPU_RESOLUTIONS, QUICK_CPU_RESOLUTIONS,
+                              ResolutionTuner)
+
+
+log = logging.getLogger("pipeline")
+
+SCENARIOS = ("baseline", "resolution", "hpo")
+# --quick: images per class and split, and epochs; small enough for minutes on a 2-core CPU.
+# Validation and test are large enough to tell candidates apart: 360 validation images give a
+# standard error of about 2.6 points at 50% accuracy, 1,200 test images about 1.4.
+QUICK_PER_CLASS = {"train": 200, "val": 60, "test": 200}
+QUICK_EPOCHS = 12
+QUICK_IMAGE_SIZE = {"cpu": 64, "cuda": 150}   # pixels; CPU time grows with the square
+SYNTHETIC_PER_CLASS = (400, 100)              # train, test images per class when generated
+QUICK_N_TRIALS = 4
+N_TRIALS = 20
+# A tuned scenario's final run fills this share of the baseline's total time with epochs, up to
+# MAX_EPOCH_FACTOR times its own (fill_time).
+TIME_SHARE, MAX_EPOCH_FACTOR = 0.8, 3
+AUTOTUNE_CACHE = "autotune_cache.json"  # in the output dir: choices by machine, reused by later runs
+QUICK_SYNTHETIC_PER_CLASS = (QUICK_PER_CLASS["train"] + QUICK_PER_CLASS["val"],
+                             QUICK_PER_CLASS["test"])
+
+
+@dataclass
+class RunOptions:
+    """One run's options, checked and resolved: what `python pipeline.py ...` and
+    `pipeline.options(**keywords)` give, field for field the command line's options (see
+    `python pipeline.py --help`), plus the run's id and the equivalent command line."""
+    dataset: str
+    data_dir: str | None
+    scenarios: list[str]
+    quick: bool
+    output_dir: str
+    device: str
+    resume: bool
+    local_dir: str | None
+    seed: int
+    worker_seed: int | None
+    profile: bool
+    no_progress: bool
+    resolutions: list[int] | None
+    n_trials: int | None
+    time_budget: float | None
+    pruner: str
+    storage: str | None
+    model: str
+    weights: str
+    epochs: int | None
+    image_size: int | None
+    batch_size: int | None
+    lr: float | None
+    scheduler: str | None
+    momentum: float | None
+    grad_accum_steps: int | None
+    max_grad_norm: float | None
+    match_time: bool
+    early_stopping: int | None
+    amp: str | None
+    channels_last: bool
+    compile: bool
+    cudnn_benchmark: bool
+    num_workers: int | None
+    cpu_allocator: str | None
+    dropout_impl: str | None
+    pin_memory: bool
+    autotune: bool
+    run_id: str | None = None   # set by run(): a new run's, or with --resume the newest run's
+    command: str | None = None  # the equivalent `python pipeline.py ...` line
+
+
+def scenario_config(name: str, args: RunOptions, device: torch.device) -> TrainConfig:
+    """The scenario's defaults, then the user's overrides."""
+    if name not in SCENARIOS:
+        raise UserError(f"unknown scenario {name!r}")
+    # A plain, unoptimised PyTorch setup, the reference the tuned scenarios are judged by:
+    # fp32, NCHW, batch 32, Adam 1e-3, cosine, per-sample PIL transforms every epoch, a
+    # default single-process DataLoader.
+    config = TrainConfig(model=args.model, weights=args.weights, image_size=150, epochs=10,
+                         batch_size=32, lr=1e-3, optimizer="adam", scheduler="cosine", amp="off",
+                         channels_last=False, num_workers=0, seed=args.seed,
+                         device=device.type, progress=not args.no_progress)
+    if name != "baseline":
+        config = dataclasses.replace(config, **optimized_settings(device))
+    if args.quick:
+        config = dataclasses.replace(config, epochs=QUICK_EPOCHS,
+                                     image_size=QUICK_IMAGE_SIZE[device.type])
+    overrides = {"epochs": args.epochs, "image_size": args.image_size,
+                 "batch_size": args.batch_size, "lr": args.lr, "scheduler": args.scheduler,
+                 "momentum": args.momentum, "cudnn_benchmark": args.cudnn_benchmark,
+                 "grad_accum_steps": args.grad_accum_steps, "max_grad_norm": args.max_grad_norm,
+                 "early_stopping_patience": args.early_stopping, "amp": args.amp,
+                 "compile": args.compile or None, "channels_last": args.channels_last or None,
+                 "num_workers": args.num_workers, "pin_memory": args.pin_memory or None,
+                 "cpu_allocator": args.cpu_allocator, "dropout_impl": args.dropout_impl}
+    return dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def optimized_settings(device: torch.device) -> dict[str, Any]:
+    """The tuned scenarios' starting setup; with --autotune (the default) every speed knob in it
+    is measured on this machine and kept only when it is faster."""
+    cores = os.cpu_count() or 1
+    settings = {"amp": "auto",           # bf16/fp16 on GPUs; off on CPUs until measured
+                "channels_last": True,
+                "cache_decoded": True}   # decode once; batched augmentation on the device
+    if device.type == "cuda":
+        # A GPU runs a batch of 64 far faster per image than one of 32. A CPU keeps the baseline's
+        # 32: there 64 measured 18-40% more img/s but, with half the optimizer steps per epoch,
+        # reached the baseline's accuracy on 1,200 images later, not sooner (time to accuracy:
+        # 7 epochs at 32, not within 15 at 64).
+        settings.update(batch_size=64, pin_memory=True)
+    elif cores > 2:  # only when the cache does not fit: streaming decodes in workers
+        settings.update(num_workers=min(4, cores // 2), persistent_workers=True)
+    return settings
+
+
+USER_KNOBS = {"amp": "amp", "channels_last": "channels_last", "compile": "compile",
+              "num_workers": "num_workers", "batch_size": "batch_size",
+              "grad_accum_steps": "batch_size", "cpu_allocator": "cpu_allocator",
+              "dropout_impl": "dropout_impl"}
+
+
+def autotune_scenario(config: TrainConfig, args: RunOptions, index: DatasetIndex,
+                      planned_steps: int, saved: Path) -> tuple[TrainConfig, dict[str, Any] | None]:
+    """The measured speed settings for an optimized scenario (options the user gave stay).
+
+    The choice is kept in `saved`; --resume takes it from there instead of measuring again, so
+    a resumed run continues with the settings it started with (a fresh measurement can differ
+    by noise: another optimizer kernel, an AMP dtype, on a GPU another batch that fits)."""
+    if not args.autotune:
+        return config, None
+    if distributed.world_size() > 1:
+        # Every rank must train with the same settings: rank 0 measures (on its own, the
+        # others idle meanwhile) and hands its choice to the others.
+        return distributed.from_main(_measure_settings(config, args, index, planned_steps, saved)
+                                     if distributed.is_main() else None)
+    return _measure_settings(config, args, index, planned_steps, saved)
+
+
+def _measure_settings(config: TrainConfig, args: RunOptions, index: DatasetIndex,
+                      planned_steps: int, saved: Path) -> tuple[TrainConfig, dict[str, Any]]:
+    if args.resume:
+        reused = _saved_autotune(saved, config)
+        if reused is not None:
+            return reused
+    fixed = frozenset(knob for option, knob in USER_KNOBS.items()
+                      if getattr(args, option, None) not in (None, False))
+    launcher_threads = distributed.world_size() > 1 and config.device == "cpu"
+    if launcher_threads:  # torchrun gave each process its share of the cores (OMP_NUM_THREADS)
+        config = dataclasses.replace(config, cpu_threads=torch.get_num_threads())
+        fixed |= {"cpu_threads"}
+    factory = None
+    if not (config.cache_decoded and cache_fits(index, config.image_size)):
+        def factory(cfg: TrainConfig):  # the streaming path: how many decoding workers keep up
+            return lambda n: make_loader(
+                index.train, train_transform(cfg.image_size),
+                dataclasses.replace(cfg, num_workers=n, persistent_workers=False,
+                                    prefetch_factor=None), train=True)
+    tuned, report = autotune(config, len(index.classes), planned_steps=planned_steps,
+                             fixed=fixed, loader_factory=factory, budget_share=MEASURE_SHARE,
+                             cache_path=Path(args.output_dir).expanduser() / AUTOTUNE_CACHE)
+    if launcher_threads:
+        report["knobs"]["cpu_threads"]["reason"] = ("one share of the cores per process, as "
+                                                     "torchrun set it (OMP_NUM_THREADS)")
+    saved.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(json.dumps({"start": config.to_dict(), "config": tuned.to_dict(),
+                                  "report": report}, indent=2), saved)
+    return tuned, report
+
+
+def _saved_autotune(path: Path, start: TrainConfig) -> tuple[TrainConfig, dict[str, Any]] | None:
+    """The autotune result saved for the same starting settings, or None (none saved, another
+    start, or a file this version cannot read: then it is measured again)."""
+    try:
+        saved = json.loads(path.read_text())
+        if TrainConfig(**saved["start"]).run_settings() != start.run_settings():
+            log.info("autotune: the settings changed since %s; measuring again", path)
+            return None
+        tuned = dataclasses.replace(TrainConfig(**saved["config"]),
+                                    **{k: getattr(start, k) for k in DISPLAY_ONLY})
+        report = dict(saved["report"], reused_from=str(path))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, UserError) as exc:
+        log.info("autotune: cannot reuse %s (%s); measuring again", path, exc)
+        return None
+    log.info("autotune: resuming with the settings measured before (%s)", path)
+    return tuned, report
+
+
+def planned_steps(config: TrainConfig, n_train: int, runs: int = 1, epochs: int | None = None
+                  ) -> int:
+    """Optimizer steps `runs` trainings of `epochs` (default config.epochs) will take."""
+    per_epoch = math.ceil(max(1, n_train // config.batch_size) / config.grad_accum_steps)
+    return runs * per_epoch * (epochs or config.epochs)
+
+
+def tuned_resolutions(args: RunOptions, device: torch.device, default: int) -> list[int]:
+    """The ResolutionTuner's candidates: the user's or the device's, and always the default
+    size (the baseline's), so tuning can keep it."""
+    if args.resolutions:
+        sizes = args.resolutions
+    elif device.type == "cuda":
+        sizes = GPU_RESOLUTIONS
+    else:
+        sizes = QUICK_CPU_RESOLUTIONS if args.quick else CPU_RESOLUTIONS
+    return sorted(set(sizes) | {default})
+
+
+def short_budget(config: TrainConfig) -> int:
+    """Epochs for each tuning run: a third of the scenario's, at least 2."""
+    return max(2, config.epochs // 3)
+
+
+def load_data(args: RunOptions, output_dir: Path) -> DatasetIndex:
+    per_class = QUICK_SYNTHETIC_PER_CLASS if args.quick else SYNTHETIC_PER_CLASS
+    root, name = resolve_source(args.dataset, args.data_dir, output_dir / "data", per_class)
+    index = index_dataset(root, name, seed=args.seed)
+    if args.quick:
+        index = subset(index, QUICK_PER_CLASS)
+    log.info("data: %s", index.summary())
+    return index
+
+
+def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: Path,
+                 device: torch.device, tuned: dict[str, Any]) -> dict[str, Any]:
+    """Tune (resolution, hpo), then train, test and describe one scenario."""
+    started = time.perf_counter()
+    config = scenario_config(name, args, device)
+    extra: dict[str, Any] = {}
+    if name == "hpo" and args.image_size is None:
+        size = tuned.get("image_size") or distributed.from_main(
+            _previous_resolution(output_dir, index.name))
+        config = dataclasses.replace(config, image_size=size or config.image_size)
+    if name != "baseline":
+        tuning_runs = (len(tuned_resolutions(args, device, config.image_size))
+                       if name == "resolution"
+                       else args.n_trials or (QUICK_N_TRIALS if args.quick else N_TRIALS))
+        steps = (planned_steps(config, len(index.train)) +
+                 planned_steps(config, len(index.train), tuning_runs, short_budget(config)))
+        config, report = autotune_scenario(config, args, index, steps,
+                                           checkpoint_file(output_dir, name, ".autotune.json",
+                                                           args.run_id))
+        if report is not None:
+            extra["autotune"] = report
+    if name == "resolution":
+        config, tuning = tune_resolution(config, args, index, output_dir, device)
+        tuned["image_size"] = config.image_size
+        extra.update(tuning)
+    elif name == "hpo":
+        config, tuning = tune_hyperparameters(config, args, index, output_dir, device)
+        extra.update(tuning)
+    tuning_s = time.perf_counter() - started
+    if name != "baseline":
+        config = fill_time(config, name, args, output_dir, index, tuned, tuning_s,
+                           _epoch_seconds(name, config, extra))
+        config = distributed.from_main(config)  # under torchrun: rank 0's timing decides
+    log.info("== scenario %s: %s, %d px, batch %d, %d epochs on %s", name, config.model,
+             config.image_size, config.batch_size, config.epochs, device)
+    apply_process_settings(config, device)
+    model, train_loader, val_loader, test_loader = prepare(index, config)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    profiler = TorchProfiler(run_folder(output_dir, "profiler", args.run_id) / name,
+                             enabled=args.profile and distributed.is_main())
+    with SystemSampler(cuda_device=_cuda_index(device)) as sampler, profiler:
+        result = train(model, train_loader, val_loader, config,
+                       run_dir=run_folder(output_dir, "runs", args.run_id) / name,
+                       checkpoint_path=checkpoint_file(output_dir, name, run_id=args.run_id),
+                       resume=args.resume, profiler=profiler)
+        test = evaluate(result.model, test_loader, device=device,
+                        amp_dtype=autocast_dtype(config.amp, device),
+                        channels_last=config.channels_last, num_classes=len(index.classes))
+    system = sampler.summary()
+    carried = None
+    if result.resumed_from_epoch is not None and result.resumed_from_epoch >= result.epochs_run:
+        # Resumed after it had finished: this process only evaluated, so the figures measured
+        # while it trained stay (without results.json: the checkpoint's step timing, and
+        # machine samples of the test evaluation only).
+        carried = previous_row(output_dir / "results.json", name, index.name, args.run_id)
+        if carried is not None and carried.get("history") != json.loads(
+                json.dumps(json_safe(result.history))):
+            carried = None  # a row of another run, not of the one in the checkpoint
+        log.info("%s had finished; %s", name, "keeping the figures measured while it trained"
+                 if carried else "its machine figures cover only the test evaluation")
+    row = result_row(name, config, result, test, index, device, system,
+                     data_path_of(train_loader), carried)
+    row.update(extra, run_id=args.run_id, tuning_s=tuning_s, total_s=tuning_s + result.wall_s)
+    log.info("%s: test accuracy %.1f%% (val %.1f%% +- %.1f at epoch %d) in %.0f s, %.0f s of "
+             "it tuning", name, 100 * row["test_acc"], 100 * row["val_acc"],
+             100 * row["val_acc_se"], row["best_epoch"], row["total_s"], tuning_s)
+    log.info("%s: %s", name, row["diagnosis"]["summary"])
+    if distributed.is_main():
+        keep_best_model(result, config, index, row, output_dir)
+    return row
+
+
+def estimate(args: RunOptions, index: DatasetIndex) -> dict[str, Any]:
+    """Before a run: about how long each scenario will take, from its planned steps and a
+    speed measured now (training steps on one batch in memory, and decoding a few images for
+    the per-epoch decode of the baseline and the one-time decode of the tuned scenarios),
+    with --match-time's fill of the tuned final runs. Pruning and early stopping can end runs
+    sooner, and the autotuner can make steps faster."""
+    device = resolve_device(args.device)
+    n_train, n_eval = len(index.train), len(index.val) + len(index.test)
+    paths = [s[0] for s in index.train[:8]]
+    transform = train_transform(scenario_config("baseline", args, device).image_size)
+    started = time.perf_counter()
+    for path in paths:
+        transform(load_rgb(path))
+    decode_s = (time.perf_counter() - started) / max(1, len(paths))
+    scenarios: dict[str, float] = {}
+    for name in args.scenarios:
+        config = scenario_config(name, args, device)
+        probe = ComputeProbe(config, len(index.classes))
+        step_s = config.batch_size / probe.measure(min_steps=2, max_steps=5, min_s=0.5)["img_s"]
+        del probe
+        epoch_s = planned_steps(config, n_train, epochs=1) * step_s * config.grad_accum_steps
+        epoch_s += n_eval / config.batch_size * step_s / 3  # evaluation: a forward pass only
+        if name == "baseline":
+            scenarios[name] = config.epochs * (epoch_s + n_train * decode_s)
+            continue
+        runs = (len(tuned_resolutions(args, device, config.image_size)) if name == "resolution"
+                else args.n_trials or (QUICK_N_TRIALS if args.quick else N_TRIALS))
+        decode = (runs if name == "resolution" else 1) * (n_train + n_eval) * decode_s
+        tuning = runs * short_budget(config) * epoch_s + decode
+        final = config.epochs * epoch_s
+        if args.match_time and args.epochs is None and "baseline" in scenarios:
+            final = min(max(final, TIME_SHARE * scenarios["baseline"] - tuning),
+                        MAX_EPOCH_FACTOR * final)  # as fill_time decides it
+        scenarios[name] = tuning + final
+    return {"device": str(device), "n_train": n_train, "decode_ms": 1e3 * decode_s,
+            "scenarios": scenarios, "total_s": sum(scenarios.values())}
+
+
+def fill_time(config: TrainConfig, name: str, args: RunOptions, output_dir: Path,
+              index: DatasetIndex, tuned: dict[str, Any], tuning_s: float,
+              epoch_s: float | None) -> TrainConfig:
+    """A tuned scenario's final run trains as many epochs as fit in TIME_SHARE of the
+    baseline's total time, tuning included (at least the scenario's epochs, at most
+    MAX_EPOCH_FACTOR times them): the time the faster setup saves buys a better model. Kept
+    as they are with --epochs, --no-match-time, no baseline time or no measured epoch time,
+    and on --resume of a final run that has started (its checkpoint fixes them)."""
+    if args.epochs is not None or not args.match_time or not epoch_s:
+        return config
+    ckpt = checkpoint_file(output_dir, name, run_id=getattr(args, "run_id", None))
+    if args.resume and ckpt.exists():
+        try:
+            return dataclasses.replace(config, epochs=int(load_checkpoint(ckpt)["config"]["epochs"]))
+        except (OSError, KeyError, TypeError, ValueError, RuntimeError, UserError):
+            return config  # the trainer says what is wrong with it
+    baseline_s = tuned.get("baseline_total_s")
+    if baseline_s is None:
+        row = previous_row(output_dir / "results.json", "baseline", index.name)
+        baseline_s = (row or {}).get("total_s") or (row or {}).get("wall_s")
+    if not baseline_s:
+        return config
+    left = TIME_SHARE * baseline_s - tuning_s
+    epochs = min(MAX_EPOCH_FACTOR * config.epochs, max(config.epochs, int(left // epoch_s)))
+    if epochs != config.epochs:
+        log.info("%s: %d epochs instead of %d: they fit in %.0f%% of the baseline's %.0f s with "
+                 "%.0f s of tuning, at %.1f s per epoch measured while tuning (--epochs N or "
+                 "--no-match-time keeps the count)", name, epochs, config.epochs,
+                 100 * TIME_SHARE, baseline_s, tuning_s, epoch_s)
+    return dataclasses.replace(config, epochs=epochs)
+
+
+def _epoch_seconds(name: str, config: TrainConfig, extra: dict[str, Any]) -> float | None:
+    """Seconds per epoch of the final run's settings, as its tuning measured them."""
+    if name == "resolution":
+        return next((t["epoch_s"] for t in extra.get("resolution_trials", [])
+                     if t["image_size"] == config.image_size), None)
+    if name == "hpo":
+        return (extra.get("hpo") or {}).get("chosen_epoch_s")
+    return None
+
+
+def tune_resolution(config: TrainConfig, args: RunOptions, index: DatasetIndex,
+                    output_dir: Path, device: torch.device) -> tuple[TrainConfig, dict[str, Any]]:
+    sizes = tuned_resolutions(args, device, config.image_size)
+    log.info("== resolution tuning: %s px, %d epochs at the default %d px and about the same "
+             "time at the others", ",".join(map(str, sizes)), short_budget(config),
+             config.image_size)
+    # Each finished size is journaled: --resume trains only the sizes not yet done.
+    tuner = ResolutionTuner(index, dataclasses.replace(config, progress=False), sizes,
+                            epochs=short_budget(config), resume=args.resume,
+                            journal=checkpoint_file(output_dir, "resolution", ".tuning.json",
+                                                    args.run_id))
+    size = tuner.run()  # under torchrun every rank trains each size, data-parallel
+    if distributed.is_main():
+        tuner.save_plot(output_dir / "resolution_tradeoff.png")
+    return dataclasses.replace(config, image_size=size), {"resolution_trials": tuner.tradeoff()}
+
+
+def tune_hyperparameters(config: TrainConfig, args: RunOptions, index: DatasetIndex,
+                         output_dir: Path, device: torch.device
+                         ) -> tuple[TrainConfig, dict[str, Any]]:
+    """The search, then the final run's configuration: the search's winner only when it beat
+    the default configuration (its first trial) on validation, else the default."""
+    if not distributed.is_main():
+        # Under torchrun rank 0 runs the study; every trial trains data-parallel on all ranks.
+        follow_trials(index)
+        return distributed.from_main(None), {}
+    n_trials = args.n_trials or (QUICK_N_TRIALS if args.quick else N_TRIALS)
+    trial_epochs = short_budget(config)
+    log.info("== hyperparameter search: %d trials of %d epochs at %d px (the default "
+             "configuration first), successive halving over epochs", n_trials, trial_epochs,
+             config.image_size)
+    # Batch sizes are searched only up to what the GPU holds at this resolution.
+    largest = max_batch_size(config, len(index.classes), device, upto=max(BATCH_SIZES))
+    # A study of its own for each run in the output dir's SQLite file; on a shared --storage
+    # one study per dataset that every worker joins, each sampling from its own seed.
+    shared = args.storage is not None
+    tuner = OptunaTuner(index, config, output_dir=output_dir, n_trials=n_trials,
+                        timeout_s=args.time_budget, storage=args.storage, resume=args.resume,
+                        epochs=trial_epochs, max_batch_size=largest, local_dir=args.local_dir,
+                        pruner=args.pruner,
+                        study_name=f"hpo-{index.name}" + ("" if shared else f"-{args.run_id}"),
+                        seed=worker_seed(args) if shared else args.seed,
+                        data_fingerprint=index.fingerprint())
+    # Once the final run has started, its checkpoint holds the parameters it trains with: more
+    # trials (this process's, or another worker's on a shared --storage) could only change the
+    # study's best, and the checkpoint would then refuse to resume. `--resume --n-trials K`
+    # asks for K more trials all the same (growing a finished study): the final run is then
+    # trained again only when the choice changed.
+    final = checkpoint_file(output_dir, "hpo", run_id=args.run_id)
+    started = load_checkpoint(final)["config"] if args.resume and final.exists() else None
+    grow = started is not None and args.n_trials is not None
+    if started is not None and not grow:
+        log.info("hpo: the final run had started (%s): resuming it with the parameters it "
+                 "started with; the study is not extended (add --n-trials K to search K more)",
+                 final)
+    summary = tuner.run(extend=started is None or grow)
+    tuner.save_plots()
+    log.info("hpo: %s", summary["choice"])
+    params = summary["chosen_params"] or {k: getattr(config, k) for k in OptunaTuner.SEARCHED}
+    chosen = dataclasses.replace(config, **params)
+    if started is not None:
+        before = dataclasses.replace(config, **{k: started[k] for k in OptunaTuner.SEARCHED
+                                                if k in started})
+        if not grow or all(getattr(before, k) == getattr(chosen, k) for k in OptunaTuner.SEARCHED):
+            if grow:
+                log.info("hpo: the choice did not change: the final run is not trained again")
+            chosen = before
+        else:
+            aside = final.with_name(f"hpo.before-{time.strftime('%Y%m%d-%H%M%S')}.pt")
+            final.rename(aside)
+            log.info("hpo: the choice changed with the new trials: training the final run "
+                     "again (the earlier one is kept as %s)", aside)
+    if distributed.world_size() > 1:
+        end_trials()
+        distributed.from_main(chosen)
+    return chosen, {"hpo": summary}
+
+
+def worker_seed(args: RunOptions) -> int:
+    """The sampler seed of one worker on a shared study: --worker-seed, else --seed mixed with
+    this host and process, so workers do not repeat each other's trials."""
+    if args.worker_seed is not None:
+        return args.worker_seed
+    mixed = hashlib.sha256(f"{args.seed}:{socket.gethostname()}:{os.getpid()}".encode())
+    seed = int.from_bytes(mixed.digest()[:4], "big")
+    log.info("hpo: this worker samples with seed %d (--worker-seed %d repeats it)", seed, seed)
+    return seed
+
+
+def _previous_resolution(output_dir: Path, dataset: str) -> int | None:
+    """The resolution scenario's pick from an earlier run on the same dataset, if any."""
+    row = previous_row(output_dir / "results.json", "resolution", dataset)
+    return row.get("best_resolution") if row else None
+
+
+def _cuda_index(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def write_outputs(results: list[dict[str, Any]], output_dir: Path, run_id: str | None = None
+                  ) -> list[dict[str, Any]]:
+    """Plots, report and table of run `run_id`'s rows in results.json (all rows when None);
+    the report lists the earlier runs. Returns the run's rows."""
+    current = [r for r in results if run_id is None or r.get("run_id") == run_id]
+    plot_comparison({r["scenario"]: r["history"] for r in current}, output_dir)
+    write_report(current, output_dir, earlier=[r for r in results if r not in current])
+    print(table_markdown(results_table(current)))
+    return current
+
+
+def prepare_output_dir(path: str) -> Path:
+    out = Path(path).expanduser()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        # A uniquely named probe: torchrun's processes check the same folder at once.
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".write_test"):
+            pass
+    except OSError as exc:
+        raise UserError(f"cannot write to output dir {str(out)!r} ({exc.strerror or exc}).") from None
+    return out
+
+
+def run(args: RunOptions, index: DatasetIndex | None = None) -> list[dict[str, Any]]:
+    """Every requested scenario in order; returns the results rows. `index`: the data as
+    `load_data` gave it, to save a second scan."""
+    device = resolve_device(args.device)
+    device = distributed.init_from_env(device.type) or device  # under torchrun: this rank's
+    if distributed.world_size() > 1 and not distributed.is_main():  # one set of logs, rank 0's
+        logging.getLogger().setLevel(logging.WARNING)
+    output_dir = prepare_output_dir(args.output_dir)
+    index = index or load_data(args, output_dir)
+    # Every process checks (so a refused --resume ends them all); rank 0's id is the run's.
+    args.run_id = distributed.from_main(start_run(
+        output_dir, index, resume=args.resume,
+        command=args.command or shlex.join(["python", *sys.argv])))
+    log.info("run %s: outputs in %s (earlier runs stay in results.json)", args.run_id,
+             output_dir)
+    tuned: dict[str, Any] = {}  # what one scenario hands the next (the picked resolution)
+    rows: list[dict[str, Any]] = []
+    results: list[dict[str, Any]] = []
+    for name in args.scenarios:
+        rows.append(run_scenario(name, args, index, output_dir, device, tuned))
+        if name == "baseline":
+            tuned["baseline_total_s"] = rows[-1]["total_s"]
+        baseline = next((r for r in rows if r["scenario"] == "baseline"), None) or \
+            previous_row(output_dir / "results.json", "baseline", index.name)
+        compare_to_baseline(rows, baseline)
+        if distributed.is_main():  # as each scenario ends: a crash in the next one loses no row
+            path = output_dir / "results.json"
+            results = merge_results(path, rows)
+            write_json(path, results)
+    return write_outputs(results, output_dir, args.run_id) if distributed.is_main() else rows
+
+
