@@ -185,19 +185,21 @@ class OptunaTuner:
         config = dataclasses.replace(self.suggest(trial), progress=False)
         distributed.from_main(config)  # under torchrun: the other ranks train it too
 
-        def report(epoch: int, metrics: dict[str, float]) -> None:
+        def on_epoch(epoch: int, metrics: dict[str, float]) -> None:
             trial.report(metrics["val_acc"], epoch)
             if distributed.from_main(trial.should_prune()):
                 trial.set_user_attr("pruned_reason", f"pruned after epoch {epoch}")
                 raise optuna.TrialPruned(f"pruned after epoch {epoch}")
 
         try:
-            result = fit(self.index, config, report=report)
+            result = fit(self.index, config, on_epoch=on_epoch)
         except DivergedError as exc:
             trial.set_user_attr("pruned_reason", str(exc))
             raise optuna.TrialPruned(str(exc)) from None
         except RuntimeError as exc:  # torch.cuda.OutOfMemoryError is a RuntimeError too
-            if not is_out_of_memory(exc):
+            # Under torchrun the other ranks may still be inside the trial's collectives: the
+            # job stops (training already splits batches; this is one image not fitting).
+            if not is_out_of_memory(exc) or distributed.world_size() > 1:
                 raise
             release(resolve_device(config.device))  # so the next trial starts with the memory back
             reason = f"out of memory at batch_size={config.batch_size}"
@@ -443,17 +445,13 @@ def follow_trials(index) -> None:
     searched is the global batch the final run trains, and the study needs no storage that
     several processes write at once."""
     while (config := distributed.from_main(None)) is not None:
-        def report(epoch: int, metrics: dict[str, float]) -> None:
+        def on_epoch(epoch: int, metrics: dict[str, float]) -> None:
             if distributed.from_main(None):
                 raise _Pruned
         try:
-            fit(index, config, report=report)
+            fit(index, config, on_epoch=on_epoch)
         except (_Pruned, DivergedError):  # rank 0 records the trial as pruned
             pass
-        except RuntimeError as exc:
-            if not is_out_of_memory(exc):
-                raise
-            release(resolve_device(config.device))
 
 
 def end_trials() -> None:

@@ -42,7 +42,7 @@ from resolution_tuner import (CPU_RESOLUTIONS, GPU_RESOLUTIONS, QUICK_CPU_RESOLU
                               ResolutionTuner)
 
 
-log = logging.getLogger("pipeline")
+log = logging.getLogger("scenario")
 
 SCENARIOS = ("baseline", "resolution", "hpo")
 # --quick: images per class and split, and epochs; small enough for minutes on a 2-core CPU.
@@ -144,10 +144,9 @@ def optimized_settings(device: torch.device) -> dict[str, Any]:
                 "channels_last": True,
                 "cache_decoded": True}   # decode once; batched augmentation on the device
     if device.type == "cuda":
-        # A GPU runs a batch of 64 far faster per image than one of 32. A CPU keeps the baseline's
-        # 32: there 64 measured 18-40% more img/s but, with half the optimizer steps per epoch,
-        # reached the baseline's accuracy on 1,200 images later, not sooner (time to accuracy:
-        # 7 epochs at 32, not within 15 at 64).
+        # A GPU runs a batch of 64 far faster per image than one of 32. A CPU keeps the
+        # baseline's 32: 64 is faster per image there too, but with half the optimizer steps
+        # per epoch it reached the baseline's accuracy later, not sooner (docs/speed.md).
         settings.update(batch_size=64, pin_memory=True)
     elif cores > 2:  # only when the cache does not fit: streaming decodes in workers
         settings.update(num_workers=min(4, cores // 2), persistent_workers=True)
@@ -196,16 +195,16 @@ def _measure_settings(config: TrainConfig, args: RunOptions, index: DatasetIndex
                 index.train, train_transform(cfg.image_size),
                 dataclasses.replace(cfg, num_workers=n, persistent_workers=False,
                                     prefetch_factor=None), train=True)
-    tuned, report = autotune(config, len(index.classes), planned_steps=planned_steps,
+    tuned, findings = autotune(config, len(index.classes), planned_steps=planned_steps,
                              fixed=fixed, loader_factory=factory, budget_share=MEASURE_SHARE,
                              cache_path=Path(args.output_dir).expanduser() / AUTOTUNE_CACHE)
     if launcher_threads:
-        report["knobs"]["cpu_threads"]["reason"] = ("one share of the cores per process, as "
+        findings["knobs"]["cpu_threads"]["reason"] = ("one share of the cores per process, as "
                                                      "torchrun set it (OMP_NUM_THREADS)")
     saved.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(json.dumps({"start": config.to_dict(), "config": tuned.to_dict(),
-                                  "report": report}, indent=2), saved)
-    return tuned, report
+                                  "report": findings}, indent=2), saved)
+    return tuned, findings
 
 
 def _saved_autotune(path: Path, start: TrainConfig) -> tuple[TrainConfig, dict[str, Any]] | None:
@@ -218,14 +217,14 @@ def _saved_autotune(path: Path, start: TrainConfig) -> tuple[TrainConfig, dict[s
             return None
         tuned = dataclasses.replace(TrainConfig(**saved["config"]),
                                     **{k: getattr(start, k) for k in DISPLAY_ONLY})
-        report = dict(saved["report"], reused_from=str(path))
+        findings = dict(saved["report"], reused_from=str(path))
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError, AttributeError, UserError) as exc:
         log.info("autotune: cannot reuse %s (%s); measuring again", path, exc)
         return None
     log.info("autotune: resuming with the settings measured before (%s)", path)
-    return tuned, report
+    return tuned, findings
 
 
 def planned_steps(config: TrainConfig, n_train: int, runs: int = 1, epochs: int | None = None
@@ -278,11 +277,11 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
                        else args.n_trials or (QUICK_N_TRIALS if args.quick else N_TRIALS))
         steps = (planned_steps(config, len(index.train)) +
                  planned_steps(config, len(index.train), tuning_runs, short_budget(config)))
-        config, report = autotune_scenario(config, args, index, steps,
+        config, findings = autotune_scenario(config, args, index, steps,
                                            checkpoint_file(output_dir, name, ".autotune.json",
                                                            args.run_id))
-        if report is not None:
-            extra["autotune"] = report
+        if findings is not None:
+            extra["autotune"] = findings
     if name == "resolution":
         config, tuning = tune_resolution(config, args, index, output_dir, device)
         tuned["image_size"] = config.image_size

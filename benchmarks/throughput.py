@@ -403,9 +403,9 @@ def time_to_accuracy(args, device: torch.device, cache_dir: Path) -> dict:
     started = time.perf_counter()  # the optimized clock includes autotune and decoding
     start = optimized_start(args, device, image_size=base.image_size, epochs=base.epochs)
     steps = base.epochs * max(1, len(index.train) // start.batch_size)
-    opt, report = autotune(start, len(index.classes), planned_steps=steps)
+    opt, findings = autotune(start, len(index.classes), planned_steps=steps)
     try:
-        result = fit(index, opt, report=stop_when_reached)
+        result = fit(index, opt, on_epoch=stop_when_reached)
         final = result.history[-1]
     except Reached:
         final = None
@@ -416,7 +416,7 @@ def time_to_accuracy(args, device: torch.device, cache_dir: Path) -> dict:
             "optimized_final_val_acc": reached.get("val_acc", final and final["val_acc"]),
             "ratio": round(optimized_s / baseline_s, 3), "image_size": base.image_size,
             "val_images": len(index.val),
-            "autotune_s": report["seconds"], "optimized_settings": {
+            "autotune_s": findings["seconds"], "optimized_settings": {
                 k: getattr(opt, k) for k in ("amp", "channels_last", "batch_size",
                                              "optimizer_impl", "dropout_impl", "cpu_threads",
                                              "compile")}}
@@ -474,8 +474,8 @@ def main(argv=None) -> int:
         results = {"model": args.model, "image_size": args.image_size,
                    "batch_size": args.batch_size, "device": device.type,
                    "machine": machine(device), "torch": torch.__version__}
-        optimized, report = optimized_config(args, device, None)
-        results["autotune"] = report
+        optimized, findings = optimized_config(args, device, None)
+        results["autotune"] = findings
         # one wait for the GPU per `window` steps, in every row
         window = gpu_window(steps, fastdata.batches_per_pass(args.batch_size, args.image_size, device))
         results["timed_window_steps"] = StepClock.steps_per_sample(device, window)
@@ -544,7 +544,7 @@ def main(argv=None) -> int:
     if spreads:
         print("\npipeline / this, single rounds: " + ", ".join(
             f"{name} {lo:.2f}-{hi:.2f}" for name, (lo, hi) in spreads.items()))
-    chosen = {k: v["choice"] for k, v in report["knobs"].items()}
+    chosen = {k: v["choice"] for k, v in findings["knobs"].items()}
     print(f"\nautotuned: {chosen}")
     if results.get("trace"):
         print_trace(results["trace"])

@@ -211,7 +211,7 @@ def _first_probe(config: TrainConfig, num_classes: int, min_s: float
 
 
 def _set_by_user(config: TrainConfig, knob: str) -> dict[str, Any]:
-    """The report entry of a knob the user fixed: kept as given, not measured."""
+    """The findings entry of a knob the user fixed: kept as given, not measured."""
     return {"choice": getattr(config, knob), "reason": "set by the user", "img_s": {}}
 
 
@@ -454,17 +454,17 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
     Returns (config with the chosen knobs, {"knobs": {name: {choice, reason, img_s}}, ...})."""
     key = speed_key(config, num_classes, fixed, tune_batch, loader_factory is None)
     if key in _RESULTS:
-        tuned, report = _RESULTS[key]
+        tuned, findings = _RESULTS[key]
         log.info("autotune: reusing the choice measured earlier in this run at %d px, batch %d",
                  config.image_size, config.batch_size)
-        return _with_run_fields(tuned, config), {**report, "reused_from": "this run",
+        return _with_run_fields(tuned, config), {**findings, "reused_from": "this run",
                                                  "seconds": 0.0}
     cached = _from_cache(cache_path, key) if cache_path else None
     if cached is not None:
-        tuned, report = cached
-        _RESULTS[key] = (tuned, report)
+        tuned, findings = cached
+        _RESULTS[key] = (tuned, findings)
         apply_process_settings(tuned, resolve_device(tuned.device))
-        return _with_run_fields(tuned, config), {**report, "seconds": 0.0}
+        return _with_run_fields(tuned, config), {**findings, "seconds": 0.0}
     started = time.perf_counter()
     device = resolve_device(config.device)
     effective = config.effective_batch_size  # what the batch fitting must hold
@@ -556,16 +556,16 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
         config, knobs["batch_size"] = _fit_batch(config, num_classes, device, effective)
         log.info("autotune: batch = %d x %d accumulation (%s)", config.batch_size,
                  config.grad_accum_steps, knobs["batch_size"]["reason"])
-    report = {"device": str(device), "image_size": config.image_size,
+    findings = {"device": str(device), "image_size": config.image_size,
               "compute_img_s": round(compute_img_s, 2), "seconds": round(time.perf_counter() - started, 1),
               "seconds_per_candidate": round(min_s, 2),
               "budget_s": None if budget_s is None else round(budget_s, 1), "knobs": knobs}
     log.info("autotune: %.1f img/s pure compute after %.0f s of measuring", compute_img_s,
-             report["seconds"])
-    _RESULTS[key] = (config, report)
+             findings["seconds"])
+    _RESULTS[key] = (config, findings)
     if cache_path:
-        _to_cache(cache_path, key, config, report)
-    return config, report
+        _to_cache(cache_path, key, config, findings)
+    return config, findings
 
 
 def speed_key(config: TrainConfig, num_classes: int, fixed: frozenset[str] = frozenset(),
@@ -621,10 +621,10 @@ def _from_cache(path: str | Path, key: str) -> tuple[TrainConfig, dict[str, Any]
     return tuned, {**entry["report"], "reused_from": f"{path} ({entry.get('measured', '?')})"}
 
 
-def _to_cache(path: str | Path, key: str, config: TrainConfig, report: dict[str, Any]) -> None:
+def _to_cache(path: str | Path, key: str, config: TrainConfig, findings: dict[str, Any]) -> None:
     data = _read_cache(Path(path))
     data.setdefault(machine_key(), {})[key] = {
-        "config": config.to_dict(), "report": report,
+        "config": config.to_dict(), "report": findings,
         "measured": time.strftime("%Y-%m-%d %H:%M")}
     try:
         atomic_write_text(json.dumps(data, indent=1, default=str), Path(path))

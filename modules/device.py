@@ -58,7 +58,7 @@ def autocast_dtype(amp: str, device: torch.device) -> torch.dtype | None:
         return torch.bfloat16
     # auto: bf16 on Ampere and newer (no GradScaler needed), fp16 + GradScaler on older GPUs
     # such as the T4. On CPU autocast stays off: without native bf16 units it is several times
-    # slower (measured 31 vs 200 img/s for SqueezeNet at 64 px on an AVX2 machine).
+    # slower (docs/speed.md); the autotuner races bf16 against fp32 on each machine.
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.get_device_capability(device)[0] >= 8 else torch.float16
     return None

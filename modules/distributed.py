@@ -74,7 +74,12 @@ def broadcast_state(model: nn.Module, *, buffers_only: bool = False) -> None:
     if world_size() > 1:
         tensors = [*([] if buffers_only else model.parameters()), *model.buffers()]
         for tensor in tensors:
-            dist.broadcast(tensor.data, src=0)
+            if tensor.is_contiguous():
+                dist.broadcast(tensor.data, src=0)
+            else:  # a channels_last weight: sent in the default layout, copied back
+                dense = tensor.data.contiguous()
+                dist.broadcast(dense, src=0)
+                tensor.data.copy_(dense)
 
 
 def average_gradients(model: nn.Module) -> None:

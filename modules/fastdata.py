@@ -82,8 +82,7 @@ def image_means(images: torch.Tensor) -> torch.Tensor:
 def decoded_images(samples: list[Sample], size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """((N, 3, size, size) uint8 of the samples' images, their (N, 3) image_means), decoded
     once per process and size. The means are taken once here rather than from every augmented
-    batch: a pass over the batch that cost 0.09 ms of a ~37 ms training step at 64 px and
-    0.19 ms at 150 px (measured in alternation, right after training steps, on a 2-core CPU)."""
+    batch, which would be a pass over each batch every step (docs/speed.md has its cost)."""
     key = _key(samples, size)
     if key in _MEMO:
         _MEMO.move_to_end(key)

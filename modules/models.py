@@ -62,10 +62,10 @@ class ByteMaskDropout(nn.Dropout):
     random byte compared with p * 256, four bytes to a 32-bit draw (for p = 0.5, a random bit:
     32 to a draw).
 
-    PyTorch's CPU bernoulli_ draws a double per element, about 11 ns each on a 2-core Xeon:
-    SqueezeNet's dropout then took 13 ms of a 120 ms training step at 150 px (forward and
-    backward), 1.9 ms at 64 px; this takes 2.0 and 0.4 ms. It is exact only for a p that is a
-    multiple of 1/256 (SqueezeNet's 0.5); models.py swaps in no other. An in-place or
+    PyTorch's CPU bernoulli_ draws a double per element, a noticeable share of a CPU training
+    step for SqueezeNet (docs/speed.md); a byte per element is several times cheaper. It is
+    exact only for a p that is a multiple of 1/256 (SqueezeNet's 0.5); models.py swaps in no
+    other. An in-place or
     non-training call is F.dropout's."""
 
     @staticmethod

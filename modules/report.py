@@ -295,7 +295,7 @@ def results_table(rows: list[dict]):
 def _cell(value: Any, kind: str) -> str:
     if value is None:
         return NA
-    if kind == "diagnosis" and isinstance(value, dict):  # modules.profiler.diagnose's result
+    if kind == "diagnosis" and isinstance(value, dict):  # modules.diagnosis.diagnose's result
         return str(value.get("bottleneck", NA))
     if kind in ("text", "diagnosis") or isinstance(value, bool) or not isinstance(value, (int, float)):
         return str(value)

@@ -1,6 +1,6 @@
 """The AMP trainer: one training loop with accumulation, clipping, a non-finite guard, early
 stopping, per-epoch checkpoints and resume, and recovery from running out of memory (smaller
-micro-batches, same effective batch). Knows nothing of Optuna: tuners pass `report`."""
+micro-batches, same effective batch). Knows nothing of Optuna: tuners pass `on_epoch`."""
 from __future__ import annotations
 
 import logging
@@ -33,11 +33,11 @@ from modules.oom import is_out_of_memory, more_pieces, release
 log = logging.getLogger(__name__)
 
 # Steps left out of the timing figures: the first ones pay for CUDA context, cuDNN autotuning,
-# allocator growth and lazy imports (seen: one 5 s first step on an H200 in a 72-step run).
+# allocator growth and lazy imports, seconds on a GPU (docs/speed.md).
 TIMING_WARMUP_STEPS = 3
 METRIC_BATCHES = 16  # training batches whose correct predictions are counted together
 
-Report = Callable[[int, dict[str, float]], None]
+EpochHook = Callable[[int, dict[str, float]], None]
 
 
 class DivergedError(UserError):
@@ -51,7 +51,7 @@ class TrainResult:
     best_epoch: int                     # 1-based; 0 when no epoch finished
     best_val_acc: float
     epochs_run: int
-    nonfinite_steps: int                # optimizer windows skipped for a NaN/inf loss
+    nonfinite_steps: int                # loader batches with a NaN/inf loss (update skipped)
     stopped_early: bool
     resumed_from_epoch: int | None      # completed epochs found in the checkpoint
     wall_s: float                       # seconds of training, the epochs before a resume included
@@ -126,20 +126,21 @@ def make_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, total_
 def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
           run_dir: str | os.PathLike | None = None,
           checkpoint_path: str | os.PathLike | None = None, resume: bool = False,
-          report: Report | None = None, profiler=None) -> TrainResult:
+          on_epoch: EpochHook | None = None, profiler=None) -> TrainResult:
     """Train `model` in place; return it with the weights of its best validation epoch.
 
     The process-wide settings of `config` (threads, CPU allocator, cuDNN) are the caller's to
     apply (device.apply_process_settings; fit() does).
     run_dir: TensorBoard scalars and the run's config.json go here.
     checkpoint_path: state after every epoch; with resume=True training continues from it.
-    report(epoch, metrics): called after every epoch (1-based); may raise to stop (pruning).
+    on_epoch(epoch, metrics): called after every epoch (1-based); may raise to stop (pruning).
     profiler: anything with step() (modules.profiler.TorchProfiler), stepped once per batch.
     """
     started = time.perf_counter()
     device = resolve_device(config.device)
     dtype = autocast_dtype(config.amp, device)
     model.to(device, memory_format=_memory_format(config))
+    num_classes = _num_classes(model)
     if len(train_loader) == 0:
         raise UserError("the training split is empty; add images or lower --batch-size.")
     optimizer = make_optimizer(model, config, device)
@@ -162,7 +163,7 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
         epoch_start = time.perf_counter()
         row = epochs.train_one(train_loader, epoch)
         val = evaluate(model, val_loader, device=device, amp_dtype=dtype,
-                       channels_last=config.channels_last, num_classes=_num_classes(model))
+                       channels_last=config.channels_last, num_classes=num_classes)
         row.update(val_loss=val["loss"], val_acc=val["acc"], lr=row.pop("lr"),
                    epoch_s=time.perf_counter() - epoch_start,
                    samples_per_s=row.pop("samples_per_s"))
@@ -171,8 +172,8 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
         stopped_early = progress.record(row, model, config.early_stopping_patience)
         saver.save(progress, stopped_early or epoch + 1 == config.epochs, model, optimizer,
                    scheduler, scaler, timer.state())
-        if report is not None:
-            report(row["epoch"], row)
+        if on_epoch is not None:
+            on_epoch(row["epoch"], row)
         if stopped_early:
             log.info("early stopping: no better val accuracy for %d epochs; best was epoch %d "
                      "(%.1f%%)", config.early_stopping_patience, progress.best["epoch"],
@@ -507,9 +508,8 @@ class _CorrectCount:
     at a time, with no host sync (torchmetrics' update validates its inputs every call).
 
     Counting every batch as it came (argmax, eq, sum, add) is four kernel launches a step,
-    which a launch-bound GPU step feels (SqueezeNet at batch 32 on an H100: about 5 ms a step
-    for 2.9 ms of device work); on a 2-core CPU it measured 0-0.3% of a 31 ms step at 64 px,
-    within the noise. The batches' logits are held meanwhile (batch x classes each, detached)."""
+    which a launch-bound GPU step feels, and a CPU step does not (docs/speed.md). The batches'
+    logits are held meanwhile (batch x classes each, detached)."""
 
     def __init__(self, device: torch.device):
         self._count = torch.zeros((), device=device, dtype=torch.int64)
@@ -586,7 +586,7 @@ def prepare(index, config: TrainConfig) -> tuple[nn.Module, Any, Any, Any]:
 
 def fit(index, config: TrainConfig, **train_kwargs) -> TrainResult:
     """The process settings, prepare() and train: what a tuner calls for one candidate.
-    Keyword arguments go to `train` (run_dir, report, checkpoint_path, ...)."""
+    Keyword arguments go to `train` (run_dir, on_epoch, checkpoint_path, ...)."""
     apply_process_settings(config, resolve_device(config.device))
     model, train_loader, val_loader, _ = prepare(index, config)
     return train(model, train_loader, val_loader, config, **train_kwargs)

@@ -30,11 +30,11 @@ def tuner(index, tmp_path, **kwargs) -> OptunaTuner:
     return OptunaTuner(index, BASE, output_dir=tmp_path / "hpo", **kwargs)
 
 
-def fake_fit(index, config, report):
+def fake_fit(index, config, on_epoch):
     """A stand-in for training: two epochs whose accuracy depends on lr (so params matter)."""
     acc = min(1.0, config.lr * 100)
     for epoch in (1, 2):
-        report(epoch, {"val_acc": acc * epoch / 2})
+        on_epoch(epoch, {"val_acc": acc * epoch / 2})
     return SimpleNamespace(best_val_acc=acc, epochs_run=2, wall_s=0.01,
                            timing={"samples_per_s": 123.0})
 
@@ -42,10 +42,10 @@ def fake_fit(index, config, report):
 def curves_by_lr(default, other):
     """A stand-in for training: per-epoch validation accuracies, one curve for the default lr
     and one for every other; the best of its curve is the trial's value."""
-    def fit_(idx, config, report):
+    def fit_(idx, config, on_epoch):
         accs = default if config.lr == BASE.lr else other
         for epoch, acc in enumerate(accs, 1):
-            report(epoch, {"val_acc": acc})
+            on_epoch(epoch, {"val_acc": acc})
         return SimpleNamespace(best_val_acc=max(accs), epochs_run=len(accs), wall_s=0.01,
                                timing={})
     return fit_
@@ -214,7 +214,7 @@ def test_bad_arguments_are_user_errors(index, tmp_path, kwargs, named):
 def test_the_default_configuration_is_the_first_trial(index, tmp_path, monkeypatch):
     trained = []
     monkeypatch.setattr(optuna_optimizer, "fit",
-                        lambda idx, config, report: trained.append(config) or fake_fit(idx, config, report))
+                        lambda idx, config, on_epoch: trained.append(config) or fake_fit(idx, config, on_epoch))
     base = BASE.__class__(**{**BASE.to_dict(), "weight_decay": 0.0})
     t = OptunaTuner(index, base, output_dir=tmp_path / "hpo", epochs=2, batch_sizes=(8, 16),
                     n_trials=2)

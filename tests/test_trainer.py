@@ -100,14 +100,14 @@ def test_early_stopping_restores_the_best_weights():
     config = dataclasses.replace(BASE, epochs=12, early_stopping_patience=2)
     model_ref = {}
 
-    def report(epoch, metrics):
+    def on_epoch(epoch, metrics):
         snapshots[epoch] = {k: v.clone() for k, v in model_ref["m"].state_dict().items()}
 
     # The val labels are shifted, so the better the model fits train, the worse val gets.
     set_seed(0)
     model_ref["m"] = model = TinyNet()
     result = train(model, loader(colour_data(), config),
-                   loader(colour_data(24, seed=1, shift=1), config, False), config, report=report)
+                   loader(colour_data(24, seed=1, shift=1), config, False), config, on_epoch=on_epoch)
     assert result.stopped_early and result.epochs_run < 12
     accs = [r["val_acc"] for r in result.history]
     assert result.best_epoch == 1 + accs.index(max(accs)) < result.epochs_run
@@ -188,7 +188,7 @@ def test_resume_continues_and_matches_an_uninterrupted_run(tmp_path):
         if epoch == 2:
             raise Interrupted
     with pytest.raises(Interrupted):
-        fit(config, checkpoint_path=tmp_path / "part.pt", report=stop_after_two)
+        fit(config, checkpoint_path=tmp_path / "part.pt", on_epoch=stop_after_two)
     assert load_checkpoint(tmp_path / "part.pt")["epoch"] == 2
 
     # the same state, as if its first epochs had been timed on another device
@@ -219,9 +219,9 @@ def test_resume_refuses_changed_settings(tmp_path):
             resume=True)
 
 
-def test_report_sees_every_epoch_and_can_stop_training():
+def test_on_epoch_sees_every_epoch_and_can_stop_training():
     seen = []
-    fit(dataclasses.replace(BASE, epochs=3), report=lambda e, m: seen.append((e, m["val_acc"])))
+    fit(dataclasses.replace(BASE, epochs=3), on_epoch=lambda e, m: seen.append((e, m["val_acc"])))
     assert [e for e, _ in seen] == [1, 2, 3] and all(0 <= a <= 1 for _, a in seen)
 
 
