@@ -168,12 +168,10 @@ def autotune_scenario(config: TrainConfig, args: RunOptions, index: DatasetIndex
     by noise: another optimizer kernel, an AMP dtype, on a GPU another batch that fits)."""
     if not args.autotune:
         return config, None
-    if distributed.world_size() > 1:
-        # Every rank must train with the same settings: rank 0 measures (on its own, the
-        # others idle meanwhile) and hands its choice to the others.
-        return distributed.from_main(_measure_settings(config, args, index, planned_steps, saved)
-                                     if distributed.is_main() else None)
-    return _measure_settings(config, args, index, planned_steps, saved)
+    # Under torchrun every rank must train with the same settings: rank 0 measures (on its
+    # own, the others idle meanwhile) and hands its choice to the others.
+    return distributed.from_main(_measure_settings(config, args, index, planned_steps, saved)
+                                 if distributed.is_main() else None)
 
 
 def _measure_settings(config: TrainConfig, args: RunOptions, index: DatasetIndex,
@@ -543,7 +541,7 @@ def run(args: RunOptions, index: DatasetIndex | None = None) -> list[dict[str, A
     `load_data` gave it, to save a second scan."""
     device = resolve_device(args.device)
     device = distributed.init_from_env(device.type) or device  # under torchrun: this rank's
-    if distributed.world_size() > 1 and not distributed.is_main():  # one set of logs, rank 0's
+    if not distributed.is_main():  # under torchrun: one set of logs, rank 0's
         logging.getLogger().setLevel(logging.WARNING)
     output_dir = prepare_output_dir(args.output_dir)
     index = index or load_data(args, output_dir)

@@ -260,7 +260,7 @@ class _Epochs:
         bar.close()
         train_s = time.perf_counter() - started
         self.timer.epoch_end()
-        loss, acc, seen = metrics.totals(self.device)
+        loss, acc, seen = metrics.totals()
         return {"epoch": epoch + 1, "train_loss": loss, "train_acc": acc, "samples": seen,
                 "lr": self.last_lr, "samples_per_s": seen / train_s if train_s > 0 else 0.0}
 
@@ -326,6 +326,7 @@ class _EpochMetrics:
     over every process under torchrun."""
 
     def __init__(self, device: torch.device):
+        self.device = device
         self.correct = _CorrectCount(device)
         self.loss_sum = torch.zeros((), device=device)
         self.seen = 0
@@ -336,12 +337,12 @@ class _EpochMetrics:
             self.seen += y.shape[0]
             self.correct.add(logits, y)
 
-    def totals(self, device: torch.device) -> tuple[float, float, int]:
+    def totals(self) -> tuple[float, float, int]:
         """(mean loss, accuracy, samples); NaN for both when no sample counted."""
         loss_sum, seen, n_correct = self.loss_sum, self.seen, self.correct.total()
         if distributed.world_size() > 1:
             totals = distributed.all_reduce_sum(torch.stack([loss_sum.float(), torch.tensor(
-                float(seen), device=device), n_correct.float()]))
+                float(seen), device=self.device), n_correct.float()]))
             loss_sum, seen, n_correct = totals[0], int(totals[1].item()), totals[2].round().long()
         if not seen:
             return float("nan"), float("nan"), 0
