@@ -244,6 +244,18 @@ def tuned_resolutions(args: RunOptions, device: torch.device, default: int) -> l
     return sorted(set(sizes) | {default})
 
 
+def trial_count(args: RunOptions) -> int:
+    """The Optuna trials a run searches: --n-trials, else the preset's."""
+    return args.n_trials or (QUICK_N_TRIALS if args.quick else N_TRIALS)
+
+
+def tuning_runs(name: str, args: RunOptions, config: TrainConfig, device: torch.device) -> int:
+    """The short trainings a tuned scenario's search runs: one per candidate size, or trials."""
+    if name == "resolution":
+        return len(tuned_resolutions(args, device, config.image_size))
+    return trial_count(args)
+
+
 def short_budget(config: TrainConfig) -> int:
     """Epochs for each tuning run: a third of the scenario's, at least 2."""
     return max(2, config.epochs // 3)
@@ -270,11 +282,9 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
             _previous_resolution(output_dir, index.name))
         config = dataclasses.replace(config, image_size=size or config.image_size)
     if name != "baseline":
-        tuning_runs = (len(tuned_resolutions(args, device, config.image_size))
-                       if name == "resolution"
-                       else args.n_trials or (QUICK_N_TRIALS if args.quick else N_TRIALS))
         steps = (planned_steps(config, len(index.train)) +
-                 planned_steps(config, len(index.train), tuning_runs, short_budget(config)))
+                 planned_steps(config, len(index.train), tuning_runs(name, args, config, device),
+                               short_budget(config)))
         config, findings = autotune_scenario(config, args, index, steps,
                                            checkpoint_file(output_dir, name, ".autotune.json",
                                                            args.run_id))
@@ -357,8 +367,7 @@ def estimate(args: RunOptions, index: DatasetIndex) -> dict[str, Any]:
         if name == "baseline":
             scenarios[name] = config.epochs * (epoch_s + n_train * decode_s)
             continue
-        runs = (len(tuned_resolutions(args, device, config.image_size)) if name == "resolution"
-                else args.n_trials or (QUICK_N_TRIALS if args.quick else N_TRIALS))
+        runs = tuning_runs(name, args, config, device)
         decode = (runs if name == "resolution" else 1) * (n_train + n_eval) * decode_s
         tuning = runs * short_budget(config) * epoch_s + decode
         final = config.epochs * epoch_s
@@ -438,7 +447,7 @@ def tune_hyperparameters(config: TrainConfig, args: RunOptions, index: DatasetIn
         # Under torchrun rank 0 runs the study; every trial trains data-parallel on all ranks.
         follow_trials(index)
         return distributed.from_main(None), {}
-    n_trials = args.n_trials or (QUICK_N_TRIALS if args.quick else N_TRIALS)
+    n_trials = trial_count(args)
     trial_epochs = short_budget(config)
     log.info("== hyperparameter search: %d trials of %d epochs at %d px (the default "
              "configuration first), successive halving over epochs", n_trials, trial_epochs,
