@@ -210,6 +210,10 @@ def _first_probe(config: TrainConfig, num_classes: int, min_s: float
         return None, {"error": _error(exc)}
 
 
+def _out_of_memory(result: dict[str, Any]) -> bool:
+    return "out of memory" in str(result.get("error", "")).lower()
+
+
 def _set_by_user(config: TrainConfig, knob: str) -> dict[str, Any]:
     """The findings entry of a knob the user fixed: kept as given, not measured."""
     return {"choice": getattr(config, knob), "reason": "set by the user", "img_s": {}}
@@ -277,13 +281,20 @@ def thread_candidates() -> list[int]:
                   key=lambda n: (n != torch.get_num_threads(), n))
 
 
-def amp_candidates(device: torch.device) -> list[str]:
+def amp_candidates(device: torch.device, start: str = "off") -> list[str]:
+    """The AMP modes to race, the starting mode first ("auto" as what it means on `device`):
+    a knob left unmeasured when the budget is spent keeps its first candidate, and on a GPU
+    that must be the mixed precision it would have chosen, not fp32."""
     if device.type == "cuda":
         modes = ["off", "fp16"]
         if torch.cuda.is_bf16_supported():
             modes.insert(1, "bf16")
-        return modes
-    return ["off", "bf16"]
+    else:
+        modes = ["off", "bf16"]
+    if start == "auto":
+        start = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
+            autocast_dtype("auto", device), "off")
+    return [start] + [m for m in modes if m != start] if start in modes else modes
 
 
 def optimizer_candidates(device: torch.device) -> list[str]:
@@ -476,15 +487,12 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
     if device.type == "cpu":
         plan.append(("cpu_threads", thread_candidates()))
     plan += [("channels_last", [config.channels_last, not config.channels_last]),
-             ("amp", amp_candidates(device)),
+             ("amp", amp_candidates(device, config.amp)),
              ("optimizer_impl", optimizer_candidates(device))]
     if has_bytemask_dropout(config.model):
         plan.append(("dropout_impl", ["native", "bytemask"]))
     if device.type == "cpu":  # last: whether freed memory is worth keeping depends on the others
         plan.append(("cpu_allocator", hostmem.candidates()))
-    if device.type == "cuda" and tune_batch and "batch_size" not in fixed:
-        # Measure at a batch that fits with the starting knobs; refitted for the final ones below.
-        config, _ = _fit_batch(config, num_classes, device, effective)
     # Every measured knob starts at its first candidate (the thread count in use; "auto" names
     # the same amp and kernels differently), so the probe a knob's choice leaves is its
     # successor's first candidate, raced again rather than built again. compile is decided
@@ -492,7 +500,16 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
     config = dataclasses.replace(config, **{k: c[0] for k, c in plan if k not in fixed})
     if "compile" not in fixed:
         config = dataclasses.replace(config, compile=False)
+    phases: dict[str, float] = {}
+    mark = time.perf_counter()
     first, warm = _first_probe(config, num_classes, MIN_S_FLOOR)
+    if first is None and _out_of_memory(warm) and tune_batch and "batch_size" not in fixed:
+        # The memory probe runs only when the starting batch does not fit: it costs several
+        # fresh models' first steps (each new shape's kernel selection on a GPU), which a
+        # short run's budget cannot pay; the batch is refitted for the final knobs below.
+        config, _ = _fit_batch(config, num_classes, device, effective)
+        first, warm = _first_probe(config, num_classes, MIN_S_FLOOR)
+    phases["first_probe"] = time.perf_counter() - mark
     current.update(probe=first, img_s=warm.get("img_s"))
     del first  # `current` holds the best probe so far, and only that one
     min_s = measuring_time(planned_steps, config.effective_batch_size, warm.get("img_s"),
@@ -512,11 +529,19 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
         if knob in fixed:
             knobs[knob] = _set_by_user(config, knob)
             continue
-        if budget_s is not None and budget_left() <= 0:
+        # A race times both candidates for at least min_s each: one that cannot finish within
+        # what is left of the budget is not started.
+        if budget_s is not None and budget_left() < 2 * min_s * (len(candidates) - 1):
             knobs[knob] = {"choice": getattr(config, knob), "img_s": {}, "reason": (
-                f"not measured: the measuring budget ({budget_s:.0f} s) was spent")}
+                f"not measured: {max(0.0, budget_left()):.1f} s left of the measuring budget "
+                f"({budget_s:.1f} s), too little for its races")}
+            log.info("autotune: %s = %s (%s)", knob, _label(knobs[knob]["choice"]),
+                     knobs[knob]["reason"])
             continue
+        mark = time.perf_counter()
         config, knobs[knob] = _pick(knob, candidates, config, num_classes, current, min_s)
+        knobs[knob]["seconds"] = round(time.perf_counter() - mark, 2)
+        phases["knobs"] = phases.get("knobs", 0.0) + knobs[knob]["seconds"]
         log.info("autotune: %s = %s (%s)", knob, _label(knobs[knob]["choice"]),
                  knobs[knob]["reason"])
     if current["probe"] is None:  # every knob fixed, and these settings cannot train here
@@ -524,8 +549,10 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
     if "compile" in fixed:
         knobs["compile"] = _set_by_user(config, "compile")
     else:
+        mark = time.perf_counter()
         config, knobs["compile"] = _tune_compile(config, num_classes, current, planned_steps,
                                                  budget_left())
+        phases["compile"] = time.perf_counter() - mark
         log.info("autotune: compile = %s (%s)", _label(config.compile), knobs["compile"]["reason"])
     compute_img_s = current["img_s"]
     del current["probe"]  # its memory is not the batch probe's to count
@@ -548,20 +575,25 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
         log.info("autotune: num_workers = %d (%s)", n, knobs["num_workers"]["reason"])
     if "batch_size" in fixed:
         knobs["batch_size"] = _set_by_user(config, "batch_size")
-    elif tune_batch and budget_s is not None and budget_left() <= 0:
+    elif tune_batch and budget_s is not None and budget_left() <= 0 and device.type == "cuda":
         knobs["batch_size"] = {"choice": config.batch_size, "img_s": {}, "reason": (
-            f"not refitted for the chosen knobs: the measuring budget ({budget_s:.0f} s) was "
-            f"spent; batch {config.batch_size} x {config.grad_accum_steps} accumulation")}
+            f"not refitted for the chosen knobs: the measuring budget ({budget_s:.1f} s) was "
+            f"spent; batch {config.batch_size} x {config.grad_accum_steps} accumulation, "
+            "which trained in the measurements (out-of-memory recovery splits it if needed)")}
     elif tune_batch:
+        mark = time.perf_counter()
         config, knobs["batch_size"] = _fit_batch(config, num_classes, device, effective)
+        phases["batch_fit"] = time.perf_counter() - mark
         log.info("autotune: batch = %d x %d accumulation (%s)", config.batch_size,
                  config.grad_accum_steps, knobs["batch_size"]["reason"])
     findings = {"device": str(device), "image_size": config.image_size,
               "compute_img_s": round(compute_img_s, 2), "seconds": round(time.perf_counter() - started, 1),
               "seconds_per_candidate": round(min_s, 2),
-              "budget_s": None if budget_s is None else round(budget_s, 1), "knobs": knobs}
-    log.info("autotune: %.1f img/s pure compute after %.0f s of measuring", compute_img_s,
-             findings["seconds"])
+              "budget_s": None if budget_s is None else round(budget_s, 1),
+              "phases_s": {k: round(v, 2) for k, v in phases.items()}, "knobs": knobs}
+    log.info("autotune: %.1f img/s pure compute after %.1f s of measuring (%s)", compute_img_s,
+             findings["seconds"], ", ".join(f"{k.replace('_', ' ')} {v:.1f} s"
+                                            for k, v in phases.items()))
     _RESULTS[key] = (config, findings)
     if cache_path:
         _to_cache(cache_path, key, config, findings)

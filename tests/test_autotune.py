@@ -1,6 +1,7 @@
 """The autotuner: every knob decided by a measurement on this device, with the reason kept."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -300,15 +301,52 @@ def test_a_real_compile_warm_up_past_the_deadline_is_abandoned(monkeypatch):
 
 def test_measuring_stays_within_its_budget_share():
     """A planned run of 10 steps of batch 4 takes well under a second: 10% of it leaves no time
-    for the knobs after the first probe, and none for compile."""
-    config, report = at.autotune(_config(), 3, planned_steps=10, budget_share=0.1)
+    for the knobs after the first probe, and none for compile. A knob left unmeasured keeps
+    the starting value (bf16 here), not the first of its list."""
+    config, report = at.autotune(_config(amp="bf16"), 3, planned_steps=10, budget_share=0.1)
     knobs = report["knobs"]
     assert report["budget_s"] < 1
-    skipped = [k for k, v in knobs.items() if v["reason"].startswith("not measured: the measuring budget")]
-    assert skipped and config.compile is False
+    skipped = [k for k, v in knobs.items() if v["reason"].startswith("not measured: ")]
+    assert "amp" in skipped and config.amp == "bf16" and config.compile is False
     assert knobs["compile"]["reason"].startswith("not tried")
+    assert set(report["phases_s"]) >= {"first_probe", "compile"} and "knobs" not in report["phases_s"]
     for name in skipped:  # kept at its starting value (its first candidate), as reported
         assert knobs[name]["choice"] == getattr(config, name) and knobs[name]["img_s"] == {}
+
+
+def test_amp_starts_at_what_auto_means_on_the_device(monkeypatch):
+    """An unmeasured knob keeps its first candidate: on a GPU "auto" must stay mixed precision."""
+    assert at.amp_candidates(torch.device("cpu"), "auto") == ["off", "bf16"]
+    assert at.amp_candidates(torch.device("cpu"), "bf16") == ["bf16", "off"]
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(at, "autocast_dtype", lambda amp, device: torch.bfloat16)
+    assert at.amp_candidates(torch.device("cuda"), "auto") == ["bf16", "off", "fp16"]
+    monkeypatch.setattr(at, "autocast_dtype", lambda amp, device: torch.float16)  # a T4
+    assert at.amp_candidates(torch.device("cuda"), "auto") == ["fp16", "off", "bf16"]
+
+
+def test_the_memory_probe_runs_only_when_the_starting_batch_does_not_fit(monkeypatch):
+    fits, probes = [], []
+    real_first = at._first_probe
+
+    def first_probe(config, num_classes, min_s):
+        probes.append(config.batch_size)
+        if config.batch_size > 2:
+            return None, {"error": "CUDA out of memory. Tried to allocate 2.00 GiB"}
+        return real_first(config, num_classes, min_s)
+
+    def fit(config, num_classes, device, effective=None):
+        fits.append(config.batch_size)
+        return dataclasses.replace(config, batch_size=2, grad_accum_steps=2), {
+            "choice": 2, "img_s": {}, "reason": "fits 2"}
+    monkeypatch.setattr(at, "_first_probe", first_probe)
+    monkeypatch.setattr(at, "_fit_batch", fit)
+    config, report = at.autotune(_config(batch_size=2), 3, planned_steps=10, budget_share=0.1)
+    assert probes == [2] and fits == [2]  # it fitted: only the final refit, which is cheap on CPU
+    at._RESULTS.clear()
+    fits.clear(), probes.clear()
+    config, report = at.autotune(_config(batch_size=4), 3, planned_steps=10, budget_share=0.1)
+    assert probes[:2] == [4, 2] and fits[0] == 4 and config.batch_size == 2
 
 
 def test_a_choice_is_reused_by_a_later_scenario_and_from_the_machine_cache(tmp_path, monkeypatch):
