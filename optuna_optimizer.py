@@ -18,6 +18,7 @@ from pathlib import Path
 import optuna
 
 from modules import distributed
+from modules.checkpoints import save_weights
 from modules.config import TrainConfig, UserError, first_line
 from modules.oom import is_out_of_memory, release
 from modules.report import figure
@@ -111,7 +112,7 @@ class OptunaTuner:
                  batch_sizes: tuple[int, ...] = BATCH_SIZES,
                  max_batch_size: int | None = None, seed: int | None = None,
                  local_dir: str | Path | None = None, data_fingerprint: str | None = None,
-                 overwrite: bool = False):
+                 overwrite: bool = False, weights_dir: str | Path | None = None):
         if isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials < 1:
             raise UserError(f"n_trials must be an integer >= 1, but got n_trials={n_trials!r}.")
         if timeout_s is not None and (isinstance(timeout_s, bool)
@@ -137,6 +138,8 @@ class OptunaTuner:
         self.n_trials, self.timeout_s, self.resume = n_trials, timeout_s, resume
         self.study_name, self.pruner = study_name, pruner
         self.data_fingerprint, self.overwrite = data_fingerprint, overwrite
+        # The default trial's weights and the best trial's so far are kept here (weights_for).
+        self.weights_dir = Path(weights_dir) if weights_dir else None
         self.seed = base.seed if seed is None else seed
         # SQLite by default: a file in the output folder outlives a crashed Colab session. With
         # local_dir the file lives there and is copied to the output folder after every trial:
@@ -208,7 +211,36 @@ class OptunaTuner:
         trial.set_user_attr("samples_per_s", float(result.timing.get("samples_per_s", 0.0)))
         trial.set_user_attr("epochs_run", result.epochs_run)
         trial.set_user_attr("wall_s", result.wall_s)
+        self._keep_weights(trial, result)
         return result.best_val_acc
+
+    def _keep_weights(self, trial, result) -> None:
+        """Keep the weights of the default trial and of the best trial so far: the final run
+        trains one of the two configurations, and continues from its trial (weights_for)."""
+        if self.weights_dir is None:
+            return
+        default = bool(trial.user_attrs.get("default"))
+        earlier = [t for t in self._complete() if not t.user_attrs.get("default")]
+        best = max((t.value for t in self._complete()), default=None)
+        if not default and best is not None and result.best_val_acc <= best:
+            return
+        path = save_weights(result.model,
+                            self.weights_dir / f"hpo-trial-{trial.number}.weights.pt")
+        trial.set_user_attr("weights", str(path))
+        if not default:  # the best before this one cannot be chosen any more
+            for t in earlier:
+                if t.user_attrs.get("weights"):
+                    Path(t.user_attrs["weights"]).unlink(missing_ok=True)
+
+    def weights_for(self, params: dict | None) -> tuple[Path | None, int]:
+        """(the weights the completed trial of `params` ended with (None: the default trial's),
+        its epochs), or (None, 0) when none were kept here."""
+        trial = self._default_trial() if params is None else \
+            next((t for t in self._complete() if t.params == params), None)
+        path = trial.user_attrs.get("weights") if trial is not None else None
+        if not path or not Path(path).exists():
+            return None, 0
+        return Path(path), int(trial.user_attrs.get("epochs_run") or self.epochs)
 
     # ------------------------------------------------------------------------- the study
 

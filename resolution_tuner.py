@@ -1,8 +1,10 @@
 """ResolutionTuner: trains about the same compute at each candidate input size (more epochs for
-smaller sizes), always including the default size, and picks the size with the best validation accuracy: a size within one
-standard error of the best ties, and a tie keeps the default size when it is among the tied,
-else goes to the cheapest. It reports what each size costs in time. With a journal, every finished size is written down, and a resumed run
-trains only the sizes it has no result for."""
+smaller sizes), always including the default size, and picks the size with the best validation
+accuracy: a size within one standard error of the best ties, and a tie keeps the default size
+when it is among the tied, else goes to the cheapest. It reports what each size costs in time.
+With a journal, every finished size is written down, and a resumed run trains only the sizes it
+has no result for; with a weights folder each size's trained weights are kept, so the final run
+can continue from the picked size's trial."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from modules import distributed
+from modules.checkpoints import save_weights
 from modules.config import TrainConfig, UserError
 from modules.dataset import DatasetIndex
 from modules.files import atomic_write_text
@@ -42,10 +45,11 @@ class ResolutionTuner:
 
     def __init__(self, index: DatasetIndex, base: TrainConfig, resolutions=GPU_RESOLUTIONS, *,
                  epochs: int | None = None, journal: str | Path | None = None,
-                 resume: bool = False):
+                 resume: bool = False, weights_dir: str | Path | None = None):
         """base.image_size is the default size, always a candidate. journal: a JSON file where
         each finished size's result is kept; with resume=True the sizes it holds for the same
-        settings and data are taken from it, not trained again."""
+        settings and data are taken from it, not trained again. weights_dir: where each size's
+        trial keeps its best weights (weights_for)."""
         sizes = sorted(set(int(r) for r in resolutions) | {base.image_size})
         if not sizes:
             raise UserError("resolutions must name at least one input size.")
@@ -55,6 +59,7 @@ class ResolutionTuner:
         self.epochs = epochs or base.epochs
         self.default_size, self.n_val = base.image_size, len(index.val)
         self.journal, self.resume = (Path(journal) if journal else None), resume
+        self.weights_dir = Path(weights_dir) if weights_dir else None
         self.trials: list[ResolutionTrial] = []
         self.reused: list[int] = []  # sizes taken from the journal on resume
 
@@ -79,6 +84,8 @@ class ResolutionTuner:
                          size, 100 * trial.val_acc, self.journal)
             else:
                 result = fit(self.index, config)
+                if self.weights_dir is not None and distributed.is_main():
+                    save_weights(result.model, self._weights_path(size))
                 trial = ResolutionTrial(
                     image_size=size, val_acc=result.best_val_acc,
                     samples_per_s=finite_number(result.timing.get("samples_per_s")) or 0.0,
@@ -97,6 +104,18 @@ class ResolutionTuner:
                  "default %d px, else the smallest)", best, top.image_size, 100 * top.val_acc,
                  100 * accuracy_se(top.val_acc, self.n_val), self.n_val, self.default_size)
         return best
+
+    def weights_for(self, size: int) -> tuple[Path | None, int]:
+        """(the weights the trial at `size` ended with, its best validation epoch's; its
+        epochs), or (None, 0) when none were kept."""
+        path = self._weights_path(size)
+        if path is None or not path.exists():
+            return None, 0
+        return path, self.epochs_for(size)
+
+    def _weights_path(self, size: int) -> Path | None:
+        return None if self.weights_dir is None else \
+            self.weights_dir / f"resolution-{size}px.weights.pt"
 
     def epochs_for(self, size: int) -> int:
         """Every size gets about the same compute: `epochs` at the default size, scaled by the

@@ -304,6 +304,11 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
         config = distributed.from_main(config)  # under torchrun: rank 0's timing decides
     log.info("== scenario %s: %s, %d px, batch %d, %d epochs on %s", name, config.model,
              config.image_size, config.batch_size, config.epochs, device)
+    if not distributed.is_main() and config.weights not in ("none", "imagenet") \
+            and not Path(config.weights).exists():
+        # Under torchrun on another machine than rank 0's, a kept trial's weights are not
+        # here: rank 0's weights reach every rank at the start of training all the same.
+        config = dataclasses.replace(config, weights="none")
     apply_process_settings(config, device)
     model, train_loader, val_loader, test_loader = prepare(index, config)
     if device.type == "cuda":
@@ -431,11 +436,30 @@ def tune_resolution(config: TrainConfig, args: RunOptions, index: DatasetIndex,
     tuner = ResolutionTuner(index, dataclasses.replace(config, progress=False), sizes,
                             epochs=short_budget(config), resume=args.resume,
                             journal=checkpoint_file(output_dir, "resolution", ".tuning.json",
-                                                    args.run_id))
+                                                    args.run_id),
+                            weights_dir=run_folder(output_dir, "checkpoints", args.run_id))
     size = tuner.run()  # under torchrun every rank trains each size, data-parallel
     if distributed.is_main():
         tuner.save_plot(output_dir / "resolution_tradeoff.png")
-    return dataclasses.replace(config, image_size=size), {"resolution_trials": tuner.tradeoff()}
+    config, warm = warm_start(dataclasses.replace(config, image_size=size), "resolution",
+                              f"the {size} px trial", *tuner.weights_for(size))
+    return config, {"resolution_trials": tuner.tradeoff(), "warm_start": warm}
+
+
+def warm_start(config: TrainConfig, name: str, source: str, weights: Path | None,
+               epochs: int) -> tuple[TrainConfig, dict[str, Any] | None]:
+    """The final run starts from the weights its chosen trial ended with, so the epochs the
+    tuning trained on the chosen configuration count towards the model rather than being
+    trained again (from scratch, the first epochs of a run are the slowest to leave chance).
+    Its learning-rate schedule starts afresh."""
+    if weights is None:
+        log.info("%s: no weights kept from %s: the final run starts from the beginning",
+                 name, source)
+        return config, None
+    log.info("%s: the final run starts from the weights %s ended with (%d epochs in)", name,
+             source, epochs)
+    return dataclasses.replace(config, weights=str(weights)), {
+        "from": source, "trial_epochs": epochs, "weights": str(weights)}
 
 
 def tune_hyperparameters(config: TrainConfig, args: RunOptions, index: DatasetIndex,
@@ -463,7 +487,8 @@ def tune_hyperparameters(config: TrainConfig, args: RunOptions, index: DatasetIn
                         pruner=args.pruner,
                         study_name=f"hpo-{index.name}" + ("" if shared else f"-{args.run_id}"),
                         seed=worker_seed(args) if shared else args.seed,
-                        data_fingerprint=index.fingerprint())
+                        data_fingerprint=index.fingerprint(),
+                        weights_dir=run_folder(output_dir, "checkpoints", args.run_id))
     # Once the final run has started, its checkpoint holds the parameters it trains with: more
     # trials (this process's, or another worker's on a shared --storage) could only change the
     # study's best, and the checkpoint would then refuse to resume. `--resume --n-trials K`
@@ -481,22 +506,28 @@ def tune_hyperparameters(config: TrainConfig, args: RunOptions, index: DatasetIn
     log.info("hpo: %s", summary["choice"])
     params = summary["chosen_params"] or {k: getattr(config, k) for k in OptunaTuner.SEARCHED}
     chosen = dataclasses.replace(config, **params)
+    trained_anew = True
     if started is not None:
         before = dataclasses.replace(config, **{k: started[k] for k in OptunaTuner.SEARCHED
                                                 if k in started})
         if not grow or all(getattr(before, k) == getattr(chosen, k) for k in OptunaTuner.SEARCHED):
             if grow:
                 log.info("hpo: the choice did not change: the final run is not trained again")
-            chosen = before
+            chosen, trained_anew = before, False  # it continues from its checkpoint
         else:
             aside = final.with_name(f"hpo.before-{time.strftime('%Y%m%d-%H%M%S')}.pt")
             final.rename(aside)
             log.info("hpo: the choice changed with the new trials: training the final run "
                      "again (the earlier one is kept as %s)", aside)
+    warm = None
+    if trained_anew:
+        chosen, warm = warm_start(chosen, "hpo", "the default trial" if summary["chosen_params"]
+                                  is None else "the chosen trial",
+                                  *tuner.weights_for(summary["chosen_params"]))
     if distributed.world_size() > 1:
         end_trials()
         distributed.from_main(chosen)
-    return chosen, {"hpo": summary}
+    return chosen, {"hpo": summary, "warm_start": warm}
 
 
 def worker_seed(args: RunOptions) -> int:

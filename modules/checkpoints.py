@@ -139,3 +139,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def cpu_state(module: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
+
+
+def save_weights(model: nn.Module, path: Path) -> Path:
+    """A model's weights alone, as `--weights PATH` reads them: a tuner's trial, kept so the
+    final run can start where the chosen trial ended instead of from the beginning."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_torch_save({"state_dict": cpu_state(model)}, path)
+    return path

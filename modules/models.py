@@ -43,9 +43,11 @@ def build_model(name: str, num_classes: int, weights: str = "none",
     model = getattr(torchvision.models, name)(weights=None)
     if weights == "imagenet":
         _load_imagenet(model, name)
-    elif weights not in ("none", None):
-        _load_file(model, Path(weights))
     _replace_head(model, name, num_classes)
+    if weights not in ("none", "imagenet", None):
+        # After the head is sized: a file for the same classes (a tuner's trial) loads whole;
+        # one for other classes loads all but the head.
+        _load_file(model, Path(weights))
     if dropout_impl == "bytemask":
         _use_bytemask_dropout(model)
     return model

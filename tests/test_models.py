@@ -52,6 +52,16 @@ def test_weights_from_a_file_fit_a_new_head(tmp_path):
     assert model.fc.out_features == 3
 
 
+def test_weights_for_the_same_classes_load_whole_head_included(tmp_path):
+    """A tuner's trial is continued by the final run: its classifier too, not a fresh one."""
+    from modules.checkpoints import save_weights
+    source = build_model("squeezenet1_1", 6)
+    save_weights(source, tmp_path / "trial.weights.pt")
+    model = build_model("squeezenet1_1", 6, str(tmp_path / "trial.weights.pt"))
+    for name, tensor in source.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], tensor)
+
+
 def test_weights_of_another_architecture_are_refused(tmp_path):
     torch.save(build_model("resnet18", 3).state_dict(), tmp_path / "w.pt")
     with pytest.raises(UserError, match="no tensor"):

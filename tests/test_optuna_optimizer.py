@@ -245,6 +245,32 @@ def test_the_winner_is_trained_only_when_it_beats_the_default(index, tmp_path, m
         assert summary["chosen_params"]["lr"] != BASE.lr and "beats the default" in summary["choice"]
 
 
+def test_the_default_and_the_best_trial_keep_their_weights(index, tmp_path, monkeypatch):
+    """The final run continues from the trial of the configuration it trains: the default's
+    and the best so far are kept, a best that is overtaken is deleted."""
+    accs = iter([0.5, 0.6, 0.55, 0.7, 0.65])  # trials 1 and 3 each become the best
+
+    def fit_(idx, config, on_epoch):
+        acc = next(accs)
+        on_epoch(1, {"val_acc": acc})
+        model = torch.nn.Linear(1, 1)
+        torch.nn.init.constant_(model.weight, acc)
+        return SimpleNamespace(best_val_acc=acc, epochs_run=1, wall_s=0.01, timing={}, model=model)
+    monkeypatch.setattr(optuna_optimizer, "fit", fit_)
+    t = tuner(index, tmp_path, n_trials=5, pruner="none", weights_dir=tmp_path / "w")
+    t.run()
+    kept = sorted(p.name for p in (tmp_path / "w").iterdir())
+    assert kept == ["hpo-trial-0.weights.pt", "hpo-trial-3.weights.pt"]
+    path, epochs = t.weights_for(None)
+    assert path.name == "hpo-trial-0.weights.pt" and epochs == 1
+    assert torch.load(path)["state_dict"]["weight"].item() == pytest.approx(0.5)
+    trials = t.study.trials
+    path, _ = t.weights_for(trials[3].params)
+    assert torch.load(path)["state_dict"]["weight"].item() == pytest.approx(0.7)
+    assert t.weights_for(trials[1].params) == (None, 0)  # overtaken by trial 3: deleted
+    assert t.weights_for(trials[2].params) == (None, 0)  # never the best: never kept
+
+
 def test_asha_prunes_on_equal_epochs(index, tmp_path, monkeypatch):
     """Successive halving compares trials at the same epoch: a trial worse than the default at
     epoch 1 stops there."""

@@ -178,6 +178,13 @@ def test_quick_run_does_all_three_scenarios_on_synthetic_data(tmp_path):
         assert row["settings"]["amp"] == knobs["amp"]["choice"]
         assert row["settings"]["channels_last"] == knobs["channels_last"]["choice"]
     assert "`amp` = " in (out / "report.md").read_text()
+    # each tuned final run continued from its chosen trial's weights, classifier included
+    size = rows["resolution"]["best_resolution"]
+    assert rows["resolution"]["warm_start"]["from"] == f"the {size} px trial"
+    assert rows["hpo"]["warm_start"]["from"] in ("the default trial", "the chosen trial")
+    for name in ("resolution", "hpo"):
+        weights = Path(rows[name]["warm_start"]["weights"])
+        assert weights.parent == run_path(out) and rows[name]["settings"]["weights"] == str(weights)
 
 
 REGIONS = ("data_wait", "h2d", "forward", "backward", "optimizer_step")

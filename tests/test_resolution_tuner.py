@@ -1,10 +1,12 @@
 """ResolutionTuner: one short run per size (the default's always among them), the pick, ties
 within one standard error to the default or the cheaper size, the trade-off."""
 import pytest
+import torch
 
 from conftest import make_folder
 from modules.config import TrainConfig, UserError
 from modules.dataset import index_dataset
+from modules.models import build_model
 from resolution_tuner import ResolutionTrial, ResolutionTuner
 
 BASE = TrainConfig(model="resnet18", weights="none", image_size=24, epochs=2, batch_size=8,
@@ -49,6 +51,20 @@ def test_runs_every_candidate_and_reports_the_tradeoff(tmp_path):
     rows = tuner.tradeoff()
     assert rows[0]["points_per_extra_epoch_s"] is None and "val_acc" in rows[1]
     assert tuner.save_plot(tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_each_sizes_trial_keeps_its_weights_for_the_final_run(tmp_path):
+    index = index_dataset(make_folder(tmp_path / "d", n_train=10, n_test=3))
+    tuner = ResolutionTuner(index, BASE, [32], weights_dir=tmp_path / "w")
+    tuner.run()
+    for size in (24, 32):
+        path, epochs = tuner.weights_for(size)
+        assert path.name == f"resolution-{size}px.weights.pt" and epochs == tuner.epochs_for(size)
+        kept = torch.load(path, weights_only=True)["state_dict"]
+        model = build_model(BASE.model, len(index.classes), str(path))  # whole, head included
+        for name, tensor in model.state_dict().items():
+            torch.testing.assert_close(tensor, kept[name])
+    assert ResolutionTuner(index, BASE, [32]).weights_for(24) == (None, 0)  # none kept
 
 
 def test_sizes_below_the_models_minimum_are_refused(tmp_path):
