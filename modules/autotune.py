@@ -24,7 +24,7 @@ import torch
 from modules import hostmem
 from modules.config import TrainConfig, UserError, first_line
 from modules.files import atomic_write_text
-from modules.hardware import max_batch_size
+from modules.hardware import PROBE_BATCHES, max_batch_size
 from modules.models import build_model, has_bytemask_dropout
 from modules.trainer import (apply_process_settings, autocast_dtype, make_optimizer,
                              resolve_device, train_step)
@@ -52,6 +52,9 @@ TURN_STEPS = 2
 # (MEASURE_SHARE of its planned time) has less than this left does not try it, and a warm-up
 # still running when the budget is spent is abandoned (it runs in a child process).
 COMPILE_WARMUP_FLOOR_S = 20.0
+# A new setting's first steps on a GPU (cuDNN's algorithm search for a new layout or dtype) take
+# at least this long (docs/speed.md); a race is started only when the budget holds it.
+GPU_WARMUP_S = 5.0
 COMPILE_BEST_GAIN = 0.5
 # A DataLoader keeps up when it delivers this much more than the model consumes.
 LOADER_HEADROOM = 1.1
@@ -522,6 +525,11 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
 
     def budget_left() -> float | None:
         return None if budget_s is None else budget_s - (time.perf_counter() - started)
+    # What one race costs: both timed, and the challenger's warm-up, as long as the first
+    # probe's, and on a GPU at least GPU_WARMUP_S (cuDNN's algorithm search for each new
+    # layout or dtype; the first probe's may have been paid by an earlier one at these shapes).
+    race_s = 2 * min_s + max(warm.get("warmup_s") or 0.0,
+                             GPU_WARMUP_S if device.type == "cuda" else 0.0)
     if min_s < MIN_S:
         log.info("autotune: a short planned run: %.1f s per candidate, to measure within %.0f%% "
                  "of its time", min_s, 100 * MEASURE_SHARE)
@@ -529,9 +537,9 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
         if knob in fixed:
             knobs[knob] = _set_by_user(config, knob)
             continue
-        # A race times both candidates for at least min_s each: one that cannot finish within
-        # what is left of the budget is not started.
-        if budget_s is not None and budget_left() < 2 * min_s * (len(candidates) - 1):
+        # A race times both candidates for at least min_s each, after the challenger's warm-up:
+        # one that cannot finish within what is left of the budget is not started.
+        if budget_s is not None and budget_left() < race_s * (len(candidates) - 1):
             knobs[knob] = {"choice": getattr(config, knob), "img_s": {}, "reason": (
                 f"not measured: {max(0.0, budget_left()):.1f} s left of the measuring budget "
                 f"({budget_s:.1f} s), too little for its races")}
@@ -575,10 +583,11 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
         log.info("autotune: num_workers = %d (%s)", n, knobs["num_workers"]["reason"])
     if "batch_size" in fixed:
         knobs["batch_size"] = _set_by_user(config, "batch_size")
-    elif tune_batch and budget_s is not None and budget_left() <= 0 and device.type == "cuda":
+    elif tune_batch and budget_s is not None and device.type == "cuda" and \
+            budget_left() < (len(PROBE_BATCHES) + 1) * GPU_WARMUP_S:  # each probe a new shape
         knobs["batch_size"] = {"choice": config.batch_size, "img_s": {}, "reason": (
-            f"not refitted for the chosen knobs: the measuring budget ({budget_s:.1f} s) was "
-            f"spent; batch {config.batch_size} x {config.grad_accum_steps} accumulation, "
+            f"not refitted for the chosen knobs: too little of the measuring budget "
+            f"({budget_s:.1f} s) left for the memory probe; batch {config.batch_size} x {config.grad_accum_steps} accumulation, "
             "which trained in the measurements (out-of-memory recovery splits it if needed)")}
     elif tune_batch:
         mark = time.perf_counter()
