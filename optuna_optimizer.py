@@ -220,16 +220,16 @@ class OptunaTuner:
         if self.weights_dir is None:
             return
         default = bool(trial.user_attrs.get("default"))
-        earlier = [t for t in self._complete() if not t.user_attrs.get("default")]
-        best = max((t.value for t in self._complete()), default=None)
+        complete = self._complete()  # one read of the study
+        best = max((t.value for t in complete), default=None)
         if not default and best is not None and result.best_val_acc <= best:
             return
         path = save_weights(result.model,
                             self.weights_dir / f"hpo-trial-{trial.number}.weights.pt")
         trial.set_user_attr("weights", str(path))
         if not default:  # the best before this one cannot be chosen any more
-            for t in earlier:
-                if t.user_attrs.get("weights"):
+            for t in complete:
+                if t.user_attrs.get("weights") and not t.user_attrs.get("default"):
                     Path(t.user_attrs["weights"]).unlink(missing_ok=True)
 
     def weights_for(self, params: dict | None) -> tuple[Path | None, int]:

@@ -30,6 +30,7 @@ from modules.evaluation import evaluate
 from modules.fastdata import cache_fits
 from modules.files import atomic_write_text
 from modules.hardware import max_batch_size
+from modules.models import weights_file
 from modules.monitor import SystemSampler
 from modules.profiler import TorchProfiler
 from modules.report import plot_comparison, results_table, table_markdown, write_report
@@ -304,8 +305,8 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
         config = distributed.from_main(config)  # under torchrun: rank 0's timing decides
     log.info("== scenario %s: %s, %d px, batch %d, %d epochs on %s", name, config.model,
              config.image_size, config.batch_size, config.epochs, device)
-    if not distributed.is_main() and config.weights not in ("none", "imagenet") \
-            and not Path(config.weights).exists():
+    kept = weights_file(config.weights)
+    if not distributed.is_main() and kept is not None and not kept.exists():
         # Under torchrun on another machine than rank 0's, a kept trial's weights are not
         # here: rank 0's weights reach every rank at the start of training all the same.
         config = dataclasses.replace(config, weights="none")

@@ -26,6 +26,7 @@ from modules.config import TrainConfig, UserError, first_line
 from modules.files import atomic_write_text
 from modules.hardware import PROBE_BATCHES, max_batch_size
 from modules.models import build_model, has_bytemask_dropout
+from modules.oom import is_out_of_memory
 from modules.trainer import (apply_process_settings, autocast_dtype, make_optimizer,
                              resolve_device, train_step)
 
@@ -204,17 +205,14 @@ def _challenge(incumbent: ComputeProbe, config: TrainConfig, num_classes: int,
 def _first_probe(config: TrainConfig, num_classes: int, min_s: float
                  ) -> tuple[ComputeProbe | None, dict[str, Any]]:
     """A probe of `config`, measured on its own (the process's first steps are slow: warm up
-    once so that cost is not charged to whichever candidate happens to go first)."""
+    once so that cost is not charged to whichever candidate happens to go first). On failure:
+    (None, {"error": its first line, "out_of_memory": whether the batch did not fit})."""
     try:
         probe = ComputeProbe(config, num_classes)
         return probe, probe.measure(warmup=2, min_s=min_s)
     except Exception as exc:
         _release()
-        return None, {"error": _error(exc)}
-
-
-def _out_of_memory(result: dict[str, Any]) -> bool:
-    return "out of memory" in str(result.get("error", "")).lower()
+        return None, {"error": _error(exc), "out_of_memory": is_out_of_memory(exc)}
 
 
 def _set_by_user(config: TrainConfig, knob: str) -> dict[str, Any]:
@@ -506,7 +504,7 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
     phases: dict[str, float] = {}
     mark = time.perf_counter()
     first, warm = _first_probe(config, num_classes, MIN_S_FLOOR)
-    if first is None and _out_of_memory(warm) and tune_batch and "batch_size" not in fixed:
+    if first is None and warm["out_of_memory"] and tune_batch and "batch_size" not in fixed:
         # The memory probe runs only when the starting batch does not fit: it costs several
         # fresh models' first steps (each new shape's kernel selection on a GPU), which a
         # short run's budget cannot pay; the batch is refitted for the final knobs below.
@@ -587,8 +585,9 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
             budget_left() < (len(PROBE_BATCHES) + 1) * GPU_WARMUP_S:  # each probe a new shape
         knobs["batch_size"] = {"choice": config.batch_size, "img_s": {}, "reason": (
             f"not refitted for the chosen knobs: too little of the measuring budget "
-            f"({budget_s:.1f} s) left for the memory probe; batch {config.batch_size} x {config.grad_accum_steps} accumulation, "
-            "which trained in the measurements (out-of-memory recovery splits it if needed)")}
+            f"({budget_s:.1f} s) left for the memory probe; batch {config.batch_size} x "
+            f"{config.grad_accum_steps} accumulation, which trained in the measurements "
+            "(out-of-memory recovery splits it if needed)")}
     elif tune_batch:
         mark = time.perf_counter()
         config, knobs["batch_size"] = _fit_batch(config, num_classes, device, effective)

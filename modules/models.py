@@ -44,13 +44,19 @@ def build_model(name: str, num_classes: int, weights: str = "none",
     if weights == "imagenet":
         _load_imagenet(model, name)
     _replace_head(model, name, num_classes)
-    if weights not in ("none", "imagenet", None):
+    path = weights_file(weights)
+    if path is not None:
         # After the head is sized: a file for the same classes (a tuner's trial) loads whole;
         # one for other classes loads all but the head.
-        _load_file(model, Path(weights))
+        _load_file(model, path)
     if dropout_impl == "bytemask":
         _use_bytemask_dropout(model)
     return model
+
+
+def weights_file(weights: str | None) -> Path | None:
+    """The file a `weights` setting names, or None for "none" and "imagenet"."""
+    return None if weights in ("none", "imagenet", None) else Path(weights)
 
 
 # ----------------------------------------------------------------------------- dropout

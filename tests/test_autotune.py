@@ -332,7 +332,8 @@ def test_the_memory_probe_runs_only_when_the_starting_batch_does_not_fit(monkeyp
     def first_probe(config, num_classes, min_s):
         probes.append(config.batch_size)
         if config.batch_size > 2:
-            return None, {"error": "CUDA out of memory. Tried to allocate 2.00 GiB"}
+            return None, {"error": "CUDA out of memory. Tried to allocate 2.00 GiB",
+                          "out_of_memory": True}
         return real_first(config, num_classes, min_s)
 
     def fit(config, num_classes, device, effective=None):
