@@ -469,6 +469,8 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
         tuned, findings = _RESULTS[key]
         log.info("autotune: reusing the choice measured earlier in this run at %d px, batch %d",
                  config.image_size, config.batch_size)
+        if cache_path and _from_cache(cache_path, key) is None:  # another output dir's run
+            _to_cache(cache_path, key, tuned, findings)
         return _with_run_fields(tuned, config), {**findings, "reused_from": "this run",
                                                  "seconds": 0.0}
     cached = _from_cache(cache_path, key) if cache_path else None

@@ -45,6 +45,13 @@ def make_folder(root: Path, layout: str = "train/test", n_train: int = 12, n_tes
     return root
 
 
+@pytest.fixture(autouse=True)
+def _fresh_autotune_choices():
+    """Each test starts as a new process does: no speed choice remembered from another test."""
+    from modules import autotune
+    autotune._RESULTS.clear()
+
+
 @pytest.fixture
 def folder(tmp_path: Path) -> Path:
     return make_folder(tmp_path / "data")

@@ -361,6 +361,15 @@ def test_a_choice_is_reused_by_a_later_scenario_and_from_the_machine_cache(tmp_p
     later, again = at.autotune(_config(lr=0.05, epochs=7), 3, planned_steps=99, cache_path=cache)
     assert again["reused_from"] == "this run" and again["seconds"] == 0.0
     assert (later.lr, later.epochs) == (0.05, 7) and later.amp == first.amp
+    # a second run in the same process (a notebook kernel) into another output dir: reused,
+    # and written to that dir's cache for its later runs
+    other_dir = tmp_path / "other" / "autotune_cache.json"
+    other_dir.parent.mkdir()
+    _, second = at.autotune(_config(), 3, planned_steps=10, cache_path=other_dir)
+    assert second["reused_from"] == "this run"
+    entries = [{k: e[k] for k in ("config", "report")} for path in (cache, other_dir)
+               for machine in json.loads(path.read_text()).values() for e in machine.values()]
+    assert len(entries) == 2 and entries[0] == entries[1]
     # a later run (a new process): from the cache file, keyed by this machine
     at._RESULTS.clear()
     _, cached = at.autotune(_config(), 3, planned_steps=10, cache_path=cache)
