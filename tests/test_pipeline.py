@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -141,22 +142,41 @@ def test_unwritable_output_dir_is_one_clear_line(small, tmp_path, capsys):
     assert "cannot write to output dir" in capsys.readouterr().err
 
 
-def test_quick_run_does_all_three_scenarios_on_synthetic_data(tmp_path):
+def test_quick_is_the_small_cpu_preset():
+    """What --quick means on a CPU; the end-to-end test below runs it on less data and fewer
+    epochs, and benchmarks/scenarios.py measures what the preset itself reaches."""
+    args = pipeline.parse_args(["--quick"])
+    cpu = torch.device("cpu")
+    for name in pipeline.SCENARIOS:
+        config = pipeline.scenario_config(name, args, cpu)
+        assert (config.epochs, config.image_size) == (12, 64), name
+    assert scenario.tuned_resolutions(args, cpu, 64) == [48, 64, 96]
+    assert scenario.trial_count(args) == 4 and scenario.trial_count(pipeline.parse_args([])) == 20
+    assert scenario.QUICK_PER_CLASS == {"train": 200, "val": 60, "test": 200}
+    assert scenario.QUICK_SYNTHETIC_PER_CLASS == (260, 200)  # generated: train + val, test
+
+
+def test_quick_run_does_all_three_scenarios_on_synthetic_data(tmp_path, monkeypatch):
+    """The whole --quick path on generated data: smaller and shorter than the preset
+    (test_quick_is_the_small_cpu_preset) so that it takes seconds, every part still run."""
+    monkeypatch.setattr(scenario, "QUICK_PER_CLASS", {"train": 16, "val": 6, "test": 6})
+    monkeypatch.setattr(scenario, "QUICK_SYNTHETIC_PER_CLASS", (22, 6))
     out = tmp_path / "out"
-    # --no-match-time: the tuned final runs keep their 12 epochs instead of filling the
-    # baseline's time (a minute of the suite; fill_time has its own test).
-    assert run_main("--quick", "--weights", "none", "--no-progress", "--no-match-time",
-                    "--output-dir", str(out)) == 0
+    # --epochs: the tuned final runs keep them instead of filling the baseline's time
+    # (fill_time has its own test).
+    assert run_main("--quick", "--epochs", "3", "--n-trials", "2", "--weights", "none",
+                    "--no-progress", "--output-dir", str(out)) == 0
     rows = {r["scenario"]: r for r in json.loads((out / "results.json").read_text())}
     assert list(rows) == ["baseline", "resolution", "hpo"]
     assert all(r["dataset"] == "synthetic" for r in rows.values())
     assert rows["baseline"]["best_resolution"] == 64
-    assert rows["baseline"]["test_acc"] > 0.3  # six classes: chance is 0.167
+    # the preset's per-class split of the generated set, six classes
+    assert (rows["baseline"]["n_val"], rows["baseline"]["n_test"]) == (36, 36)
     trials = rows["resolution"]["resolution_trials"]
     assert [t["image_size"] for t in trials] == [48, 64, 96]
     assert rows["resolution"]["best_resolution"] in (48, 64, 96)
     assert rows["hpo"]["best_resolution"] == rows["resolution"]["best_resolution"]
-    assert rows["hpo"]["hpo"]["n_trials"] == 4
+    assert rows["hpo"]["hpo"]["n_trials"] == 2
     # the search's winner when it beat the default trial, else the default (resolution's lr)
     search = rows["hpo"]["hpo"]
     chosen = search["chosen_params"] or {"lr": rows["resolution"]["settings"]["lr"]}
@@ -213,10 +233,13 @@ def test_profiled_run_writes_traces_report_and_every_figure(small, tmp_path):
 
 def test_large_jpegs_for_a_tiny_input_are_diagnosed_input_bound(tmp_path):
     data = tmp_path / "big"
-    for split, n in (("train", 10), ("test", 2)):
-        for c in COLOURS:
+    for c in COLOURS:  # decoding, not generating, is what is timed: one image per class, copied
+        first = write_image(data / "train" / c / "0.jpg", COLOURS[c], size=1400)
+        for split, n in (("train", 10), ("test", 2)):
             for i in range(n):
-                write_image(data / split / c / f"{i}.jpg", COLOURS[c], size=1400, seed=i)
+                if not (data / split / c / f"{i}.jpg").exists():
+                    (data / split / c).mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(first, data / split / c / f"{i}.jpg")
     out = tmp_path / "out"
     assert run_main("--data-dir", str(data), "--epochs", "1", "--image-size", "24",
                     "--batch-size", "4", "--weights", "none", "--no-progress",
@@ -243,14 +266,15 @@ def test_tensorboard_profiler_plugin_reads_the_trace(small, tmp_path):
 def test_no_autotune_and_user_knobs_skip_the_measurements(small, tmp_path):
     out = tmp_path / "out"
     assert run_main("--data-dir", str(small), "--scenarios", "resolution", "--resolutions", "32",
-                    "--epochs", "2", "--batch-size", "4", "--weights", "none", "--no-progress",
-                    "--no-autotune", "--output-dir", str(out)) == 0
+                    "--image-size", "32", "--epochs", "2", "--batch-size", "4", "--weights", "none",
+                    "--no-progress", "--no-autotune", "--output-dir", str(out)) == 0
     row = json.loads((out / "results.json").read_text())[0]
     assert "autotune" not in row and row["settings"]["data_path"] == "decoded cache"
     out2 = tmp_path / "out2"
     assert run_main("--data-dir", str(small), "--scenarios", "resolution", "--resolutions", "32",
-                    "--epochs", "2", "--batch-size", "4", "--weights", "none", "--no-progress",
-                    "--amp", "off", "--cpu-allocator", "retain", "--dropout-impl", "bytemask",
+                    "--image-size", "32", "--epochs", "2", "--batch-size", "4", "--weights", "none",
+                    "--no-progress", "--amp", "off", "--cpu-allocator", "retain",
+                    "--dropout-impl", "bytemask",
                     "--output-dir", str(out2)) == 0
     row = json.loads((out2 / "results.json").read_text())[0]
     for knob in ("amp", "batch_size", "cpu_allocator", "dropout_impl"):
@@ -267,7 +291,7 @@ def test_streaming_fallback_measures_loader_workers(small, tmp_path, monkeypatch
     monkeypatch.setattr(fastdata, "CACHE_RAM_FRACTION", 1e-12)
     out = tmp_path / "out"
     assert run_main("--data-dir", str(small), "--scenarios", "resolution", "--resolutions", "32",
-                    "--epochs", "2", "--weights", "none", "--no-progress",
+                    "--image-size", "32", "--epochs", "2", "--weights", "none", "--no-progress",
                     "--output-dir", str(out)) == 0
     row = json.loads((out / "results.json").read_text())[0]
     assert row["settings"]["data_path"] == "per-sample PIL decode"
@@ -284,7 +308,8 @@ def test_resume_keeps_the_autotuned_settings_instead_of_measuring_again(small, t
     another batch); a resumed run continues with the settings it started with."""
     out = tmp_path / "out"
     argv = ("--data-dir", str(small), "--scenarios", "resolution", "--resolutions", "32",
-            "--epochs", "2", "--weights", "none", "--no-progress", "--output-dir", str(out))
+            "--image-size", "32", "--epochs", "2", "--weights", "none", "--no-progress",
+            "--output-dir", str(out))
     assert run_main(*argv) == 0
     first = json.loads((out / "results.json").read_text())[-1]
     saved = run_path(out) / "resolution.autotune.json"
@@ -449,6 +474,10 @@ def test_the_estimate_covers_every_scenario_and_match_times_fill(small, tmp_path
         def measure(self, **_):
             return {"img_s": self.img_s}
     monkeypatch.setattr(scenario, "ComputeProbe", Probe)
+    # Decoding timed as free: a measured decode (slower on a loaded machine) would weigh on
+    # the tuning's share and hide the fill's bounds.
+    monkeypatch.setattr(scenario, "train_transform", lambda size: lambda image: image)
+    monkeypatch.setattr(scenario, "load_rgb", lambda path: None)
     argv = ["--data-dir", str(small), "--image-size", "32", "--weights", "none",
             "--output-dir", str(tmp_path / "out")]
     index = pipeline.load_data(pipeline.parse_args(argv), tmp_path / "out")
