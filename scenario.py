@@ -3,6 +3,7 @@ tuning (ResolutionTuner, OptunaTuner) and its final training, run in order by `r
 RunOptions. pipeline.py is their command line; the notebook calls `pipeline.options` and `run`."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -28,7 +29,7 @@ from modules.dataset import (DatasetIndex, data_path_of, index_dataset, load_rgb
 from modules.device import apply_process_settings, autocast_dtype, resolve_device
 from modules.evaluation import evaluate
 from modules.fastdata import cache_fits
-from modules.files import atomic_write_text
+from modules.files import atomic_write_text, run_log
 from modules.hardware import max_batch_size
 from modules.models import weights_file
 from modules.monitor import SystemSampler
@@ -590,8 +591,15 @@ def run(args: RunOptions, index: DatasetIndex | None = None) -> list[dict[str, A
     args.run_id = distributed.from_main(start_run(
         output_dir, index, resume=args.resume,
         command=args.command or shlex.join(["python", *sys.argv])))
-    log.info("run %s: outputs in %s (earlier runs stay in results.json)", args.run_id,
-             output_dir)
+    with (run_log(output_dir / "runs" / args.run_id / "run.log") if distributed.is_main()
+          else contextlib.nullcontext()):
+        log.info("run %s: outputs in %s (earlier runs stay in results.json)", args.run_id,
+                 output_dir)
+        return _run_scenarios(args, index, output_dir, device)
+
+
+def _run_scenarios(args: RunOptions, index: DatasetIndex, output_dir: Path,
+                   device: torch.device) -> list[dict[str, Any]]:
     tuned: dict[str, Any] = {}  # what one scenario hands the next (the picked resolution)
     rows: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []

@@ -1,7 +1,9 @@
 """The project's torch files: written atomically, read with one clear error when unreadable."""
 from __future__ import annotations
 
+import contextlib
 import errno
+import logging
 import os
 import secrets
 import shutil
@@ -105,3 +107,25 @@ def read_torch_file(path: Path, what: str) -> Any:
     except Exception as exc:
         raise UserError(f"{what} {str(path)!r} is not a readable PyTorch file "
                         f"({type(exc).__name__}).") from None
+
+
+class _RunLog(logging.FileHandler):
+    def handleError(self, record: logging.LogRecord) -> None:
+        """A full or vanished disk must not print logging's traceback on the console; the
+        run's own writes say what is wrong, in one line."""
+
+
+@contextlib.contextmanager
+def run_log(path: Path):
+    """While it is open, every log line also goes to `path` with its wall-clock time (appended:
+    a resumed run continues the same file), so the log says where a run's time went."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = _RunLog(path, encoding="utf-8", delay=True)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        yield path
+    finally:
+        root.removeHandler(handler)
+        handler.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -59,6 +60,10 @@ def test_baseline_end_to_end_on_a_folder(small, tmp_path, capsys):
     assert (run_path(out) / "baseline.pt").exists()
     assert (run_path(out, "runs") / "baseline" / "config.json").exists()
     assert list((run_path(out, "runs") / "baseline").glob("events.out.tfevents.*"))
+    # the log again, with each line's wall-clock time: where the run's time went
+    logged = (run_path(out, "runs") / "run.log").read_text().splitlines()
+    assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} info scenario: run ", logged[0])
+    assert any("epoch 3/3" in line for line in logged)
     model = load_model(out / "colours_model.pt")
     assert model.meta["class_names"] == ["blue", "green", "red"]
     assert predict(model, [small / "test" / "red" / "0.jpg"])[0]["label"] in model.meta["class_names"]
