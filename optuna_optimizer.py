@@ -47,6 +47,19 @@ HEARTBEAT_S, MAX_RETRY = max(1, int(GRACE_S // 3)), 2
 BATCH_SIZES = (16, 32, 64, 128, 256)  # the search's choices, before the memory bound
 
 
+@dataclasses.dataclass
+class EarlierTrial:
+    """A short run trained before the search (the resolution scenario's trial at the size the
+    search runs at). When it trained exactly what the default trial would, the search takes
+    its result as the default trial instead of training the same thing again."""
+    config: TrainConfig       # what it trained
+    val_curve: list[float]    # validation accuracy after each epoch
+    weights: Path | None      # the weights it ended with
+    wall_s: float
+    samples_per_s: float
+    source: str               # for the log: "the resolution scenario's 64 px trial"
+
+
 class _Storage(optuna.storages.RDBStorage):
     """Optuna's RDBStorage, whose stale trials also take in a trial that never beat: RUNNING,
     without a heartbeat, started more than the grace period ago.
@@ -112,7 +125,8 @@ class OptunaTuner:
                  batch_sizes: tuple[int, ...] = BATCH_SIZES,
                  max_batch_size: int | None = None, seed: int | None = None,
                  local_dir: str | Path | None = None, data_fingerprint: str | None = None,
-                 overwrite: bool = False, weights_dir: str | Path | None = None):
+                 overwrite: bool = False, weights_dir: str | Path | None = None,
+                 earlier: EarlierTrial | None = None):
         if isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials < 1:
             raise UserError(f"n_trials must be an integer >= 1, but got n_trials={n_trials!r}.")
         if timeout_s is not None and (isinstance(timeout_s, bool)
@@ -140,6 +154,7 @@ class OptunaTuner:
         self.data_fingerprint, self.overwrite = data_fingerprint, overwrite
         # The default trial's weights and the best trial's so far are kept here (weights_for).
         self.weights_dir = Path(weights_dir) if weights_dir else None
+        self.earlier = earlier  # the default trial's result when it matches (default_trial)
         self.seed = base.seed if seed is None else seed
         # SQLite by default: a file in the output folder outlives a crashed Colab session. With
         # local_dir the file lives there and is copied to the output folder after every trial:
@@ -182,6 +197,35 @@ class OptunaTuner:
         wd = min(max(b.weight_decay, self.WEIGHT_DECAY_RANGE[0]), self.WEIGHT_DECAY_RANGE[1])
         batch = min(self.batch_sizes, key=lambda n: (abs(n - b.batch_size), n))
         return {"lr": lr, "batch_size": batch, "optimizer": b.optimizer, "weight_decay": wd}
+
+    def default_config(self) -> TrainConfig:
+        """What the default trial trains (suggest() at default_params())."""
+        return dataclasses.replace(self.base, epochs=self.epochs, **{
+            **self.default_params(), "weight_decay": self.base.weight_decay})
+
+    def distributions(self) -> dict[str, optuna.distributions.BaseDistribution]:
+        """The search space as suggest() declares it."""
+        return {"lr": optuna.distributions.FloatDistribution(*self.LR_RANGE, log=True),
+                "batch_size": optuna.distributions.CategoricalDistribution(list(self.batch_sizes)),
+                "optimizer": optuna.distributions.CategoricalDistribution(["adam", "adamw", "sgd"]),
+                "weight_decay": optuna.distributions.FloatDistribution(*self.WEIGHT_DECAY_RANGE,
+                                                                       log=True)}
+
+    def _reused_default(self) -> optuna.trial.FrozenTrial | None:
+        """The earlier trial as the default trial, when it trained the same settings for the
+        same epochs; else None (the default trial is trained)."""
+        e = self.earlier
+        if e is None or len(e.val_curve) != self.epochs or \
+                e.config.run_settings() != self.default_config().run_settings():
+            return None
+        attrs = {"default": True, "reused_from": e.source, "epochs_run": len(e.val_curve),
+                 "wall_s": e.wall_s, "samples_per_s": e.samples_per_s}
+        if e.weights is not None and e.weights.exists():
+            attrs["weights"] = str(e.weights)
+        return optuna.trial.create_trial(
+            params=self.default_params(), distributions=self.distributions(),
+            value=max(0.0, max(e.val_curve)), user_attrs=attrs,
+            intermediate_values={epoch: acc for epoch, acc in enumerate(e.val_curve, start=1)})
 
     def objective(self, trial) -> float:
         """Train one candidate; return its best validation accuracy."""
@@ -320,18 +364,31 @@ class OptunaTuner:
                 raise UserError(f"cannot resume study {self.study_name!r}: its batch sizes were "
                                 f"{tuple(old.choices)}, now {self.batch_sizes} (keep batch_sizes "
                                 "and max_batch_size, or run without resume to start over).")
+        reused = 0
         if not any(t.user_attrs.get("default") for t in self.study.trials):
             # The default configuration is always a candidate, so the search can only keep or
             # beat it (see choice()).
-            self.study.enqueue_trial(self.default_params(), user_attrs={"default": True})
+            default = self._reused_default()
+            if default is not None:
+                self.study.add_trial(default)
+                self._copy_to_mirror()
+                reused = 1
+                log.info("trial 0 (the default configuration) is %s: the same settings for "
+                         "the same %d epochs, not trained again; value %.4f",
+                         self.earlier.source, self.epochs, default.value)
+            else:
+                self.study.enqueue_trial(self.default_params(), user_attrs={"default": True})
         if not extend and self.resume and self.study.trials:
             log.info("study %r: its %d trials as they are, none added", self.study_name,
                      len(self.study.trials))
             return self.summary()
-        # n_trials counts this call's trials only, so resume runs n_trials more.
-        self.study.optimize(self.objective, n_trials=self.n_trials, timeout=self.timeout_s,
-                            callbacks=[self._log_trial, self._copy_to_mirror],
-                            gc_after_trial=True)
+        # n_trials counts this call's trials only (a reused default trial among them), so
+        # resume runs n_trials more.
+        if self.n_trials > reused:
+            self.study.optimize(self.objective, n_trials=self.n_trials - reused,
+                                timeout=self.timeout_s,
+                                callbacks=[self._log_trial, self._copy_to_mirror],
+                                gc_after_trial=True)
         return self.summary()
 
     def _copy_to_mirror(self, study=None, trial=None) -> None:
@@ -350,6 +407,7 @@ class OptunaTuner:
                 "best_value": best_value,
                 "best_value_se": None if best_value is None else accuracy_se(best_value, n_val),
                 "default_value": default.value if default else None,
+                "default_reused_from": default.user_attrs.get("reused_from") if default else None,
                 "n_val": n_val, "trial_epochs": self.epochs,
                 "chosen_params": params, "keeps_default": params is None, "choice": reason,
                 "chosen_epoch_s": self.epoch_seconds(params),

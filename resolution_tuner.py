@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ class ResolutionTrial:
     samples_per_s: float  # training throughput after warm-up
     epoch_s: float        # mean seconds per epoch, validation included
     wall_s: float         # the whole short run, seconds
+    val_curve: list[float] = field(default_factory=list)  # validation accuracy after each epoch
 
 
 class ResolutionTuner:
@@ -61,6 +62,7 @@ class ResolutionTuner:
         self.journal, self.resume = (Path(journal) if journal else None), resume
         self.weights_dir = Path(weights_dir) if weights_dir else None
         self.trials: list[ResolutionTrial] = []
+        self.configs: dict[int, TrainConfig] = {}  # what each size's trial trained
         self.reused: list[int] = []  # sizes taken from the journal on resume
 
     def run(self) -> int:
@@ -76,6 +78,7 @@ class ResolutionTuner:
         for size in self.resolutions:
             config = dataclasses.replace(self.base, image_size=size, epochs=self.epochs_for(size),
                                          early_stopping_patience=None)
+            self.configs[size] = config
             key = _config_key(config)
             trial = done.get(key)
             if trial is not None:
@@ -90,7 +93,7 @@ class ResolutionTuner:
                     image_size=size, val_acc=result.best_val_acc,
                     samples_per_s=finite_number(result.timing.get("samples_per_s")) or 0.0,
                     epoch_s=sum(r["epoch_s"] for r in result.history) / max(1, len(result.history)),
-                    wall_s=result.wall_s)
+                    wall_s=result.wall_s, val_curve=[r["val_acc"] for r in result.history])
                 log.info("resolution %d px: val accuracy %.1f%%, %.0f img/s, %.1f s per epoch",
                          size, 100 * trial.val_acc, trial.samples_per_s, trial.epoch_s)
             self.trials.append(trial)

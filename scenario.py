@@ -39,7 +39,7 @@ from modules.results import (checkpoint_file, compare_to_baseline, json_safe, ke
                              merge_results, previous_row, result_row, run_folder, start_run,
                              write_json)
 from modules.trainer import load_checkpoint, prepare, train
-from optuna_optimizer import BATCH_SIZES, OptunaTuner, end_trials, follow_trials
+from optuna_optimizer import BATCH_SIZES, EarlierTrial, OptunaTuner, end_trials, follow_trials
 from resolution_tuner import (CPU_RESOLUTIONS, GPU_RESOLUTIONS, QUICK_CPU_RESOLUTIONS,
                               ResolutionTuner)
 
@@ -293,11 +293,12 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
         if findings is not None:
             extra["autotune"] = findings
     if name == "resolution":
-        config, tuning = tune_resolution(config, args, index, output_dir, device)
+        config, tuning = tune_resolution(config, args, index, output_dir, device, tuned)
         tuned["image_size"] = config.image_size
         extra.update(tuning)
     elif name == "hpo":
-        config, tuning = tune_hyperparameters(config, args, index, output_dir, device)
+        config, tuning = tune_hyperparameters(config, args, index, output_dir, device,
+                                              tuned.get("trial"))
         extra.update(tuning)
     tuning_s = time.perf_counter() - started
     if name != "baseline":
@@ -429,7 +430,10 @@ def _epoch_seconds(name: str, config: TrainConfig, extra: dict[str, Any]) -> flo
 
 
 def tune_resolution(config: TrainConfig, args: RunOptions, index: DatasetIndex,
-                    output_dir: Path, device: torch.device) -> tuple[TrainConfig, dict[str, Any]]:
+                    output_dir: Path, device: torch.device, tuned: dict[str, Any]
+                    ) -> tuple[TrainConfig, dict[str, Any]]:
+    """The picked size and its final run's start; tuned["trial"]: the picked size's trial,
+    which the hpo search takes as its default trial when it trained the same settings."""
     sizes = tuned_resolutions(args, device, config.image_size)
     log.info("== resolution tuning: %s px, %d epochs at the default %d px and about the same "
              "time at the others", ",".join(map(str, sizes)), short_budget(config),
@@ -443,6 +447,12 @@ def tune_resolution(config: TrainConfig, args: RunOptions, index: DatasetIndex,
     size = tuner.run()  # under torchrun every rank trains each size, data-parallel
     if distributed.is_main():
         tuner.save_plot(output_dir / "resolution_tradeoff.png")
+    trial = next((t for t in tuner.trials if t.image_size == size), None)
+    if trial is not None and trial.val_curve:
+        tuned["trial"] = EarlierTrial(
+            config=tuner.configs[size], val_curve=trial.val_curve,
+            weights=tuner.weights_for(size)[0], wall_s=trial.wall_s,
+            samples_per_s=trial.samples_per_s, source=f"the resolution scenario's {size} px trial")
     config, warm = warm_start(dataclasses.replace(config, image_size=size), "resolution",
                               f"the {size} px trial", *tuner.weights_for(size))
     return config, {"resolution_trials": tuner.tradeoff(), "warm_start": warm}
@@ -465,10 +475,12 @@ def warm_start(config: TrainConfig, name: str, source: str, weights: Path | None
 
 
 def tune_hyperparameters(config: TrainConfig, args: RunOptions, index: DatasetIndex,
-                         output_dir: Path, device: torch.device
+                         output_dir: Path, device: torch.device,
+                         earlier: EarlierTrial | None = None
                          ) -> tuple[TrainConfig, dict[str, Any]]:
     """The search, then the final run's configuration: the search's winner only when it beat
-    the default configuration (its first trial) on validation, else the default."""
+    the default configuration (its first trial) on validation, else the default. `earlier`:
+    a trial already trained (the resolution scenario's), the default trial when it matches."""
     if not distributed.is_main():
         # Under torchrun rank 0 runs the study; every trial trains data-parallel on all ranks.
         follow_trials(index)
@@ -490,7 +502,8 @@ def tune_hyperparameters(config: TrainConfig, args: RunOptions, index: DatasetIn
                         study_name=f"hpo-{index.name}" + ("" if shared else f"-{args.run_id}"),
                         seed=worker_seed(args) if shared else args.seed,
                         data_fingerprint=index.fingerprint(),
-                        weights_dir=run_folder(output_dir, "checkpoints", args.run_id))
+                        weights_dir=run_folder(output_dir, "checkpoints", args.run_id),
+                        earlier=earlier)
     # Once the final run has started, its checkpoint holds the parameters it trains with: more
     # trials (this process's, or another worker's on a shared --storage) could only change the
     # study's best, and the checkpoint would then refuse to resume. `--resume --n-trials K`

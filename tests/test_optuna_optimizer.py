@@ -1,6 +1,7 @@
 """The Optuna tuner on a tiny image folder (CPU): objective, pruning, resume, OOM, plots."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from types import SimpleNamespace
@@ -228,6 +229,37 @@ def test_the_default_configuration_is_the_first_trial(index, tmp_path, monkeypat
                      n_trials=1, resume=True)
     t2.run()
     assert sum(bool(x.user_attrs.get("default")) for x in t2.study.trials) == 1
+
+
+def test_a_trial_already_trained_with_the_default_settings_is_not_trained_again(
+        index, tmp_path, monkeypatch):
+    """The resolution scenario's trial at the size the search runs at trained exactly the
+    default trial: the search takes its curve, value and weights, and trains only the others."""
+    trained = []
+    monkeypatch.setattr(optuna_optimizer, "fit",
+                        lambda idx, config, on_epoch: trained.append(config) or fake_fit(idx, config, on_epoch))
+    weights = tmp_path / "resolution-24px.weights.pt"
+    weights.write_bytes(b"weights")
+    probe = tuner(index, tmp_path / "probe")
+    earlier = optuna_optimizer.EarlierTrial(
+        config=dataclasses.replace(probe.default_config(), progress=True), val_curve=[0.2, 0.4],
+        weights=weights, wall_s=3.0, samples_per_s=50.0, source="the 24 px trial")
+    t = tuner(index, tmp_path, n_trials=3, earlier=earlier)
+    summary = t.run()
+    first = t.study.trials[0]
+    assert first.user_attrs["default"] is True and first.user_attrs["reused_from"] == "the 24 px trial"
+    assert first.value == 0.4 and first.intermediate_values == {1: 0.2, 2: 0.4}
+    assert summary["n_trials"] == 3 and len(trained) == 2  # the default was not trained again
+    assert all(config.lr != BASE.lr or config.batch_size != BASE.batch_size for config in trained)
+    assert t.weights_for(None) == (weights, 2) and summary["default_reused_from"] == "the 24 px trial"
+    # another lr, or other epochs: not the default trial, so that one is trained
+    for other in (dataclasses.replace(earlier, config=dataclasses.replace(earlier.config, lr=0.05)),
+                  dataclasses.replace(earlier, val_curve=[0.4])):
+        trained.clear()
+        t = tuner(index, tmp_path / f"other{len(other.val_curve)}{other.config.lr}", earlier=other)
+        t.run()
+        assert "reused_from" not in t.study.trials[0].user_attrs
+        assert trained[0] == t.default_config() and len(trained) == 2
 
 
 @pytest.mark.parametrize("gain, keeps", [(0.01, True), (0.2, False)])

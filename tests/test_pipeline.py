@@ -207,6 +207,10 @@ def test_quick_run_does_all_three_scenarios_on_synthetic_data(tmp_path, monkeypa
     size = rows["resolution"]["best_resolution"]
     assert rows["resolution"]["warm_start"]["from"] == f"the {size} px trial"
     assert rows["hpo"]["warm_start"]["from"] in ("the default trial", "the chosen trial")
+    # the search's default trial at the kept size is the resolution trial, not trained again
+    assert all(t["val_curve"] and max(t["val_curve"]) == t["val_acc"] for t in trials)
+    if size == 64:
+        assert search["default_reused_from"] == "the resolution scenario's 64 px trial"
     for name in ("resolution", "hpo"):
         weights = Path(rows[name]["warm_start"]["weights"])
         assert weights.parent == run_path(out) and rows[name]["settings"]["weights"] == str(weights)
