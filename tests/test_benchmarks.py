@@ -9,11 +9,22 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_timing_overhead_benchmark_runs(tmp_path):
+def _benchmark_module(name: str):
+    """benchmarks/<name>.py loaded as a module: its main() runs in this process, without a
+    second Python process importing torch (seconds) for a benchmark that runs in less."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_timing_overhead_benchmark_runs(tmp_path, monkeypatch, capsys):
     out = tmp_path / "ovh.json"
-    subprocess.run([sys.executable, "benchmarks/timing_overhead.py", "--image-size", "32",
-                    "--batch-size", "4", "--rounds", "2", "--json", str(out)], cwd=ROOT,
-                   check=True, capture_output=True, timeout=300)
+    monkeypatch.setattr(sys, "argv", ["timing_overhead.py", "--image-size", "32",
+                                      "--batch-size", "4", "--rounds", "2", "--json", str(out)])
+    _benchmark_module("timing_overhead").main()
+    assert "overhead: " in capsys.readouterr().out
     result = json.loads(out.read_text())
     assert result["instrumentation_us_per_step"] > 0 and result["bare_step_ms"] > 0
     assert 0 < result["overhead_frac"] < 1
@@ -59,22 +70,18 @@ def test_throughput_benchmark_runs_every_row_trace_and_time_to_accuracy(tmp_path
     assert not [a for a, b in zip(lines, lines[1:]) if a == b and a.strip()]
 
 
-def test_throughput_benchmark_refuses_too_few_images_in_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, "benchmarks/throughput.py", "--device", "cpu",
-                           "--image-size", "32", "--images-per-class", "2",
-                           "--data-dir", str(tmp_path / "data")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1].startswith("error: ")
-    assert "Traceback" not in proc.stderr
+def test_throughput_benchmark_refuses_too_few_images_in_one_line(tmp_path, capsys):
+    code = _throughput_module().main(["--device", "cpu", "--image-size", "32",
+                                      "--images-per-class", "2",
+                                      "--data-dir", str(tmp_path / "data")])  # no exception
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.strip().splitlines()[-1].startswith("error: ")
+    assert "Traceback" not in err
 
 
 def _throughput_module():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("throughput", ROOT / "benchmarks" / "throughput.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _benchmark_module("throughput")
 
 
 def test_step_clock_waits_for_a_gpu_once_per_window_and_a_cpu_step_is_one_sample(monkeypatch):
@@ -164,21 +171,23 @@ def test_the_lightning_row_takes_either_package_name(monkeypatch):
     assert tp._lightning_package() is None
 
 
-def test_scenarios_benchmark_prints_the_table_and_the_targets(tmp_path):
+def test_scenarios_benchmark_prints_the_table_and_the_targets(tmp_path, capsys):
+    """In this process, as the pipeline's own end-to-end tests run pipeline.main (without
+    --autotune nothing process-wide is changed)."""
     from conftest import make_folder
     data = make_folder(tmp_path / "data", n_train=10, n_test=4)
     out = tmp_path / "scen.json"
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/scenarios.py", "--dataset", str(data), "--device", "cpu",
-         "--output-dir", str(tmp_path / "bench"), "--json", str(out), "--",
+    code = _benchmark_module("scenarios").main(
+        ["--dataset", str(data), "--device", "cpu", "--output-dir", str(tmp_path / "bench"),
+         "--json", str(out), "--",
          "--epochs", "2", "--image-size", "24", "--resolutions", "24,32", "--n-trials", "2",
-         "--weights", "none", "--no-autotune"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+         "--weights", "none", "--no-autotune"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err[-2000:]
     result = json.loads(out.read_text())
     assert [r["scenario"] for r in result["rows"]] == ["baseline", "resolution", "hpo"]
     for name in ("baseline", "resolution", "hpo"):
-        assert f"| {name} |" in proc.stdout
+        assert f"| {name} |" in captured.out
     for target in ("resolution at least as accurate", "reaches the baseline's val accuracy",
                    "hpo at least 3 points above", "test set:"):
         assert any(target in line for line in result["lines"]), target

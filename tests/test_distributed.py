@@ -1,5 +1,6 @@
 """torchrun with two CPU processes on gloo: data-parallel training and tuning, sharded data,
 outputs from rank 0."""
+import importlib.util
 import json
 import os
 import subprocess
@@ -20,33 +21,30 @@ def torchrun(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)
 
 
-def test_two_processes_train_one_model(tmp_path):
-    data = make_folder(tmp_path / "d", n_train=12, n_test=4)
-    out = tmp_path / "out"
-    proc = torchrun("--scenarios", "baseline", "--data-dir", str(data), "--epochs", "2",
-                    "--image-size", "32", "--batch-size", "4", "--weights", "none",
-                    "--no-progress", "--output-dir", str(out))
-    assert proc.returncode == 0, proc.stderr[:3000]  # the ranks' own lines come first
-    rows = json.loads((out / "results.json").read_text())
-    assert len(rows) == 1 and rows[0]["settings"]["world_size"] == 2
-    assert len(rows[0]["history"]) == 2 and 0 <= rows[0]["test_acc"] <= 1
-    assert (run_path(out) / "baseline.pt").exists() and (out / "d_model.pt").exists()
-    assert len(list((run_path(out, "runs") / "baseline").glob("events.out.tfevents.*"))) == 1
-    assert proc.stderr.count("info: epoch 2/2") == 1  # one set of logs
-
-
-def test_all_three_scenarios_run_under_torchrun(tmp_path):
-    """Resolution and hpo tune data-parallel: rank 0 measures the speed knobs and runs the
-    study, every trial trains on both ranks, and one set of results and logs comes out."""
+def test_two_processes_train_one_model_and_run_all_three_scenarios(tmp_path):
+    """Two processes train one model: one set of results, checkpoints, TensorBoard events and
+    logs. Resolution and hpo tune data-parallel: rank 0 measures the speed knobs and runs the
+    study, every trial trains on both ranks, and one set of results and logs comes out.
+    (One launch for both: each torchrun start costs three Python processes importing torch.)"""
     data = make_folder(tmp_path / "d", n_train=16, n_test=4)
     out = tmp_path / "out"
     proc = torchrun("--data-dir", str(data), "--epochs", "2", "--image-size", "32",
                     "--resolutions", "32,40", "--n-trials", "2", "--batch-size", "4",
                     "--weights", "none", "--no-progress", "--output-dir", str(out))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stderr[:3000] + "\n...\n" + proc.stderr[-3000:]
     rows = json.loads((out / "results.json").read_text())
     assert [r["scenario"] for r in rows] == ["baseline", "resolution", "hpo"]
     assert all(r["settings"]["world_size"] == 2 for r in rows)
+    # the baseline: one model trained by both processes, its outputs written once
+    assert len(rows[0]["history"]) == 2 and 0 <= rows[0]["test_acc"] <= 1
+    assert (run_path(out) / "baseline.pt").exists() and (out / "d_model.pt").exists()
+    assert len(list((run_path(out, "runs") / "baseline").glob("events.out.tfevents.*"))) == 1
+    # one set of logs: rank 0's (rank 1 logging too would double every line)
+    for name in ("baseline", "resolution", "hpo"):
+        assert proc.stderr.count(f"info: == scenario {name}:") == 1, name
+    baseline_logs = proc.stderr.split("info: == scenario baseline:")[1].split("info: == ")[0]
+    assert baseline_logs.count("info: epoch 2/2") == 1
+    # the tuned scenarios
     assert {t["image_size"] for t in rows[1]["resolution_trials"]} == {32, 40}
     assert rows[2]["hpo"]["n_trials"] == 2
     threads = rows[1]["autotune"]["knobs"]["cpu_threads"]
@@ -56,19 +54,34 @@ def test_all_three_scenarios_run_under_torchrun(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-def _two_ranks_against_one(tmp_path, *extra: str) -> list[dict]:
-    """Both ranks' saved weights, after checking they equal each other and one process's."""
-    script = str(ROOT / "tests" / "helpers" / "ddp_same_as_one_process.py")
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory) -> Path:
+    """One process's training over whole batches, and two ranks' over halves of them, each
+    without (case `none`) and with rank 1 running out of memory (case `1`): one torchrun launch
+    serves both tests below. The one process, the same for both, is this one (never part of a
+    process group): a Python process of its own would spend seconds importing torch for a
+    training of a fraction of a second."""
+    tmp = tmp_path_factory.mktemp("ddp")
+    script = ROOT / "tests" / "helpers" / "ddp_same_as_one_process.py"
+    spec = importlib.util.spec_from_file_location("ddp_same_as_one_process", script)
+    helper = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(helper)
+    assert not torch.distributed.is_initialized()
+    with torch.random.fork_rng():  # leaves this process's random stream as it was
+        helper.train_case(str(tmp / "one"), 8, "none")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    one = subprocess.run([sys.executable, script, str(tmp_path / "one"), "8"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert one.returncode == 0, one.stderr[-2000:]
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc_per_node", "2", script, str(tmp_path / "two"), "4", *extra],
+                          "--nproc_per_node", "2", str(script), str(tmp / "two"), "4", "none", "1"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert two.returncode == 0, two.stderr[-3000:]
-    single = torch.load(tmp_path / "one.rank0.pt")
-    ranks = [torch.load(tmp_path / f"two.rank{r}.pt") for r in (0, 1)]
+    return tmp
+
+
+def _two_ranks_against_one(runs: Path, case: str) -> list[dict]:
+    """Both ranks' saved weights in `case`, after checking they equal each other and one
+    process's."""
+    single = torch.load(runs / "one.none.rank0.pt")
+    ranks = [torch.load(runs / f"two.{case}.rank{r}.pt") for r in (0, 1)]
     for name, value in single["weights"].items():
         assert torch.equal(ranks[0]["weights"][name], ranks[1]["weights"][name]), name
         assert torch.allclose(ranks[0]["weights"][name], value, atol=1e-5), name
@@ -77,17 +90,17 @@ def _two_ranks_against_one(tmp_path, *extra: str) -> list[dict]:
     return ranks
 
 
-def test_data_parallel_training_matches_one_process_over_the_same_global_batch(tmp_path):
+def test_data_parallel_training_matches_one_process_over_the_same_global_batch(ddp_runs):
     """Each rank trains on its half of every global batch, with gradient accumulation (averaged
     once per optimizer step) and sharded evaluation: the ranks end with identical weights, equal
     to one process's over the whole batches. Without gradient averaging the ranks would part
     ways; without the summed evaluation the validation losses would differ."""
-    ranks = _two_ranks_against_one(tmp_path)
+    ranks = _two_ranks_against_one(ddp_runs, "none")
     assert [r["oom_recoveries"] for r in ranks] == [0, 0]
 
 
-def test_one_rank_out_of_memory_recovers_and_the_ranks_stay_in_step(tmp_path):
+def test_one_rank_out_of_memory_recovers_and_the_ranks_stay_in_step(ddp_runs):
     """Rank 1 alone runs out of memory mid-step: it replays its micro-batches in halves, the
     other rank waits at the gradient average, and both still end as one process would."""
-    ranks = _two_ranks_against_one(tmp_path, "1")
+    ranks = _two_ranks_against_one(ddp_runs, "1")
     assert [r["oom_recoveries"] for r in ranks] == [0, 1]

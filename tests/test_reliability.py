@@ -19,8 +19,9 @@ from modules.config import UserError
 from modules.dataset import index_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
-RUN = ["--scenarios", "baseline", "--epochs", "5", "--image-size", "64", "--batch-size", "4",
-       "--weights", "none", "--no-progress"]
+EPOCHS = 5
+RUN = ["--scenarios", "baseline", "--epochs", str(EPOCHS), "--image-size", "64", "--batch-size",
+       "4", "--weights", "none", "--no-progress"]
 
 
 def command(data: Path, out: Path, *extra: str) -> list[str]:
@@ -51,25 +52,54 @@ def uninterrupted(data, tmp_path_factory) -> dict:
     return run_to_end(data, tmp_path_factory.mktemp("full") / "out")
 
 
-@pytest.mark.parametrize("kill_after_epoch", [0, 1, 3])
-def test_kill_9_then_resume_ends_like_an_uninterrupted_run(data, uninterrupted, tmp_path,
-                                                           kill_after_epoch):
-    out = tmp_path / "out"
-    proc = subprocess.Popen(command(data, out), cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while checkpoint_epoch(out) < kill_after_epoch and proc.poll() is None:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    if kill_after_epoch == 0:
-        time.sleep(3)  # somewhere in start-up or the first epoch
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+def kill_9(data: Path, out: Path, log: Path, *extra: str, epochs: int | None = None,
+           seconds: float | None = None) -> tuple[int, str]:
+    """Starts a run and kills it with SIGKILL once its checkpoint holds `epochs` epochs (or
+    after `seconds`); checks it died mid-way and left no results. Returns the epochs in the
+    checkpoint it left (the last one is always readable) and its log."""
+    with open(log, "w") as err:
+        proc = subprocess.Popen(command(data, out, *extra), cwd=ROOT, stdout=subprocess.DEVNULL,
+                                stderr=err)
+        deadline = time.monotonic() + 300
+        seen, reached = None, checkpoint_epoch(out)
+        while epochs is not None and reached < epochs and proc.poll() is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+            # read again only when replaced: loading it every time took a core from the run
+            try:
+                stamp = os.stat(run_path(out) / "baseline.pt").st_mtime_ns
+            except OSError:
+                stamp = None
+            if stamp != seen:
+                seen, reached = stamp, checkpoint_epoch(out)
+        if seconds is not None:
+            time.sleep(seconds)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
     assert not (out / "results.json").exists()
-    reached = checkpoint_epoch(out)  # the last checkpoint is always readable
+    return checkpoint_epoch(out), log.read_text()
+
+
+def test_kill_9_then_resume_ends_like_an_uninterrupted_run(data, uninterrupted, tmp_path):
+    """One run killed three times, each time resumed with --resume: in start-up or the first
+    epoch (nothing to resume from), after epoch 1, after epoch 3; the last resume runs to the
+    end, which must be the uninterrupted run's, epoch for epoch. Each resume is the next run
+    killed, so three kill points cost four starts rather than six."""
+    out = tmp_path / "out"
+    reached, _ = kill_9(data, out, tmp_path / "start-up.log", seconds=3)
+    # killed before any checkpoint (or, on a fast machine, after a first one)
+    after_1, log = kill_9(data, out, tmp_path / "epoch-1.log", "--resume", epochs=reached + 1)
+    assert after_1 > reached
+    if reached:
+        assert f" after epoch {reached}\n" in log
+    else:  # nothing to resume from: it starts from the beginning
+        assert "resuming from" not in log
+    after_3, log = kill_9(data, out, tmp_path / "epoch-3.log", "--resume",
+                          epochs=min(after_1 + 2, EPOCHS - 1))
+    assert after_3 > after_1 and f"baseline.pt after epoch {after_1}\n" in log
     resumed = run_to_end(data, out, "--resume")
-    assert resumed["resumed_from_epoch"] == (reached or None)
+    assert resumed["resumed_from_epoch"] == after_3
     assert [r["val_acc"] for r in resumed["history"]] == \
         [r["val_acc"] for r in uninterrupted["history"]]
     assert [r["train_loss"] for r in resumed["history"]] == \
@@ -210,9 +240,11 @@ def _study_states(db: Path) -> list[tuple[int, str]]:
 def test_kill_9_mid_study_then_resume_loses_no_trial_and_counts_none_twice(data, tmp_path):
     import optuna
     out = tmp_path / "out"
-    env = {**os.environ, "HWTRAIN_TRIAL_GRACE_S": "3"}
+    grace_s = 2  # the shortest grace period optuna_optimizer takes
+    env = {**os.environ, "HWTRAIN_TRIAL_GRACE_S": str(grace_s)}
+    # trials of 2 epochs (short_budget); the final run, after the search, 3
     hpo = [sys.executable, "pipeline.py", "--data-dir", str(data), "--output-dir", str(out),
-           "--scenarios", "hpo", "--epochs", "6", "--image-size", "32", "--batch-size", "4",
+           "--scenarios", "hpo", "--epochs", "3", "--image-size", "32", "--batch-size", "4",
            "--weights", "none", "--no-progress", "--no-autotune"]
     child = subprocess.Popen(hpo + ["--n-trials", "4"], cwd=ROOT, env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -225,12 +257,14 @@ def test_kill_9_mid_study_then_resume_loses_no_trial_and_counts_none_twice(data,
             assert child.poll() is None, "the study ended before it could be killed"
             time.sleep(0.2)
         os.kill(child.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
     finally:
         child.wait(timeout=60)
     before = _study_states(out / "optuna.db")
     killed = [n for n, s in before if s == "RUNNING"]
     assert len(killed) == 1
-    time.sleep(4.5)  # past the grace period: the killed trial's heartbeat has gone stale
+    # past the grace period: the killed trial's heartbeat has gone stale
+    time.sleep(max(0.0, killed_at + grace_s + 1.5 - time.monotonic()))
     subprocess.run(hpo + ["--n-trials", "2", "--resume"], cwd=ROOT, env=env, check=True,
                    capture_output=True, timeout=600)
     study = optuna.load_study(study_name=optuna.get_all_study_names(
@@ -249,8 +283,10 @@ def test_kill_9_mid_study_then_resume_loses_no_trial_and_counts_none_twice(data,
     assert len(done) == len(finished_before) + 2                  # the resumed run's two
 
 
-def test_a_read_only_filesystem_is_one_clear_line(data, tmp_path):
-    """Root ignores chmod, so a real read-only mount stands in for a read-only folder."""
+def test_a_read_only_filesystem_is_one_clear_line(data, tmp_path, capsys):
+    """Root ignores chmod, so a real read-only mount stands in for a read-only folder. The
+    command line's main() in this process: it fails before any training, and a second Python
+    process importing torch would take longer than the test itself."""
     mount = tmp_path / "ro"
     mount.mkdir()
     proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(mount)],
@@ -258,10 +294,10 @@ def test_a_read_only_filesystem_is_one_clear_line(data, tmp_path):
     if proc.returncode != 0:
         pytest.skip("mounting a read-only tmpfs needs root")
     try:
-        run = subprocess.run(command(data, mount / "out"), cwd=ROOT, capture_output=True,
-                             text=True, timeout=300)
+        code = pipeline.main(command(data, mount / "out")[2:])  # an exception would fail here
     finally:
         subprocess.run(["umount", str(mount)], check=False)
-    assert run.returncode == 2 and "Traceback" not in run.stderr
-    assert run.stderr.strip().splitlines()[-1] == (
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (
         f"error: cannot write to output dir {str(mount / 'out')!r} (Read-only file system).")
