@@ -5,6 +5,14 @@ import os
 import zlib
 from pathlib import Path
 
+# Under pytest-xdist (pytest.ini) each worker takes its share of the cores, and so do the
+# processes its tests start: two torch processes both spinning on every core run several times
+# slower than one after the other. Set before numpy and torch size their thread pools.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+_THREADS = max(1, min(2, (os.cpu_count() or 1) // _WORKERS))
+if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(_THREADS)
+
 import numpy as np
 import pytest
 import torch
@@ -12,8 +20,8 @@ from PIL import Image
 
 # Tests must never reach the network, even where it exists.
 os.environ.setdefault("KAGGLEHUB_CACHE", "/nonexistent-kagglehub-cache")
-if "OMP_NUM_THREADS" not in os.environ:  # a caller that sets it (parallel runs) wins
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
+if "OMP_NUM_THREADS" not in os.environ:  # a caller that sets it wins
+    torch.set_num_threads(_THREADS)
 
 
 def write_image(path: Path, colour: tuple[int, int, int], size: int = 32, mode: str = "RGB",
