@@ -117,6 +117,7 @@ class OptunaTuner:
 
     SEARCHED = ("lr", "batch_size", "optimizer", "weight_decay")  # see suggest()
     LR_RANGE, WEIGHT_DECAY_RANGE = (1e-4, 1e-2), (1e-6, 1e-2)
+    OPTIMIZERS = ("adam", "adamw", "sgd")
 
     def __init__(self, index, base: TrainConfig, *, output_dir, n_trials: int = 10,
                  timeout_s: float | None = None, storage: str | None = None,
@@ -154,7 +155,7 @@ class OptunaTuner:
         self.data_fingerprint, self.overwrite = data_fingerprint, overwrite
         # The default trial's weights and the best trial's so far are kept here (weights_for).
         self.weights_dir = Path(weights_dir) if weights_dir else None
-        self.earlier = earlier  # the default trial's result when it matches (default_trial)
+        self.earlier = earlier  # the default trial's result when it matches (_reused_default)
         self.seed = base.seed if seed is None else seed
         # SQLite by default: a file in the output folder outlives a crashed Colab session. With
         # local_dir the file lives there and is copied to the output folder after every trial:
@@ -183,7 +184,7 @@ class OptunaTuner:
             self.base, epochs=self.epochs,
             lr=trial.suggest_float("lr", *self.LR_RANGE, log=True),
             batch_size=trial.suggest_categorical("batch_size", list(self.batch_sizes)),
-            optimizer=trial.suggest_categorical("optimizer", ["adam", "adamw", "sgd"]),
+            optimizer=trial.suggest_categorical("optimizer", list(self.OPTIMIZERS)),
             weight_decay=trial.suggest_float("weight_decay", *self.WEIGHT_DECAY_RANGE, log=True),
         )
         if trial.user_attrs.get("default"):
@@ -207,7 +208,7 @@ class OptunaTuner:
         """The search space as suggest() declares it."""
         return {"lr": optuna.distributions.FloatDistribution(*self.LR_RANGE, log=True),
                 "batch_size": optuna.distributions.CategoricalDistribution(list(self.batch_sizes)),
-                "optimizer": optuna.distributions.CategoricalDistribution(["adam", "adamw", "sgd"]),
+                "optimizer": optuna.distributions.CategoricalDistribution(list(self.OPTIMIZERS)),
                 "weight_decay": optuna.distributions.FloatDistribution(*self.WEIGHT_DECAY_RANGE,
                                                                        log=True)}
 

@@ -1,4 +1,5 @@
-"""The project's torch files: written atomically, read with one clear error when unreadable."""
+"""The project's files: torch and text files written atomically and read with one clear error
+when unreadable, and the run's timestamped log."""
 from __future__ import annotations
 
 import contextlib
