@@ -115,7 +115,7 @@ class _PastChance(optuna.pruners.BasePruner):
 class OptunaTuner:
     """An Optuna study maximising validation accuracy over training hyperparameters."""
 
-    SEARCHED = ("lr", "batch_size", "optimizer", "weight_decay")  # see suggest()
+    SEARCHED = ("lr", "batch_size", "optimizer", "weight_decay")  # see distributions()
     LR_RANGE, WEIGHT_DECAY_RANGE = (1e-4, 1e-2), (1e-6, 1e-2)
     OPTIMIZERS = ("adam", "adamw", "sgd")
 
@@ -180,13 +180,11 @@ class OptunaTuner:
     def suggest(self, trial) -> TrainConfig:
         """The base config with this trial's hyperparameters (the default trial: the base
         config itself, whose weight decay may lie below the searched range)."""
-        config = dataclasses.replace(
-            self.base, epochs=self.epochs,
-            lr=trial.suggest_float("lr", *self.LR_RANGE, log=True),
-            batch_size=trial.suggest_categorical("batch_size", list(self.batch_sizes)),
-            optimizer=trial.suggest_categorical("optimizer", list(self.OPTIMIZERS)),
-            weight_decay=trial.suggest_float("weight_decay", *self.WEIGHT_DECAY_RANGE, log=True),
-        )
+        params = {name: trial.suggest_categorical(name, list(space.choices))
+                  if isinstance(space, optuna.distributions.CategoricalDistribution)
+                  else trial.suggest_float(name, space.low, space.high, log=space.log)
+                  for name, space in self.distributions().items()}
+        config = dataclasses.replace(self.base, epochs=self.epochs, **params)
         if trial.user_attrs.get("default"):
             config = dataclasses.replace(config, weight_decay=self.base.weight_decay)
         return config
@@ -205,7 +203,7 @@ class OptunaTuner:
             **self.default_params(), "weight_decay": self.base.weight_decay})
 
     def distributions(self) -> dict[str, optuna.distributions.BaseDistribution]:
-        """The search space as suggest() declares it."""
+        """The search space (suggest() samples it, in this order)."""
         return {"lr": optuna.distributions.FloatDistribution(*self.LR_RANGE, log=True),
                 "batch_size": optuna.distributions.CategoricalDistribution(list(self.batch_sizes)),
                 "optimizer": optuna.distributions.CategoricalDistribution(list(self.OPTIMIZERS)),

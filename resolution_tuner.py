@@ -62,7 +62,6 @@ class ResolutionTuner:
         self.journal, self.resume = (Path(journal) if journal else None), resume
         self.weights_dir = Path(weights_dir) if weights_dir else None
         self.trials: list[ResolutionTrial] = []
-        self.configs: dict[int, TrainConfig] = {}  # what each size's trial trained
         self.reused: list[int] = []  # sizes taken from the journal on resume
 
     def run(self) -> int:
@@ -76,9 +75,7 @@ class ResolutionTuner:
                                      distributed.is_main() else {})
         entries = []
         for size in self.resolutions:
-            config = dataclasses.replace(self.base, image_size=size, epochs=self.epochs_for(size),
-                                         early_stopping_patience=None)
-            self.configs[size] = config
+            config = self.trial_config(size)
             key = _config_key(config)
             trial = done.get(key)
             if trial is not None:
@@ -119,6 +116,11 @@ class ResolutionTuner:
     def _weights_path(self, size: int) -> Path | None:
         return None if self.weights_dir is None else \
             self.weights_dir / f"resolution-{size}px.weights.pt"
+
+    def trial_config(self, size: int) -> TrainConfig:
+        """What the trial at `size` trains."""
+        return dataclasses.replace(self.base, image_size=size, epochs=self.epochs_for(size),
+                                   early_stopping_patience=None)
 
     def epochs_for(self, size: int) -> int:
         """Every size gets about the same compute: `epochs` at the default size, scaled by the

@@ -447,14 +447,15 @@ def tune_resolution(config: TrainConfig, args: RunOptions, index: DatasetIndex,
     size = tuner.run()  # under torchrun every rank trains each size, data-parallel
     if distributed.is_main():
         tuner.save_plot(output_dir / "resolution_tradeoff.png")
+    weights, trial_epochs = tuner.weights_for(size)
     trial = next((t for t in tuner.trials if t.image_size == size), None)
     if trial is not None and trial.val_curve:
         tuned["trial"] = EarlierTrial(
-            config=tuner.configs[size], val_curve=trial.val_curve,
-            weights=tuner.weights_for(size)[0], wall_s=trial.wall_s,
-            samples_per_s=trial.samples_per_s, source=f"the resolution scenario's {size} px trial")
+            config=tuner.trial_config(size), val_curve=trial.val_curve, weights=weights,
+            wall_s=trial.wall_s, samples_per_s=trial.samples_per_s,
+            source=f"the resolution scenario's {size} px trial")
     config, warm = warm_start(dataclasses.replace(config, image_size=size), "resolution",
-                              f"the {size} px trial", *tuner.weights_for(size))
+                              f"the {size} px trial", weights, trial_epochs)
     return config, {"resolution_trials": tuner.tradeoff(), "warm_start": warm}
 
 
