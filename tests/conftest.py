@@ -53,6 +53,16 @@ def make_folder(root: Path, layout: str = "train/test", n_train: int = 12, n_tes
     return root
 
 
+def load_module(path: Path):
+    """A script (a benchmark, a test helper) loaded as a module, so that its functions run in
+    this process instead of a second Python process that spends seconds importing torch."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(autouse=True)
 def _fresh_autotune_choices():
     """Each test starts as a new process does: no speed choice remembered from another test."""

@@ -23,12 +23,10 @@ def quick_measurements(monkeypatch):
     monkeypatch.setattr(at, "MIN_STEPS", 2)
     monkeypatch.setattr(at, "MAX_STEPS", 3)
     monkeypatch.setattr(at, "MIN_S", 0.0)
-    at._RESULTS.clear()
-    threads = torch.get_num_threads()
+    threads = torch.get_num_threads()  # no remembered choices either: conftest clears them
     yield
     torch.set_num_threads(threads)
     hostmem.apply("system")
-    at._RESULTS.clear()
 
 
 def _config(**kw):

@@ -6,17 +6,14 @@ from pathlib import Path
 
 import pytest
 
+from conftest import load_module
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _benchmark_module(name: str):
-    """benchmarks/<name>.py loaded as a module: its main() runs in this process, without a
-    second Python process importing torch (seconds) for a benchmark that runs in less."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """benchmarks/<name>.py, whose main() runs in this process."""
+    return load_module(ROOT / "benchmarks" / f"{name}.py")
 
 
 def test_timing_overhead_benchmark_runs(tmp_path, monkeypatch, capsys):
@@ -71,7 +68,7 @@ def test_throughput_benchmark_runs_every_row_trace_and_time_to_accuracy(tmp_path
 
 
 def test_throughput_benchmark_refuses_too_few_images_in_one_line(tmp_path, capsys):
-    code = _throughput_module().main(["--device", "cpu", "--image-size", "32",
+    code = _benchmark_module("throughput").main(["--device", "cpu", "--image-size", "32",
                                       "--images-per-class", "2",
                                       "--data-dir", str(tmp_path / "data")])  # no exception
     err = capsys.readouterr().err
@@ -80,13 +77,9 @@ def test_throughput_benchmark_refuses_too_few_images_in_one_line(tmp_path, capsy
     assert "Traceback" not in err
 
 
-def _throughput_module():
-    return _benchmark_module("throughput")
-
-
 def test_step_clock_waits_for_a_gpu_once_per_window_and_a_cpu_step_is_one_sample(monkeypatch):
     import torch
-    tp = _throughput_module()
+    tp = _benchmark_module("throughput")
     now, syncs = [0.0], []
     monkeypatch.setattr(tp.time, "perf_counter", lambda: now[0])
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: syncs.append(device))
@@ -123,7 +116,7 @@ def test_paired_clock_alternates_pipeline_and_pure_compute_window_by_window(monk
     """Pure compute runs in between the pipeline's windows, each timed on its own: a pipeline
     window from the end of the probe's window before it to its own end."""
     import torch
-    tp = _throughput_module()
+    tp = _benchmark_module("throughput")
     now, events = [0.0], []
     monkeypatch.setattr(tp.time, "perf_counter", lambda: now[0])
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append("sync"))
@@ -160,7 +153,7 @@ def test_paired_clock_alternates_pipeline_and_pure_compute_window_by_window(monk
 def test_the_lightning_row_takes_either_package_name(monkeypatch):
     """Lightning 2.x installs as `lightning`; many setups (Colab images among them) have only
     the older `pytorch_lightning`: the row uses whichever is there."""
-    tp = _throughput_module()
+    tp = _benchmark_module("throughput")
     present = {"pytorch_lightning"}
     monkeypatch.setattr(tp.importlib.util, "find_spec",
                         lambda name: object() if name in present else None)

@@ -1,6 +1,5 @@
 """torchrun with two CPU processes on gloo: data-parallel training and tuning, sharded data,
 outputs from rank 0."""
-import importlib.util
 import json
 import os
 import subprocess
@@ -10,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_folder, run_path
+from conftest import load_module, make_folder, run_path
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,9 +62,7 @@ def ddp_runs(tmp_path_factory) -> Path:
     training of a fraction of a second."""
     tmp = tmp_path_factory.mktemp("ddp")
     script = ROOT / "tests" / "helpers" / "ddp_same_as_one_process.py"
-    spec = importlib.util.spec_from_file_location("ddp_same_as_one_process", script)
-    helper = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(helper)
+    helper = load_module(script)
     assert not torch.distributed.is_initialized()
     with torch.random.fork_rng():  # leaves this process's random stream as it was
         helper.train_case(str(tmp / "one"), 8, "none")
