@@ -522,9 +522,18 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
         budget_s = budget_share * planned_steps * config.effective_batch_size / warm["img_s"]
         log.info("autotune: measuring budget %.0f s (%.0f%% of the planned %d steps)", budget_s,
                  100 * budget_share, planned_steps)
+    fastest = warm.get("img_s") or 0.0
 
     def budget_left() -> float | None:
-        return None if budget_s is None else budget_s - (time.perf_counter() - started)
+        """What is left of the budget, which shrinks as faster settings are measured: the run
+        trains at the fastest, and a first probe slowed by its warm-up must not widen it."""
+        nonlocal budget_s, fastest
+        if budget_s is None:
+            return None
+        if (current.get("img_s") or 0.0) > fastest:
+            fastest = current["img_s"]
+            budget_s = budget_share * planned_steps * config.effective_batch_size / fastest
+        return budget_s - (time.perf_counter() - started)
     # What one race costs: both timed, and the challenger's warm-up, as long as the first
     # probe's, and on a GPU at least GPU_WARMUP_S (cuDNN's algorithm search for each new
     # layout or dtype; the first probe's may have been paid by an earlier one at these shapes).

@@ -303,13 +303,31 @@ def test_measuring_stays_within_its_budget_share():
     the starting value (bf16 here), not the first of its list."""
     config, report = at.autotune(_config(amp="bf16"), 3, planned_steps=10, budget_share=0.1)
     knobs = report["knobs"]
-    assert report["budget_s"] < 1
+    # 10% of 10 steps of 4 images at the rate measured (well under a second, unless the
+    # process's first bf16 steps were slow: the first probe is then the only measurement)
+    assert report["budget_s"] == pytest.approx(4 / report["compute_img_s"], rel=0.1, abs=0.05)
     skipped = [k for k, v in knobs.items() if v["reason"].startswith("not measured: ")]
     assert "amp" in skipped and config.amp == "bf16" and config.compile is False
     assert knobs["compile"]["reason"].startswith("not tried")
     assert set(report["phases_s"]) >= {"first_probe", "compile"} and "knobs" not in report["phases_s"]
     for name in skipped:  # kept at its starting value (its first candidate), as reported
         assert knobs[name]["choice"] == getattr(config, name) and knobs[name]["img_s"] == {}
+
+
+def test_the_budget_shrinks_to_the_fastest_rate_measured(monkeypatch):
+    """A first probe slowed by its warm-up (here 10x) must not widen the budget: the run trains
+    at the settings chosen, so the budget follows the fastest rate measured. At the first
+    probe's 100 img/s, 10% of 10,000 steps of 4 images is 40 s; at the 1,000 img/s the races
+    measure, 4 s."""
+    _fake_speeds(monkeypatch, lambda config: 1000.0)
+    real_first = at._first_probe
+
+    def slow_first(config, num_classes, min_s):
+        probe, result = real_first(config, num_classes, min_s)
+        return probe, {**result, "img_s": result["img_s"] / 10}
+    monkeypatch.setattr(at, "_first_probe", slow_first)
+    config, report = at.autotune(_config(), 3, planned_steps=10_000, budget_share=0.1)
+    assert report["budget_s"] == pytest.approx(4.0, rel=0.05)
 
 
 def test_amp_starts_at_what_auto_means_on_the_device(monkeypatch):
