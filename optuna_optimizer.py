@@ -28,9 +28,11 @@ from modules.trainer import DivergedError, fit
 
 log = logging.getLogger(__name__)
 
-# asha: Optuna's asynchronous successive halving, epochs as the resource (rungs at 1, 3, 9 ...
-# epochs, each keeping the top third of the trials that reached it); hyperband runs several such
-# brackets; median stops a trial below the median of earlier ones at the same epoch.
+# asha: Optuna's asynchronous successive halving, epochs as the resource (the first rung at half
+# a trial's epochs, then 3x that ..., each keeping the top third of the trials that reached it);
+# hyperband runs several such brackets; median stops a trial below the median of earlier ones
+# at the same epoch. The first rung is not epoch 1: from scratch, learning curves cross in the
+# first epochs (a lower learning rate leaves the starting plateau later, then overtakes).
 # none: every trial trains its whole budget (plain TPE, for comparison).
 PRUNERS = ("asha", "hyperband", "median", "none")
 REDUCTION_FACTOR = 3
@@ -92,11 +94,13 @@ class _Storage(optuna.storages.RDBStorage):
             return True
 
 
-class _PastChance(optuna.pruners.BasePruner):
-    """`pruner`, consulted only at an epoch where some trial has left chance (two standard
-    errors above 1 / classes on the validation set). Before that, every trial is at chance and
-    ranking them prunes by noise: from scratch, good configurations can sit there for an epoch
-    or two."""
+class _BeyondNoise(optuna.pruners.BasePruner):
+    """`pruner`, whose stop holds only when the trial is clearly behind: some trial at the same
+    epoch beats it by more than one standard error of the difference on the validation set,
+    and some trial has left chance (two standard errors above 1 / classes) at that epoch.
+    Before that, ranking prunes by noise: from scratch, good configurations can sit at chance
+    for an epoch or two, and with few trials at a rung successive halving keeps only the top
+    one, however close the next."""
 
     def __init__(self, pruner: optuna.pruners.BasePruner, n_val: int, num_classes: int):
         self.pruner, self.n_val, self.num_classes = pruner, n_val, num_classes
@@ -109,7 +113,9 @@ class _PastChance(optuna.pruners.BasePruner):
                   if step in t.intermediate_values]
         if not any(informative(v, self.n_val, self.num_classes) for v in values):
             return False
-        return self.pruner.prune(study, trial)
+        # Asked even when it will not hold: successive halving records the rung as it answers.
+        return self.pruner.prune(study, trial) and \
+            beats(max(values), trial.intermediate_values[step], self.n_val)
 
 
 class OptunaTuner:
@@ -306,18 +312,23 @@ class OptunaTuner:
             raise UserError(f"cannot open Optuna storage {_without_password(self.storage_url)!r} "
                             f"({type(exc).__name__}: {first}).") from None
 
+    def first_rung(self) -> int:
+        """The epoch at which successive halving first compares trials: half a trial's."""
+        return max(1, self.epochs // 2)
+
     def _make_pruner(self) -> optuna.pruners.BasePruner:
         if self.pruner == "median":
             pruner = optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=1)
         elif self.pruner == "none":
             return optuna.pruners.NopPruner()
         elif self.pruner == "hyperband":
-            pruner = optuna.pruners.HyperbandPruner(min_resource=1, max_resource=self.epochs,
+            pruner = optuna.pruners.HyperbandPruner(min_resource=self.first_rung(),
+                                                    max_resource=self.epochs,
                                                     reduction_factor=REDUCTION_FACTOR)
         else:
-            pruner = optuna.pruners.SuccessiveHalvingPruner(min_resource=1,
+            pruner = optuna.pruners.SuccessiveHalvingPruner(min_resource=self.first_rung(),
                                                             reduction_factor=REDUCTION_FACTOR)
-        return _PastChance(pruner, len(self.index.val), len(self.index.classes))
+        return _BeyondNoise(pruner, len(self.index.val), len(self.index.classes))
 
     def _log_trial(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
         value = "-" if trial.value is None else f"{trial.value:.4f}"
@@ -434,8 +445,8 @@ class OptunaTuner:
 
     def choice(self) -> tuple[dict | None, str]:
         """(the parameters the final run should train, why); None keeps the default
-        configuration: the search's best must beat the default trial on validation by more
-        than one standard error of the difference."""
+        configuration: the search's best must have left chance and beat the default trial on
+        validation by more than one standard error of the difference."""
         complete = self._complete()
         if not complete:
             return None, "no trial completed: keeping the default configuration"
@@ -445,10 +456,12 @@ class OptunaTuner:
         if default is None:
             return None, ("the default configuration has no completed trial to compare with: "
                           "keeping it")
-        if not informative(default.value, n, len(self.index.classes)):
-            return None, (f"the default trial ({100 * default.value:.1f}%) is still at chance for "
-                          f"{len(self.index.classes)} classes after {self.epochs} epochs: the "
-                          "trials are too short to rank configurations; keeping the default")
+        # Every trial trains the same epochs at the same size, so one that has left chance
+        # where the default has not is ahead at equal cost, and the final run continues from it.
+        if not informative(best.value, n, len(self.index.classes)):
+            return None, (f"no trial has left chance for {len(self.index.classes)} classes after "
+                          f"{self.epochs} epochs (best {100 * best.value:.1f}%): the trials are "
+                          "too short to rank configurations; keeping the default")
         margin = (f"by more than {100 * tie_margin(best.value, default.value, n):.1f} points on "
                   f"{n} validation images")
         if best.number == default.number or not beats(best.value, default.value, n):

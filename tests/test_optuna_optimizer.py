@@ -316,11 +316,29 @@ def test_asha_prunes_on_equal_epochs(index, tmp_path, monkeypatch):
         assert trial.state == optuna.trial.TrialState.PRUNED and max(trial.intermediate_values) == 1
 
 
-def test_a_default_trial_still_at_chance_keeps_the_default(index, tmp_path, monkeypatch):
-    # three classes: chance is 0.33
-    monkeypatch.setattr(optuna_optimizer, "fit", curves_by_lr([0.34], [0.6]))
+def test_the_first_rung_is_at_half_a_trial(index, tmp_path, monkeypatch):
+    """Four epochs per trial: trials are first compared after epoch 2, not epoch 1, where
+    learning curves from scratch still cross."""
+    monkeypatch.setattr(optuna_optimizer, "fit",
+                        curves_by_lr([0.61, 0.62, 0.63, 0.64], [0.21, 0.22, 0.23, 0.24]))
+    t = with_val_images(tuner(index, tmp_path, n_trials=3, epochs=4))
+    t.run()
+    assert t.first_rung() == 2
+    for trial in t.study.trials[1:]:
+        assert trial.state == optuna.trial.TrialState.PRUNED and max(trial.intermediate_values) == 2
+
+
+def test_the_default_stays_only_while_no_trial_has_left_chance(index, tmp_path, monkeypatch):
+    """Three classes, 1,000 validation images: chance is 33%, two standard errors 3 points.
+    Trials all at chance rank nothing: the default stays. A trial that has left chance where
+    the default has not is ahead at equal epochs, and is chosen."""
+    monkeypatch.setattr(optuna_optimizer, "fit", curves_by_lr([0.34], [0.35]))
     summary = with_val_images(tuner(index, tmp_path, n_trials=3, pruner="median")).run()
-    assert summary["keeps_default"] and "still at chance" in summary["choice"]
+    assert summary["keeps_default"] and "no trial has left chance" in summary["choice"]
+    monkeypatch.setattr(optuna_optimizer, "fit", curves_by_lr([0.34], [0.6]))
+    summary = with_val_images(tuner(index, tmp_path / "learning", n_trials=3,
+                                    pruner="median")).run()
+    assert not summary["keeps_default"] and "beats the default (34.0%)" in summary["choice"]
 
 
 def test_no_trial_is_pruned_while_every_trial_is_still_at_chance(index, tmp_path, monkeypatch):
@@ -334,6 +352,25 @@ def test_no_trial_is_pruned_while_every_trial_is_still_at_chance(index, tmp_path
     for trial in others:
         assert trial.state == optuna.trial.TrialState.PRUNED
         assert max(trial.intermediate_values) == 2  # not after epoch 1
+
+
+def test_a_trial_behind_by_less_than_the_noise_is_not_pruned(index, tmp_path, monkeypatch):
+    """Successive halving keeps only the top trial of a small rung, however close the next.
+    200 validation images: one standard error of the difference near 50% is 5 points, so a
+    trial 3 points behind the default at epoch 1 trains on (and here ends ahead), while one 20
+    points behind stops there."""
+    monkeypatch.setattr(optuna_optimizer, "fit", curves_by_lr([0.50, 0.52, 0.53],
+                                                              [0.47, 0.60, 0.70]))
+    t = with_val_images(tuner(index, tmp_path, n_trials=3, epochs=3), n=200)
+    t.run()
+    assert [trial.state for trial in t.study.trials] == [optuna.trial.TrialState.COMPLETE] * 3
+    monkeypatch.setattr(optuna_optimizer, "fit", curves_by_lr([0.50, 0.52, 0.53],
+                                                              [0.30, 0.60, 0.70]))
+    t = with_val_images(tuner(index, tmp_path / "far", n_trials=3, epochs=3), n=200)
+    t.run()
+    for trial in t.study.trials[1:]:
+        assert trial.state == optuna.trial.TrialState.PRUNED
+        assert max(trial.intermediate_values) == 1
 
 
 def test_local_dir_keeps_the_study_local_and_copies_it_to_the_output_dir(index, tmp_path,
