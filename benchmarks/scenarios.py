@@ -7,7 +7,9 @@ scenario spent measuring (autotune), and the time until its validation first rea
 baseline's. The targets of issue 16 are checked under the table. `--compare-search` also runs
 the Optuna search twice on the same data, ours (default first, successive halving) against
 plain TPE without pruning, and prints how many trial seconds ours took to come within 0.5
-points of plain TPE's best.
+points of plain TPE's best. `--compare-fidelity` trains the same configurations at the
+search's input size and a lower one, and prints whether the lower size ranks them the same
+way (a cheaper first look for the search) and what it saves.
 
   python benchmarks/scenarios.py --dataset synthetic --quick
   python benchmarks/scenarios.py --dataset digits --quick --json others/bench_digits.json
@@ -31,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pipeline  # noqa: E402
 import scenario  # noqa: E402
-from modules.selection import accuracy_se  # noqa: E402
+from modules.selection import accuracy_se, tie_margin  # noqa: E402
 
 log = logging.getLogger("scenarios")
 
@@ -123,6 +125,16 @@ def targets(rows: list[dict]) -> list[str]:
     return out
 
 
+def search_setup(data: list[str], args, out: Path):
+    """(the parsed pipeline options, the data, the hpo scenario's configuration) that the
+    search comparisons train with."""
+    ns = pipeline.parse_args(data + (["--quick"] if args.quick else []) + ["--no-progress"]
+                             + args.pipeline_args)
+    index = pipeline.load_data(ns, out)
+    config = pipeline.scenario_config("hpo", ns, pipeline.resolve_device(ns.device))
+    return ns, index, scenario.dataclasses.replace(config, progress=False)
+
+
 def compare_search(data: list[str], args, out: Path) -> list[str]:
     """Our search (default first, successive halving) against plain TPE without pruning,
     same data, trials and seed: trial seconds for ours to come within 0.5 points of plain
@@ -130,11 +142,7 @@ def compare_search(data: list[str], args, out: Path) -> list[str]:
     import optuna
 
     from optuna_optimizer import OptunaTuner
-    ns = pipeline.parse_args(data + (["--quick"] if args.quick else []) + ["--no-progress"])
-    index = pipeline.load_data(ns, out)
-    device = pipeline.resolve_device(ns.device)
-    config = pipeline.scenario_config("hpo", ns, device)
-    config = scenario.dataclasses.replace(config, progress=False)
+    ns, index, config = search_setup(data, args, out)
     epochs = scenario.short_budget(config)
     results = {}
     for name, pruner in (("ours", "asha"), ("plain TPE", "none")):
@@ -166,6 +174,92 @@ def compare_search(data: list[str], args, out: Path) -> list[str]:
     return lines
 
 
+def rank_agreement(high: list[float], low: list[float], n_val: int) -> dict:
+    """How the accuracies of the same configurations at a lower input size (`low`) order them
+    against the search's own size (`high`): Spearman's rank correlation; among the pairs that
+    are apart at the high size by more than one standard error of their difference, the share
+    the low size orders the same way; and what picking at the low size costs at the high size
+    (regret, in accuracy)."""
+    def ranks(values: list[float]) -> list[float]:
+        order = sorted(range(len(values)), key=lambda i: values[i])
+        out = [0.0] * len(values)
+        i = 0
+        while i < len(order):  # equal values share their mean rank
+            j = i
+            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+
+    rh, rl = ranks(high), ranks(low)
+    mh, ml = sum(rh) / len(rh), sum(rl) / len(rl)
+    cov = sum((a - mh) * (b - ml) for a, b in zip(rh, rl))
+    norm = (sum((a - mh) ** 2 for a in rh) * sum((b - ml) ** 2 for b in rl)) ** 0.5
+    apart = [(i, j) for i in range(len(high)) for j in range(i + 1, len(high))
+             if abs(high[i] - high[j]) > tie_margin(high[i], high[j], n_val)]
+    same = sum((high[i] - high[j]) * (low[i] - low[j]) > 0 for i, j in apart)
+    pick = max(range(len(low)), key=lambda i: low[i])
+    return {"spearman": cov / norm if norm else None, "pairs_apart": len(apart),
+            "pairs_same_order": same, "regret": max(high) - high[pick]}
+
+
+def compare_fidelity(data: list[str], args, out: Path) -> list[str]:
+    """Does a lower input size rank the search's configurations as the search's own size
+    does? The default configuration and `--fidelity-configs` - 1 others drawn at random from
+    the search space (seeded), each trained for the search's trial budget at both sizes."""
+    import optuna
+
+    from optuna_optimizer import OptunaTuner
+    from modules.trainer import fit
+    ns, index, config = search_setup(data, args, out)
+    tuner = OptunaTuner(index, config, output_dir=out, epochs=scenario.short_budget(config))
+    low_size = args.fidelity_size or max(32, round(config.image_size * 0.75 / 16) * 16)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    draw = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=ns.seed))
+    configs = [tuner.default_config()] + [
+        scenario.dataclasses.replace(tuner.default_config(),
+                                     **draw.ask(tuner.distributions()).params)
+        for _ in range(args.fidelity_configs - 1)]
+    acc = {config.image_size: [], low_size: []}
+    seconds = {size: 0.0 for size in acc}
+    for c in configs:
+        for size in acc:
+            result = fit(index, scenario.dataclasses.replace(c, image_size=size))
+            acc[size].append(result.best_val_acc)
+            seconds[size] += result.wall_s
+            log.info("fidelity: %d px lr %.2g batch %d %s: val %.1f%%", size, c.lr,
+                     c.batch_size, c.optimizer, 100 * result.best_val_acc)
+    high, low = acc[config.image_size], acc[low_size]
+    n_val = len(index.val)
+    agree = rank_agreement(high, low, n_val)
+    lines = [f"fidelity: {len(configs)} configurations, {tuner.epochs} epochs each, at "
+             f"{config.image_size} px (the search's size) and {low_size} px, {n_val} validation "
+             "images", f"| lr | batch | optimizer | val at {config.image_size} px | "
+             f"val at {low_size} px |", "|---:|---:|---|---:|---:|"]
+    lines += [f"| {c.lr:.2g} | {c.batch_size} | {c.optimizer} | {100 * h:.1f}% | {100 * lo:.1f}% |"
+              for c, h, lo in zip(configs, high, low)]
+    rho = agree["spearman"]
+    regret = 100 * agree["regret"]
+    margin = 100 * tie_margin(max(high), max(high), n_val)
+    lines.append(
+        f"Spearman {'n/a' if rho is None else f'{rho:.2f}'}; pairs apart at "
+        f"{config.image_size} px by more than one SE: {agree['pairs_same_order']} of "
+        f"{agree['pairs_apart']} in the same order at {low_size} px; picking at {low_size} px "
+        f"costs {regret:.1f} points at {config.image_size} px (one SE of a difference: "
+        f"{margin:.1f}); trial seconds {seconds[low_size]:.0f} against "
+        f"{seconds[config.image_size]:.0f} ({seconds[low_size] / seconds[config.image_size]:.2f}x)")
+    # Spearman also ranks the configurations still at chance, whose order is noise; the
+    # verdict asks only about the pairs whose order at the search's size is real.
+    apart, kept = agree["pairs_apart"], agree["pairs_same_order"]
+    same = apart > 0 and kept >= 0.9 * apart and regret <= margin
+    lines.append(f"{low_size} px {'ranks' if same else 'does NOT rank'} the configurations the "
+                 f"way {config.image_size} px does (at least 90% of the pairs apart kept in "
+                 "order, and its pick within one SE of the best)")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dataset", default="synthetic",
@@ -177,7 +271,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compare-search", action="store_true")
     p.add_argument("--search-trials", type=int, default=8)
     p.add_argument("--search-only", action="store_true",
-                   help="with --compare-search: skip the three scenarios")
+                   help="with --compare-search or --compare-fidelity: skip the three scenarios")
+    p.add_argument("--compare-fidelity", action="store_true",
+                   help="does a lower input size rank the search's configurations the same way")
+    p.add_argument("--fidelity-size", type=int,
+                   help="the lower size (default: 3/4 of the search's, to a multiple of 16)")
+    p.add_argument("--fidelity-configs", type=int, default=8)
     p.add_argument("pipeline_args", nargs="*", help="more pipeline.py options, after --")
     args = p.parse_args(argv)
     pipeline.setup_logging()
@@ -185,9 +284,13 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     data = data_folder(args.dataset, out / "data")
     started = time.perf_counter()
-    if args.compare_search and args.search_only:
-        print("\n".join([f"# search on {args.dataset}", provenance()]
-                        + compare_search(data, args, out / "search")))
+    if args.search_only and (args.compare_search or args.compare_fidelity):
+        lines = [f"# search on {args.dataset}", provenance()]
+        if args.compare_search:
+            lines += compare_search(data, args, out / "search")
+        if args.compare_fidelity:
+            lines += compare_fidelity(data, args, out / "fidelity")
+        print("\n".join(lines))
         return 0
     code = pipeline.main(data + ["--device", args.device, "--output-dir", str(out / "run"),
                                  "--no-progress"] + (["--quick"] if args.quick else [])
@@ -201,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     lines += rows_table(rows) + [""] + targets(rows)
     if args.compare_search:
         lines += [""] + compare_search(data, args, out / "search")
+    if args.compare_fidelity:
+        lines += [""] + compare_fidelity(data, args, out / "fidelity")
     print("\n".join(lines))
     if args.json:
         Path(args.json).write_text(json.dumps({"lines": lines, "rows": rows}, indent=1,

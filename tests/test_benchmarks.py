@@ -185,3 +185,38 @@ def test_scenarios_benchmark_prints_the_table_and_the_targets(tmp_path, capsys):
                    "hpo at least 3 points above", "test set:"):
         assert any(target in line for line in result["lines"]), target
     assert "torch " in result["lines"][1]  # the provenance line
+
+
+def test_rank_agreement_of_a_lower_size():
+    """Spearman over the configurations, the clearly-apart pairs kept in order, and the regret
+    of picking at the lower size."""
+    agree = _benchmark_module("scenarios").rank_agreement
+    same = agree([0.5, 0.6, 0.7], [0.3, 0.4, 0.5], n_val=1000)
+    assert same == {"spearman": pytest.approx(1.0), "pairs_apart": 3, "pairs_same_order": 3,
+                    "regret": 0.0}
+    flipped = agree([0.5, 0.6, 0.7], [0.5, 0.4, 0.3], n_val=1000)
+    assert flipped["spearman"] == pytest.approx(-1.0) and flipped["pairs_same_order"] == 0
+    assert flipped["regret"] == pytest.approx(0.2)  # the low size picks what scores 0.5
+    # 100 images: 0.50 and 0.52 are within noise, so only the pairs with 0.70 count
+    noisy = agree([0.50, 0.52, 0.70], [0.31, 0.30, 0.50], n_val=100)
+    assert noisy["pairs_apart"] == 2 and noisy["pairs_same_order"] == 2
+    assert noisy["spearman"] == pytest.approx(0.5)
+    assert agree([0.5, 0.6], [0.4, 0.4], n_val=100)["spearman"] is None  # no order at all
+
+
+def test_search_comparisons_print_their_verdicts(tmp_path, capsys):
+    """--compare-search and --compare-fidelity on a tiny folder, without the scenarios."""
+    from conftest import make_folder
+    data = make_folder(tmp_path / "data", n_train=6, n_test=2)
+    code = _benchmark_module("scenarios").main(
+        ["--dataset", str(data), "--device", "cpu", "--output-dir", str(tmp_path / "bench"),
+         "--search-only", "--compare-search", "--search-trials", "2", "--compare-fidelity",
+         "--fidelity-configs", "2", "--fidelity-size", "24", "--",
+         "--epochs", "3", "--image-size", "32", "--weights", "none"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "search: plain TPE best" in out
+    assert "target <= 0.33x" in out or "never came within" in out
+    assert "fidelity: 2 configurations, 2 epochs each, at 32 px" in out
+    assert "| 0.001 | 32 | adam |" in out  # the default configuration is the first
+    assert "the configurations the way 32 px does" in out and "Spearman" in out
