@@ -190,10 +190,13 @@ class OptunaTuner:
                   if isinstance(space, optuna.distributions.CategoricalDistribution)
                   else trial.suggest_float(name, space.low, space.high, log=space.log)
                   for name, space in self.distributions().items()}
-        config = dataclasses.replace(self.base, epochs=self.epochs, **params)
-        if trial.user_attrs.get("default"):
-            config = dataclasses.replace(config, weight_decay=self.base.weight_decay)
-        return config
+        return self._config(params, default=bool(trial.user_attrs.get("default")))
+
+    def _config(self, params: dict, *, default: bool) -> TrainConfig:
+        """The base config at `params`; the default trial keeps the base's weight decay."""
+        if default:
+            params = {**params, "weight_decay": self.base.weight_decay}
+        return dataclasses.replace(self.base, epochs=self.epochs, **params)
 
     def default_params(self) -> dict:
         """The base configuration as a point of the search space: the first trial."""
@@ -205,8 +208,7 @@ class OptunaTuner:
 
     def default_config(self) -> TrainConfig:
         """What the default trial trains (suggest() at default_params())."""
-        return dataclasses.replace(self.base, epochs=self.epochs, **{
-            **self.default_params(), "weight_decay": self.base.weight_decay})
+        return self._config(self.default_params(), default=True)
 
     def distributions(self) -> dict[str, optuna.distributions.BaseDistribution]:
         """The search space (suggest() samples it, in this order)."""
