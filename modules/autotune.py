@@ -517,9 +517,12 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
     del first  # `current` holds the best probe so far, and only that one
     min_s = measuring_time(planned_steps, config.effective_batch_size, warm.get("img_s"),
                            sum(len(c) for k, c in plan if k not in fixed))
+    def budget_at(img_s: float) -> float:
+        return budget_share * planned_steps * config.effective_batch_size / img_s
+
     budget_s = None
     if budget_share is not None and planned_steps and warm.get("img_s"):
-        budget_s = budget_share * planned_steps * config.effective_batch_size / warm["img_s"]
+        budget_s = budget_at(warm["img_s"])
         log.info("autotune: measuring budget %.0f s (%.0f%% of the planned %d steps)", budget_s,
                  100 * budget_share, planned_steps)
     fastest = warm.get("img_s") or 0.0
@@ -532,7 +535,7 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
             return None
         if (current.get("img_s") or 0.0) > fastest:
             fastest = current["img_s"]
-            budget_s = budget_share * planned_steps * config.effective_batch_size / fastest
+            budget_s = budget_at(fastest)
         return budget_s - (time.perf_counter() - started)
     # What one race costs: both timed, and the challenger's warm-up, as long as the first
     # probe's, and on a GPU at least GPU_WARMUP_S (cuDNN's algorithm search for each new
