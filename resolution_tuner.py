@@ -1,7 +1,9 @@
 """ResolutionTuner: trains about the same compute at each candidate input size (more epochs for
 smaller sizes), always including the default size, and picks the size with the best validation
 accuracy: a size within one standard error of the best ties, and a tie keeps the default size
-when it is among the tied, else goes to the cheapest. It reports what each size costs in time.
+when it is among the tied, else goes to the cheapest. The default size trains first; a later
+size is stopped at half its compute when a size trained before it was clearly ahead with no
+more compute (successive halving with compute as the resource). It reports what each size costs.
 With a journal, every finished size is written down, and a resumed run trains only the sizes it
 has no result for; with a weights folder each size's trained weights are kept, so the final run
 can continue from the picked size's trial."""
@@ -10,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +24,7 @@ from modules.config import TrainConfig, UserError
 from modules.dataset import DatasetIndex
 from modules.files import atomic_write_text
 from modules.report import figure, finite_number
-from modules.selection import accuracy_se, informative, tie_margin
+from modules.selection import accuracy_se, beats, informative, tie_margin
 from modules.trainer import fit
 
 log = logging.getLogger(__name__)
@@ -39,6 +43,11 @@ class ResolutionTrial:
     epoch_s: float        # mean seconds per epoch, validation included
     wall_s: float         # the whole short run, seconds
     val_curve: list[float] = field(default_factory=list)  # validation accuracy after each epoch
+    stopped_after: int | None = None  # the epoch it was stopped at, behind (None: it finished)
+
+
+class _Behind(Exception):
+    """Raised from a trial's epoch hook to stop a size that is clearly behind."""
 
 
 class ResolutionTuner:
@@ -65,8 +74,8 @@ class ResolutionTuner:
         self.reused: list[int] = []  # sizes taken from the journal on resume
 
     def run(self) -> int:
-        """Train every candidate (on resume, those the journal has no result for); return the
-        picked size."""
+        """Train every candidate (on resume, those the journal has no result for; a size
+        clearly behind by half its compute is stopped there); return the picked size."""
         self.trials, self.reused = [], []
         data = self.index.fingerprint(("train", "val"))  # what a trial's result depends on
         # Under torchrun every rank trains each size with the others (data-parallel), so all
@@ -74,7 +83,7 @@ class ResolutionTuner:
         done = distributed.from_main(self._journaled(data) if self.resume and
                                      distributed.is_main() else {})
         entries = []
-        for size in self.resolutions:
+        for size in self.training_order():
             config = self.trial_config(size)
             key = _config_key(config)
             trial = done.get(key)
@@ -83,19 +92,11 @@ class ResolutionTuner:
                 log.info("resolution %d px: val accuracy %.1f%% (from %s, not trained again)",
                          size, 100 * trial.val_acc, self.journal)
             else:
-                result = fit(self.index, config)
-                if self.weights_dir is not None and distributed.is_main():
-                    save_weights(result.model, self._weights_path(size))
-                trial = ResolutionTrial(
-                    image_size=size, val_acc=result.best_val_acc,
-                    samples_per_s=finite_number(result.timing.get("samples_per_s")) or 0.0,
-                    epoch_s=sum(r["epoch_s"] for r in result.history) / max(1, len(result.history)),
-                    wall_s=result.wall_s, val_curve=[r["val_acc"] for r in result.history])
-                log.info("resolution %d px: val accuracy %.1f%%, %.0f img/s, %.1f s per epoch",
-                         size, 100 * trial.val_acc, trial.samples_per_s, trial.epoch_s)
+                trial = self._train(size, config)
             self.trials.append(trial)
             entries.append({"config": key, "trial": dataclasses.asdict(trial)})
             self._write_journal(data, entries)
+        self.trials.sort(key=lambda t: t.image_size)
         best = distributed.from_main(
             self.pick(self.trials, self.n_val, self.default_size, len(self.index.classes)))
         top = max(self.trials, key=lambda t: t.val_acc)
@@ -104,6 +105,73 @@ class ResolutionTuner:
                  "default %d px, else the smallest)", best, top.image_size, 100 * top.val_acc,
                  100 * accuracy_se(top.val_acc, self.n_val), self.n_val, self.default_size)
         return best
+
+    def training_order(self) -> list[int]:
+        """The default size first (every later size is judged against it), then the others
+        from the smallest."""
+        return [self.default_size] + [s for s in self.resolutions if s != self.default_size]
+
+    def _train(self, size: int, config: TrainConfig) -> ResolutionTrial:
+        rows: list[dict[str, float]] = []
+        rung, earlier = self.rung(size), list(self.trials)
+
+        def on_epoch(epoch: int, row: dict[str, float]) -> None:
+            rows.append(row)
+            if epoch == rung and epoch < config.epochs and distributed.from_main(
+                    self._ahead(earlier, size, max(r["val_acc"] for r in rows)) is not None):
+                raise _Behind
+
+        started = time.perf_counter()
+        try:
+            result = fit(self.index, config, on_epoch=on_epoch)
+        except _Behind:
+            result = None
+        curve = [r["val_acc"] for r in rows]
+        trial = ResolutionTrial(
+            image_size=size, val_acc=max(curve, default=0.0),
+            samples_per_s=finite_number((result.timing if result else rows[-1])
+                                        .get("samples_per_s")) or 0.0,
+            epoch_s=sum(r["epoch_s"] for r in rows) / max(1, len(rows)),
+            wall_s=result.wall_s if result else time.perf_counter() - started,
+            val_curve=curve, stopped_after=None if result else len(rows))
+        if result is None:
+            ahead = self._ahead(earlier, size, trial.val_acc)
+            log.info("resolution %d px: stopped after epoch %d of %d at %.1f%%: %d px had %.1f%% "
+                     "with no more compute, ahead by more than one standard error of the "
+                     "difference", size, len(rows), config.epochs, 100 * trial.val_acc,
+                     ahead.image_size, 100 * self._best_within(ahead, self._rung_compute(size)))
+            return trial
+        if self.weights_dir is not None and distributed.is_main():
+            save_weights(result.model, self._weights_path(size))
+        log.info("resolution %d px: val accuracy %.1f%%, %.0f img/s, %.1f s per epoch",
+                 size, 100 * trial.val_acc, trial.samples_per_s, trial.epoch_s)
+        return trial
+
+    def rung(self, size: int) -> int:
+        """The first epoch by which the trial at `size` has had at least half its compute."""
+        return max(1, math.ceil(self.epochs_for(size) / 2))
+
+    def _rung_compute(self, size: int) -> float:
+        """The compute by the trial's rung, in epochs at the default size."""
+        return self.rung(size) * (size / self.default_size) ** 2
+
+    def _best_within(self, trial: ResolutionTrial, compute: float) -> float:
+        """The trial's best validation accuracy in the epochs it trained with no more than
+        `compute` (epochs at the default size); 0 when there are none."""
+        epochs = int(compute / (trial.image_size / self.default_size) ** 2 + 1e-9)
+        return max(trial.val_curve[:epochs], default=0.0)
+
+    def _ahead(self, earlier: list[ResolutionTrial], size: int, acc: float
+               ) -> ResolutionTrial | None:
+        """A size trained before whose best accuracy with no more compute than the trial at
+        `size` had by its rung beats `acc` by more than the noise and has left chance; None
+        when there is none. Before one has left chance, short trials from scratch only show
+        which size leaves it first."""
+        compute = self._rung_compute(size)
+        top = max(earlier, key=lambda t: self._best_within(t, compute), default=None)
+        at = self._best_within(top, compute) if top is not None else 0.0
+        return top if informative(at, self.n_val, len(self.index.classes)) and \
+            beats(at, acc, self.n_val) else None
 
     def weights_for(self, size: int) -> tuple[Path | None, int]:
         """(the weights the trial at `size` ended with, its best validation epoch's; its
@@ -154,10 +222,11 @@ class ResolutionTuner:
     @staticmethod
     def pick(trials: list[ResolutionTrial], n_val: int, default_size: int | None = None,
              num_classes: int | None = None) -> int:
-        """Among the sizes whose accuracy ties with the best one (within one standard error of
+        """Among the sizes that finished their trial, those whose accuracy ties with the best one (within one standard error of
         the difference on n_val images), the default size if it is one, else the smallest.
         The default size also stays when its own trial is still at chance (num_classes given):
         then the short trials say nothing about where the sizes end."""
+        trials = [t for t in trials if t.stopped_after is None]  # judged already: behind
         if not trials:
             raise UserError("no resolution was tried.")
         default = next((t for t in trials if t.image_size == default_size), None)

@@ -1,5 +1,7 @@
 """ResolutionTuner: one short run per size (the default's always among them), the pick, ties
 within one standard error to the default or the cheaper size, the trade-off."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -90,7 +92,8 @@ def test_a_resumed_tuning_trains_only_the_sizes_its_journal_does_not_hold(tmp_pa
     trained = []
     real_fit = resolution_tuner.fit
     monkeypatch.setattr(resolution_tuner, "fit",
-                        lambda idx, cfg: trained.append(cfg.image_size) or real_fit(idx, cfg))
+                        lambda idx, cfg, **kw: trained.append(cfg.image_size) or
+                        real_fit(idx, cfg, **kw))
     resumed = ResolutionTuner(index, BASE, [24, 32], journal=journal, resume=True)
     resumed.run()
     assert trained == [32] and resumed.reused == [24]
@@ -138,3 +141,52 @@ def test_a_default_trial_still_at_chance_keeps_the_default_size():
     assert ResolutionTuner.pick(trials, 360, 64) == 48  # without the check: 48 beats it
     learning = [trial(48, 0.45), trial(64, 0.30), trial(96, 0.28)]
     assert ResolutionTuner.pick(learning, 360, 64, num_classes=6) == 48
+
+
+def replay(curves, calls):
+    """A stand-in for fit that reports the given validation curve of each size, epoch by epoch,
+    through the trial's hook, as training would."""
+    def fit(index, config, on_epoch=None):
+        calls.append(config.image_size)
+        curve = curves[config.image_size][:config.epochs]
+        for epoch, acc in enumerate(curve, start=1):
+            on_epoch(epoch, {"val_acc": acc, "epoch_s": 1.0, "samples_per_s": 100.0})
+        return SimpleNamespace(timing={"samples_per_s": 100.0}, wall_s=float(len(curve)),
+                               model=None, best_val_acc=max(curve))
+    return fit
+
+
+def test_a_size_clearly_behind_at_half_its_compute_is_stopped_there(tmp_path, monkeypatch):
+    """Three classes on 360 images: chance is 33%, one standard error of a difference about
+    3.6 points. The default size trains first. 48 px (7 epochs) is judged after 4, 2.25 epochs'
+    compute at 64 px: level with 64 px's best within 2 epochs, it goes on. 96 px (2 epochs) is
+    judged after 1, the same compute: it trails 48 px's best within 4 epochs by 36 points and
+    is stopped."""
+    import resolution_tuner
+    index = index_dataset(make_folder(tmp_path / "d", n_train=4, n_test=2))
+    base = BASE.__class__(**{**BASE.to_dict(), "image_size": 64})
+    curves = {64: [0.33, 0.60, 0.70, 0.75],
+              48: [0.33, 0.50, 0.55, 0.62, 0.72, 0.74, 0.76],
+              96: [0.34, 0.80]}
+    calls = []
+    monkeypatch.setattr(resolution_tuner, "fit", replay(curves, calls))
+    tuner = ResolutionTuner(index, base, [48, 96], epochs=4)
+    tuner.n_val = 360
+    assert tuner.run() == 64  # 48 px and 64 px tie; the stopped 96 px is not a candidate
+    assert calls == [64, 48, 96]
+    assert [t.image_size for t in tuner.trials] == [48, 64, 96]
+    stopped = tuner.trials[2]
+    assert stopped.stopped_after == 1 and stopped.val_curve == [0.34]
+    assert [tuner.rung(s) for s in (48, 64, 96)] == [4, 2, 1]
+    assert [t.stopped_after for t in tuner.trials[:2]] == [None, None]
+    assert ResolutionTuner.pick(tuner.trials[2:] + [trial(64, 0.3)], 360, 64) == 64
+
+    # while no size has left chance by half its compute, none is stopped
+    calls.clear()
+    monkeypatch.setattr(resolution_tuner, "fit", replay(
+        {64: [0.33, 0.34, 0.35, 0.36], 48: [0.33] * 7, 96: [0.33, 0.60]}, calls))
+    tuner = ResolutionTuner(index, base, [48, 96], epochs=4)
+    tuner.n_val = 360
+    tuner.run()
+    assert [len(t.val_curve) for t in tuner.trials] == [7, 4, 2]
+    assert all(t.stopped_after is None for t in tuner.trials)
