@@ -284,9 +284,11 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
             _previous_resolution(output_dir, index.name))
         config = dataclasses.replace(config, image_size=size or config.image_size)
     if name != "baseline":
+        # Successive halving may stop any tuning run at half its epochs: the measuring budget
+        # is a share of the least the scenario trains, so it stays that share of what it does.
         steps = (planned_steps(config, len(index.train)) +
                  planned_steps(config, len(index.train), tuning_runs(name, args, config, device),
-                               short_budget(config)))
+                               short_budget(config)) // 2)
         config, findings = autotune_scenario(config, args, index, steps,
                                            checkpoint_file(output_dir, name, ".autotune.json",
                                                            args.run_id))
