@@ -4,8 +4,8 @@ accuracy: a size within one standard error of the best ties, and a tie keeps the
 when it is among the tied, else goes to the cheapest. The default size trains first; a later
 size is stopped at half its compute when a size trained before it was clearly ahead with no
 more compute (successive halving with compute as the resource). It reports what each size costs.
-With a journal, every finished size is written down, and a resumed run trains only the sizes it
-has no result for; with a weights folder each size's trained weights are kept, so the final run
+With a journal, every size tried is written down (a stopped one with where it stopped), and a
+resumed run trains only the sizes it has no result for; with a weights folder each size's trained weights are kept, so the final run
 can continue from the picked size's trial."""
 from __future__ import annotations
 
@@ -87,6 +87,9 @@ class ResolutionTuner:
             config = self.trial_config(size)
             key = _config_key(config)
             trial = done.get(key)
+            if trial is not None and trial.stopped_after is not None and \
+                    self._ahead(self.trials, size, trial.val_acc) is None:
+                trial = None  # what stopped it is not among this run's sizes: train it again
             if trial is not None:
                 self.reused.append(size)
                 log.info("resolution %d px: val accuracy %.1f%% (from %s, not trained again)",
@@ -107,8 +110,8 @@ class ResolutionTuner:
         return best
 
     def training_order(self) -> list[int]:
-        """The default size first (every later size is judged against it), then the others
-        from the smallest."""
+        """The default size first (it is never stopped), then the others from the smallest;
+        each is judged against every size trained before it."""
         return [self.default_size] + [s for s in self.resolutions if s != self.default_size]
 
     def _train(self, size: int, config: TrainConfig) -> ResolutionTrial:
@@ -117,15 +120,20 @@ class ResolutionTuner:
 
         def on_epoch(epoch: int, row: dict[str, float]) -> None:
             rows.append(row)
-            if epoch == rung and epoch < config.epochs and distributed.from_main(
-                    self._ahead(earlier, size, max(r["val_acc"] for r in rows)) is not None):
-                raise _Behind
+            if epoch == rung and epoch < config.epochs:
+                ahead = self._ahead(earlier, size, max(r["val_acc"] for r in rows))
+                # every rank stops, or goes on, as rank 0 decides
+                by = distributed.from_main(None if ahead is None else (
+                    ahead.image_size, self._best_within(ahead, self._rung_compute(size))))
+                if by is not None:
+                    raise _Behind(*by)
 
         started = time.perf_counter()
         try:
             result = fit(self.index, config, on_epoch=on_epoch)
-        except _Behind:
-            result = None
+            stop = None
+        except _Behind as behind:
+            result, stop = None, behind.args
         curve = [r["val_acc"] for r in rows]
         trial = ResolutionTrial(
             image_size=size, val_acc=max(curve, default=0.0),
@@ -134,12 +142,11 @@ class ResolutionTuner:
             epoch_s=sum(r["epoch_s"] for r in rows) / max(1, len(rows)),
             wall_s=result.wall_s if result else time.perf_counter() - started,
             val_curve=curve, stopped_after=None if result else len(rows))
-        if result is None:
-            ahead = self._ahead(earlier, size, trial.val_acc)
+        if stop is not None:
             log.info("resolution %d px: stopped after epoch %d of %d at %.1f%%: %d px had %.1f%% "
                      "with no more compute, ahead by more than one standard error of the "
                      "difference", size, len(rows), config.epochs, 100 * trial.val_acc,
-                     ahead.image_size, 100 * self._best_within(ahead, self._rung_compute(size)))
+                     stop[0], 100 * stop[1])
             return trial
         if self.weights_dir is not None and distributed.is_main():
             save_weights(result.model, self._weights_path(size))
@@ -150,6 +157,13 @@ class ResolutionTuner:
     def rung(self, size: int) -> int:
         """The first epoch by which the trial at `size` has had at least half its compute."""
         return max(1, math.ceil(self.epochs_for(size) / 2))
+
+    def least_compute(self) -> float:
+        """The least the trials train, in epochs at the default size: the default's in full,
+        every size that can be stopped up to its rung."""
+        return sum((self.rung(s) if self.rung(s) < self.epochs_for(s) else self.epochs_for(s))
+                   * (s / self.default_size) ** 2 for s in self.resolutions
+                   if s != self.default_size) + self.epochs
 
     def _rung_compute(self, size: int) -> float:
         """The compute by the trial's rung, in epochs at the default size."""
@@ -222,8 +236,9 @@ class ResolutionTuner:
     @staticmethod
     def pick(trials: list[ResolutionTrial], n_val: int, default_size: int | None = None,
              num_classes: int | None = None) -> int:
-        """Among the sizes that finished their trial, those whose accuracy ties with the best one (within one standard error of
-        the difference on n_val images), the default size if it is one, else the smallest.
+        """Among the sizes that finished their trial, those whose accuracy ties with the best
+        one (within one standard error of the difference on n_val images): the default size if
+        it is one, else the smallest.
         The default size also stays when its own trial is still at chance (num_classes given):
         then the short trials say nothing about where the sizes end."""
         trials = [t for t in trials if t.stopped_after is None]  # judged already: behind
@@ -242,18 +257,20 @@ class ResolutionTuner:
 
     def tradeoff(self) -> list[dict[str, Any]]:
         """Per size: accuracy, speed, and accuracy gained per extra second of epoch time
-        relative to the smallest size."""
+        relative to the smallest size that finished (none for a stopped size: its accuracy
+        is from half its compute, and its speed from its first epochs, warm-up included)."""
         rows = []
-        first = self.trials[0] if self.trials else None
+        first = next((t for t in self.trials if t.stopped_after is None), None)
         for t in self.trials:
-            extra_s = t.epoch_s - first.epoch_s
+            extra_s = t.epoch_s - first.epoch_s if t.stopped_after is None else 0
             gain = (t.val_acc - first.val_acc) / extra_s if extra_s > 0 else None
             rows.append({**dataclasses.asdict(t), "points_per_extra_epoch_s":
                          100 * gain if gain is not None else None})
         return rows
 
     def save_plot(self, path: str | Path) -> Path | None:
-        """Validation accuracy against seconds per epoch, one labelled point per size."""
+        """Validation accuracy against seconds per epoch, one labelled point per size (a
+        stopped size's is where it stopped)."""
         if not self.trials:
             return None
         fig = figure(6, 4.5, dpi=120)
@@ -262,7 +279,9 @@ class ResolutionTuner:
         ys = [100 * t.val_acc for t in self.trials]
         ax.plot(xs, ys, "-o")
         for t, x, y in zip(self.trials, xs, ys):
-            ax.annotate(f"{t.image_size} px", (x, y), textcoords="offset points", xytext=(5, 5))
+            label = f"{t.image_size} px" + ("" if t.stopped_after is None else
+                                            f" (stopped after epoch {t.stopped_after})")
+            ax.annotate(label, (x, y), textcoords="offset points", xytext=(5, 5))
         ax.set_xlabel("seconds per epoch")
         ax.set_ylabel("validation accuracy (%)")
         ax.set_title("Resolution: accuracy for the time")

@@ -159,34 +159,60 @@ def replay(curves, calls):
 def test_a_size_clearly_behind_at_half_its_compute_is_stopped_there(tmp_path, monkeypatch):
     """Three classes on 360 images: chance is 33%, one standard error of a difference about
     3.6 points. The default size trains first. 48 px (7 epochs) is judged after 4, 2.25 epochs'
-    compute at 64 px: level with 64 px's best within 2 epochs, it goes on. 96 px (2 epochs) is
-    judged after 1, the same compute: it trails 48 px's best within 4 epochs by 36 points and
-    is stopped."""
+    compute at 64 px: ahead of 64 px's best within 2 epochs, it goes on. 96 px (2 epochs) is
+    judged after 1, the same compute: level with 64 px there, it trails 48 px's best within 4
+    epochs by 13 points and is stopped."""
     import resolution_tuner
     index = index_dataset(make_folder(tmp_path / "d", n_train=4, n_test=2))
     base = BASE.__class__(**{**BASE.to_dict(), "image_size": 64})
     curves = {64: [0.33, 0.60, 0.70, 0.75],
-              48: [0.33, 0.50, 0.55, 0.62, 0.72, 0.74, 0.76],
-              96: [0.34, 0.80]}
+              48: [0.33, 0.50, 0.60, 0.75, 0.76, 0.77, 0.78],
+              96: [0.62, 0.80]}
     calls = []
     monkeypatch.setattr(resolution_tuner, "fit", replay(curves, calls))
-    tuner = ResolutionTuner(index, base, [48, 96], epochs=4)
+    journal = tmp_path / "resolution.tuning.json"
+    tuner = ResolutionTuner(index, base, [48, 96], epochs=4, journal=journal)
     tuner.n_val = 360
     assert tuner.run() == 64  # 48 px and 64 px tie; the stopped 96 px is not a candidate
     assert calls == [64, 48, 96]
     assert [t.image_size for t in tuner.trials] == [48, 64, 96]
     stopped = tuner.trials[2]
-    assert stopped.stopped_after == 1 and stopped.val_curve == [0.34]
+    assert stopped.stopped_after == 1 and stopped.val_curve == [0.62]
     assert [tuner.rung(s) for s in (48, 64, 96)] == [4, 2, 1]
     assert [t.stopped_after for t in tuner.trials[:2]] == [None, None]
     assert ResolutionTuner.pick(tuner.trials[2:] + [trial(64, 0.3)], 360, 64) == 64
+    rows = tuner.tradeoff()
+    assert rows[2]["stopped_after"] == 1 and rows[2]["points_per_extra_epoch_s"] is None
 
-    # while no size has left chance by half its compute, none is stopped
+    # resumed, the journal's stop stands while what stopped it is among the sizes again ...
+    calls.clear()
+    resumed = ResolutionTuner(index, base, [48, 96], epochs=4, journal=journal, resume=True)
+    resumed.n_val = 360
+    resumed.run()
+    assert calls == [] and resumed.trials == tuner.trials
+    # ... and without 48 px, 96 px is trained again: nothing before it is ahead any more
+    resumed = ResolutionTuner(index, base, [96], epochs=4, journal=journal, resume=True)
+    resumed.n_val = 360
+    resumed.run()
+    assert calls == [96] and resumed.trials[1].stopped_after is None
+
+    # 64 px leads 96 px by more than the noise at equal compute, but is still at chance (2 SE
+    # above 33% is 38%): no size has started to learn, so none is stopped
     calls.clear()
     monkeypatch.setattr(resolution_tuner, "fit", replay(
-        {64: [0.33, 0.34, 0.35, 0.36], 48: [0.33] * 7, 96: [0.33, 0.60]}, calls))
+        {64: [0.30, 0.37, 0.37, 0.37], 48: [0.30] * 7, 96: [0.30, 0.60]}, calls))
     tuner = ResolutionTuner(index, base, [48, 96], epochs=4)
     tuner.n_val = 360
     tuner.run()
     assert [len(t.val_curve) for t in tuner.trials] == [7, 4, 2]
     assert all(t.stopped_after is None for t in tuner.trials)
+
+
+def test_the_least_the_trials_train_counts_each_size_to_its_rung(tmp_path):
+    """What the measuring budget is a share of: the default size's trial in full, every other
+    size to where it can first be stopped, in epochs at the default size."""
+    index = index_dataset(make_folder(tmp_path / "d", n_train=4, n_test=2))
+    base = BASE.__class__(**{**BASE.to_dict(), "image_size": 64})
+    # 48 px: 4 of 7 epochs, 2.25 at 64 px; 96 px: 1 of 2, 2.25; 256 px: its single epoch, 16
+    assert ResolutionTuner(index, base, [48, 96], epochs=4).least_compute() == 4 + 2.25 + 2.25
+    assert ResolutionTuner(index, base, [256], epochs=4).least_compute() == 4 + 16
