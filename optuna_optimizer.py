@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 # none: every trial trains its whole budget (plain TPE, for comparison).
 PRUNERS = ("asha", "hyperband", "median", "none")
 REDUCTION_FACTOR = 3
+MEDIAN_WARMUP = 1  # epochs the median pruner lets every trial train
 # Seconds between heartbeats of a running trial, and silence after which it counts as dead (a
 # killed Colab kernel) and is retried. Several heartbeats fit in the grace period, so a busy
 # epoch does not look like a crash.
@@ -92,6 +93,12 @@ class _Storage(optuna.storages.RDBStorage):
                 return models.TrialHeartbeatModel.where_trial_id(trial_id, session) is not None
         except Exception:  # an Optuna whose internals differ: leave the trial to Optuna's rule
             return True
+
+
+def first_rung(epochs: int) -> int:
+    """Where successive halving first compares trials of `epochs`: half of them (from
+    scratch, learning curves still cross after the first epoch)."""
+    return max(1, epochs // 2)
 
 
 class _BeyondNoise(optuna.pruners.BasePruner):
@@ -316,11 +323,20 @@ class OptunaTuner:
 
     def first_rung(self) -> int:
         """The epoch at which successive halving first compares trials: half a trial's."""
-        return max(1, self.epochs // 2)
+        return first_rung(self.epochs)
+
+    @staticmethod
+    def shortest_trial(pruner: str, epochs: int) -> int:
+        """The fewest epochs a trial of `epochs` trains before `pruner` can stop it."""
+        if pruner == "none":
+            return epochs
+        if pruner == "median":  # it judges from the epoch after its warm-up
+            return min(epochs, MEDIAN_WARMUP + 1)
+        return first_rung(epochs)
 
     def _make_pruner(self) -> optuna.pruners.BasePruner:
         if self.pruner == "median":
-            pruner = optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=1)
+            pruner = optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=MEDIAN_WARMUP)
         elif self.pruner == "none":
             return optuna.pruners.NopPruner()
         elif self.pruner == "hyperband":

@@ -258,6 +258,17 @@ def tuning_runs(name: str, args: RunOptions, config: TrainConfig, device: torch.
     return trial_count(args)
 
 
+def least_tuning_epochs(name: str, args: RunOptions, config: TrainConfig, index: DatasetIndex,
+                        device: torch.device) -> float:
+    """The fewest epochs (at the scenario's size) its tuning can train: every trial that can
+    be stopped stopped where it first can be."""
+    budget = short_budget(config)
+    if name == "resolution":
+        return ResolutionTuner(index, config, tuned_resolutions(args, device, config.image_size),
+                               epochs=budget).least_compute()
+    return budget + (trial_count(args) - 1) * OptunaTuner.shortest_trial(args.pruner, budget)
+
+
 def short_budget(config: TrainConfig) -> int:
     """Epochs for each tuning run: a third of the scenario's, at least 2."""
     return max(2, config.epochs // 3)
@@ -284,11 +295,11 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
             _previous_resolution(output_dir, index.name))
         config = dataclasses.replace(config, image_size=size or config.image_size)
     if name != "baseline":
-        # Successive halving may stop any tuning run at half its epochs: the measuring budget
-        # is a share of the least the scenario trains, so it stays that share of what it does.
-        steps = (planned_steps(config, len(index.train)) +
-                 planned_steps(config, len(index.train), tuning_runs(name, args, config, device),
-                               short_budget(config)) // 2)
+        # The measuring budget is a share of the least the scenario trains (the tuners may stop
+        # trials early), so that it stays within that share of what it does train.
+        steps = planned_steps(config, len(index.train)) + round(
+            planned_steps(config, len(index.train), epochs=1) *
+            least_tuning_epochs(name, args, config, index, device))
         config, findings = autotune_scenario(config, args, index, steps,
                                            checkpoint_file(output_dir, name, ".autotune.json",
                                                            args.run_id))

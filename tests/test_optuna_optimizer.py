@@ -326,6 +326,10 @@ def test_the_first_rung_is_at_half_a_trial(index, tmp_path, monkeypatch):
     assert t.first_rung() == 2
     for trial in t.study.trials[1:]:
         assert trial.state == optuna.trial.TrialState.PRUNED and max(trial.intermediate_values) == 2
+    # what the measuring budget counts a trial as, at the least
+    assert [OptunaTuner.shortest_trial(p, 4) for p in ("asha", "hyperband", "median", "none")] \
+        == [2, 2, 2, 4]
+    assert [OptunaTuner.shortest_trial(p, 1) for p in ("asha", "median", "none")] == [1, 1, 1]
 
 
 def test_the_default_stays_only_while_no_trial_has_left_chance(index, tmp_path, monkeypatch):
