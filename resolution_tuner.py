@@ -5,8 +5,8 @@ when it is among the tied, else goes to the cheapest. The default size trains fi
 size is stopped at half its compute when a size trained before it was clearly ahead with no
 more compute (successive halving with compute as the resource). It reports what each size costs.
 With a journal, every size tried is written down (a stopped one with where it stopped), and a
-resumed run trains only the sizes it has no result for; with a weights folder each size's trained weights are kept, so the final run
-can continue from the picked size's trial."""
+resumed run trains only the sizes it has no result for; with a weights folder each finished
+size's trained weights are kept, so the final run can continue from the picked size's trial."""
 from __future__ import annotations
 
 import dataclasses
@@ -160,10 +160,9 @@ class ResolutionTuner:
 
     def least_compute(self) -> float:
         """The least the trials train, in epochs at the default size: the default's in full,
-        every size that can be stopped up to its rung."""
-        return sum((self.rung(s) if self.rung(s) < self.epochs_for(s) else self.epochs_for(s))
-                   * (s / self.default_size) ** 2 for s in self.resolutions
-                   if s != self.default_size) + self.epochs
+        every other size up to its rung (a one-epoch trial's rung is its whole trial)."""
+        return self.epochs + sum(self._rung_compute(s) for s in self.resolutions
+                                 if s != self.default_size)
 
     def _rung_compute(self, size: int) -> float:
         """The compute by the trial's rung, in epochs at the default size."""
