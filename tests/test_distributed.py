@@ -23,7 +23,8 @@ def torchrun(*args: str) -> subprocess.CompletedProcess:
 def test_two_processes_train_one_model_and_run_all_three_scenarios(tmp_path):
     """Two processes train one model: one set of results, checkpoints, TensorBoard events and
     logs. Resolution and hpo tune data-parallel: rank 0 measures the speed knobs, runs the
-    study and decides where a trial stops, every trial trains on both ranks, and one set of results and logs comes out.
+    study and decides where a trial stops, every trial trains on both ranks, and one set of
+    results and logs comes out.
     (One launch for both: each torchrun start costs three Python processes importing torch.)"""
     data = make_folder(tmp_path / "d", n_train=16, n_test=4)
     out = tmp_path / "out"
