@@ -214,7 +214,9 @@ def compare_fidelity(data: list[str], args, out: Path) -> list[str]:
     from optuna_optimizer import OptunaTuner
     from modules.trainer import fit
     ns, index, config = search_setup(data, args, out)
-    tuner = OptunaTuner(index, config, output_dir=out, epochs=scenario.short_budget(config))
+    # Only the search space and the default configuration are used: no study file is written.
+    tuner = OptunaTuner(index, config, output_dir=out, epochs=scenario.short_budget(config),
+                        storage="sqlite:///:memory:")
     low_size = args.fidelity_size or max(32, round(config.image_size * 0.75 / 16) * 16)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     draw = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=ns.seed))

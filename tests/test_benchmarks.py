@@ -220,3 +220,4 @@ def test_search_comparisons_print_their_verdicts(tmp_path, capsys):
     assert "fidelity: 2 configurations, 2 epochs each, at 32 px" in out
     assert "| 0.001 | 32 | adam |" in out  # the default configuration is the first
     assert "the configurations the way 32 px does" in out and "Spearman" in out
+    assert not (tmp_path / "bench" / "fidelity" / "optuna.db").exists()  # no study there
