@@ -203,7 +203,7 @@ class OptunaTuner:
         """The base config at `params`; the default trial keeps the base's weight decay."""
         if default:
             params = {**params, "weight_decay": self.base.weight_decay}
-        return dataclasses.replace(self.base, epochs=self.epochs, **params)
+        return self.base.as_trial(epochs=self.epochs, **params)
 
     def default_params(self) -> dict:
         """The base configuration as a point of the search space: the first trial."""

@@ -120,6 +120,13 @@ class TrainConfig:
     def effective_batch_size(self) -> int:
         return self.batch_size * self.grad_accum_steps
 
+    def as_trial(self, **changes: Any) -> TrainConfig:
+        """This config for a short tuning trial, with `changes`. No cuDNN algorithm search:
+        on a GPU it takes seconds for each new input shape, and every size or batch a tuner
+        tries is one, more than a run of a few epochs wins back; the final run searches for
+        its single shape."""
+        return dataclasses.replace(self, cudnn_benchmark=False, **changes)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

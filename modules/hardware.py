@@ -51,6 +51,18 @@ def max_batch_size(config: TrainConfig, num_classes: int, device: torch.device, 
     models. `upto`: the largest batch the caller would use (the check probes no further)."""
     if device.type != "cuda":
         return None
+    # Each probed batch is a new shape, and cuDNN's algorithm search takes seconds per shape;
+    # the trials these batches are for run without it too (TrainConfig.as_trial).
+    searching = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = False
+    try:
+        return _max_batch_size(config, num_classes, device, upto, margin)
+    finally:
+        torch.backends.cudnn.benchmark = searching
+
+
+def _max_batch_size(config: TrainConfig, num_classes: int, device: torch.device,
+                    upto: int | None, margin: float) -> int:
     small, large = PROBE_BATCHES
     low, high = (step_peak_bytes(config, num_classes, b, device) for b in (small, large))
     per_sample = max(1.0, (high - low) / (large - small))

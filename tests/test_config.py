@@ -27,3 +27,12 @@ def test_variants_come_from_replace_and_stay_checked():
 def test_worker_options_need_workers():
     with pytest.raises(UserError, match="prefetch_factor needs num_workers"):
         TrainConfig(prefetch_factor=2)
+
+
+def test_a_tuning_trial_runs_without_cudnns_algorithm_search():
+    base = TrainConfig(cudnn_benchmark=True)
+    trial = base.as_trial(image_size=64)
+    assert (trial.cudnn_benchmark, trial.image_size) == (False, 64)
+    assert dataclasses.replace(trial, cudnn_benchmark=True) == dataclasses.replace(base, image_size=64)
+    with pytest.raises(UserError):
+        base.as_trial(lr=0)

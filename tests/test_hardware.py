@@ -22,3 +22,8 @@ def test_probe_predicts_a_batch_that_fits():
     assert largest >= 16
     assert step_peak_bytes(CONFIG, 6, largest, device) <= budget * 1.1
     assert max_batch_size(CONFIG, 6, device, upto=32, margin=0.05) <= 32
+    # the probes run without cuDNN's algorithm search and leave the process as it was
+    for searching in (True, False):
+        torch.backends.cudnn.benchmark = searching
+        max_batch_size(CONFIG, 6, device, upto=32, margin=0.05)
+        assert torch.backends.cudnn.benchmark is searching

@@ -64,6 +64,7 @@ def test_fixed_trial_suggests_and_trains_without_a_study(index, tmp_path):
     assert (config.lr, config.batch_size, config.epochs, config.optimizer,
             config.weight_decay) == (1e-3, 8, 2, "adamw", 1e-4)
     assert config.model == BASE.model and config.image_size == BASE.image_size
+    assert BASE.cudnn_benchmark and not config.cudnn_benchmark  # a trial: TrainConfig.as_trial
     acc = t.objective(optuna.trial.FixedTrial(PARAMS))
     assert 0.0 <= acc <= 1.0
 
@@ -223,7 +224,7 @@ def test_the_default_configuration_is_the_first_trial(index, tmp_path, monkeypat
     first = t.study.trials[0]
     assert first.user_attrs["default"] is True and first.params == t.default_params()
     # trained exactly as the base configuration, weight decay 0 included (below the range)
-    assert trained[0] == base.__class__(**{**base.to_dict(), "epochs": 2})
+    assert trained[0] == base.as_trial(epochs=2)
     # resumed: the default is not queued a second time
     t2 = OptunaTuner(index, base, output_dir=tmp_path / "hpo", epochs=2, batch_sizes=(8, 16),
                      n_trials=1, resume=True)

@@ -51,6 +51,7 @@ def test_runs_every_candidate_and_reports_the_tradeoff(tmp_path):
     assert [t.image_size for t in tuner.trials] == [24, 32] and best in (24, 32)
     assert all(0 <= t.val_acc <= 1 and t.samples_per_s > 0 and t.epoch_s > 0 for t in tuner.trials)
     assert tuner.n_val == len(index.val)
+    assert not any(tuner.trial_config(s).cudnn_benchmark for s in (24, 32))  # as_trial
     rows = tuner.tradeoff()
     assert rows[0]["points_per_extra_epoch_s"] is None and "val_acc" in rows[1]
     assert tuner.save_plot(tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
