@@ -121,10 +121,10 @@ class TrainConfig:
         return self.batch_size * self.grad_accum_steps
 
     def as_trial(self, **changes: Any) -> TrainConfig:
-        """This config for a short tuning trial, with `changes`. No cuDNN algorithm search:
-        on a GPU it takes seconds for each new input shape, and every size or batch a tuner
-        tries is one, more than a run of a few epochs wins back; the final run searches for
-        its single shape."""
+        """This config for a short tuning trial, with `changes`. No cuDNN algorithm search: on
+        a GPU it takes seconds for each new input shape, every size or batch a tuner tries is
+        one, and a run of a few epochs does not win that back. The final run searches for its
+        one shape."""
         return dataclasses.replace(self, cudnn_benchmark=False, **changes)
 
     def to_dict(self) -> dict[str, Any]:
