@@ -484,13 +484,13 @@ class OptunaTuner:
         value, last = self.within_default_steps(best, default)
         margin = (f"by more than {100 * tie_margin(value, default.value, n):.1f} points on "
                   f"{n} validation images")
-        shown = f"{100 * best.value:.1f}%" + ("" if last == self.epochs else (
-            f"; {100 * value:.1f}% after epoch {last}, the optimizer steps of the default's "
-            f"{self.epochs} epochs"))
+        shown = f"trial {best.number}, {100 * best.value:.1f}%" + (
+            "" if last == self.epochs else
+            f", {100 * value:.1f}% after epoch {last}, within the default trial's optimizer steps")
         if best.number == default.number or not beats(value, default.value, n):
-            return None, (f"the search's best ({shown}, trial {best.number}) does not beat the "
-                          f"default ({100 * default.value:.1f}%) {margin}: keeping the default")
-        return dict(best.params), (f"trial {best.number} ({shown}) beats the default "
+            return None, (f"the search's best ({shown}) does not beat the default "
+                          f"({100 * default.value:.1f}%) {margin}: keeping the default")
+        return dict(best.params), (f"the search's best ({shown}) beats the default "
                                    f"({100 * default.value:.1f}%) {margin}")
 
     def within_default_steps(self, trial: optuna.trial.FrozenTrial,
