@@ -116,12 +116,12 @@ class ResolutionTuner:
 
     def _train(self, size: int, config: TrainConfig) -> ResolutionTrial:
         rows: list[dict[str, float]] = []
-        rung, earlier = self.rung(size), list(self.trials)
+        rung = self.rung(size)
 
         def on_epoch(epoch: int, row: dict[str, float]) -> None:
             rows.append(row)
             if epoch == rung and epoch < config.epochs:
-                ahead = self._ahead(earlier, size, max(r["val_acc"] for r in rows))
+                ahead = self._ahead(self.trials, size, max(r["val_acc"] for r in rows))
                 # every rank stops, or goes on, as rank 0 decides
                 by = distributed.from_main(None if ahead is None else (
                     ahead.image_size, self._best_within(ahead, self._rung_compute(size))))
