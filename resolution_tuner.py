@@ -200,8 +200,7 @@ class ResolutionTuner:
 
     def trial_config(self, size: int) -> TrainConfig:
         """What the trial at `size` trains."""
-        return self.base.as_trial(image_size=size, epochs=self.epochs_for(size),
-                                  early_stopping_patience=None)
+        return self.base.as_trial(image_size=size, epochs=self.epochs_for(size))
 
     def epochs_for(self, size: int) -> int:
         """Every size gets about the same compute: `epochs` at the default size, scaled by the

@@ -124,8 +124,10 @@ class TrainConfig:
         """This config for a short tuning trial, with `changes`. No cuDNN algorithm search: on
         a GPU it takes seconds for each new input shape, every size or batch a tuner tries is
         one, and a run of a few epochs does not win that back. The final run searches for its
-        one shape."""
-        return dataclasses.replace(self, cudnn_benchmark=False, **changes)
+        one shape. No early stopping: trials are compared at the epochs they were given, and
+        the tuners stop the ones clearly behind."""
+        return dataclasses.replace(self, cudnn_benchmark=False, early_stopping_patience=None,
+                                   **changes)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -29,10 +29,12 @@ def test_worker_options_need_workers():
         TrainConfig(prefetch_factor=2)
 
 
-def test_a_tuning_trial_runs_without_cudnns_algorithm_search():
-    base = TrainConfig(cudnn_benchmark=True)
+def test_a_tuning_trial_runs_without_cudnns_algorithm_search_or_early_stopping():
+    base = TrainConfig(cudnn_benchmark=True, early_stopping_patience=2)
     trial = base.as_trial(image_size=64)
-    assert (trial.cudnn_benchmark, trial.image_size) == (False, 64)
-    assert dataclasses.replace(trial, cudnn_benchmark=True) == dataclasses.replace(base, image_size=64)
+    assert (trial.cudnn_benchmark, trial.early_stopping_patience, trial.image_size) == \
+        (False, None, 64)
+    assert dataclasses.replace(trial, cudnn_benchmark=True, early_stopping_patience=2) == \
+        dataclasses.replace(base, image_size=64)
     with pytest.raises(UserError):
         base.as_trial(lr=0)

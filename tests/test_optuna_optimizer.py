@@ -15,6 +15,7 @@ from conftest import make_folder
 from modules.config import TrainConfig, UserError
 from modules.dataset import index_dataset
 from optuna_optimizer import OptunaTuner
+from resolution_tuner import ResolutionTuner
 
 BASE = TrainConfig(model="resnet18", weights="none", image_size=24, epochs=1, batch_size=8,
                    scheduler="none", device="cpu", progress=False, seed=0)
@@ -261,6 +262,16 @@ def test_a_trial_already_trained_with_the_default_settings_is_not_trained_again(
         t.run()
         assert "reused_from" not in t.study.trials[0].user_attrs
         assert trained[0] == t.default_config() and len(trained) == 2
+
+
+def test_the_resolution_trial_is_the_default_trial_with_early_stopping_too(index, tmp_path):
+    """Trials never stop early (TrainConfig.as_trial), so a user's --early-stopping leaves the
+    resolution scenario's trial at the kept size reusable as the search's default trial."""
+    base = dataclasses.replace(BASE, early_stopping_patience=2)
+    resolution = ResolutionTuner(index, base, [base.image_size], epochs=2)
+    search = OptunaTuner(index, base, output_dir=tmp_path / "hpo", epochs=2, batch_sizes=(8, 16))
+    assert resolution.trial_config(base.image_size).run_settings() == \
+        search.default_config().run_settings()
 
 
 @pytest.mark.parametrize("gain, keeps", [(0.01, True), (0.2, False)])
