@@ -22,7 +22,7 @@ from modules.checkpoints import save_weights
 from modules.config import TrainConfig, UserError, first_line
 from modules.oom import is_out_of_memory, release
 from modules.report import figure
-from modules.selection import accuracy_se, beats, informative, tie_margin
+from modules.selection import accuracy_se, beats, clearly_ahead, informative, tie_margin
 from modules.device import resolve_device
 from modules.trainer import DivergedError, fit
 
@@ -116,13 +116,13 @@ class _BeyondNoise(optuna.pruners.BasePruner):
         step = trial.last_step
         if step is None:
             return False
-        values = [t.intermediate_values[step] for t in study.get_trials(deepcopy=False)
-                  if step in t.intermediate_values]
-        if not any(informative(v, self.n_val, self.num_classes) for v in values):
+        leader = max(t.intermediate_values[step] for t in study.get_trials(deepcopy=False)
+                     if step in t.intermediate_values)
+        if not informative(leader, self.n_val, self.num_classes):
             return False
         # Asked even when it will not hold: successive halving records the rung as it answers.
         return self.pruner.prune(study, trial) and \
-            beats(max(values), trial.intermediate_values[step], self.n_val)
+            clearly_ahead(leader, trial.intermediate_values[step], self.n_val, self.num_classes)
 
 
 class OptunaTuner:

@@ -24,7 +24,7 @@ from modules.config import TrainConfig, UserError
 from modules.dataset import DatasetIndex
 from modules.files import atomic_write_text
 from modules.report import figure, finite_number
-from modules.selection import accuracy_se, beats, informative, tie_margin
+from modules.selection import accuracy_se, clearly_ahead, informative, tie_margin
 from modules.trainer import fit
 
 log = logging.getLogger(__name__)
@@ -177,14 +177,12 @@ class ResolutionTuner:
     def _ahead(self, earlier: list[ResolutionTrial], size: int, acc: float
                ) -> ResolutionTrial | None:
         """A size trained before whose best accuracy with no more compute than the trial at
-        `size` had by its rung beats `acc` by more than the noise and has left chance; None
-        when there is none. Before one has left chance, short trials from scratch only show
-        which size leaves it first."""
+        `size` had by its rung is clearly ahead of `acc` (clearly_ahead); None when there is
+        none."""
         compute = self._rung_compute(size)
         top = max(earlier, key=lambda t: self._best_within(t, compute), default=None)
         at = self._best_within(top, compute) if top is not None else 0.0
-        return top if informative(at, self.n_val, len(self.index.classes)) and \
-            beats(at, acc, self.n_val) else None
+        return top if clearly_ahead(at, acc, self.n_val, len(self.index.classes)) else None
 
     def weights_for(self, size: int) -> tuple[Path | None, int]:
         """(the weights the trial at `size` ended with, its best validation epoch's; its

@@ -28,3 +28,10 @@ def informative(acc: float, n: int, num_classes: int) -> bool:
     learn) ranks candidates by noise and by who leaves chance first, not by where they end."""
     chance = 1.0 / max(1, num_classes)
     return acc - chance > 2 * accuracy_se(chance, n)
+
+
+def clearly_ahead(leader: float, acc: float, n: int, num_classes: int) -> bool:
+    """Whether `leader` is ahead of `acc` for a tuner to stop the candidate at `acc`: clear of
+    chance, and better by more than the noise. Before any candidate has left chance, short
+    runs from scratch only show which one leaves it first."""
+    return informative(leader, n, num_classes) and beats(leader, acc, n)

@@ -1,0 +1,24 @@
+"""How the tuners compare accuracies measured on one validation set."""
+import pytest
+
+from modules.selection import accuracy_se, beats, clearly_ahead, informative, tie_margin
+
+
+def test_the_standard_error_is_binomial():
+    assert accuracy_se(0.5, 100) == pytest.approx(0.05)
+    assert accuracy_se(1.0, 100) == 0.0 and accuracy_se(1.5, 100) == 0.0
+
+
+def test_a_difference_within_the_noise_is_a_tie_and_equal_scores_always_tie():
+    assert tie_margin(0.5, 0.5, 100) == pytest.approx(0.0707, abs=1e-4)
+    assert tie_margin(1.0, 1.0, 10**9) == 1e-9  # one image
+    assert not beats(0.56, 0.5, 100) and beats(0.58, 0.5, 100)
+    assert not beats(0.5, 0.5, 10**9)
+
+
+def test_clearly_ahead_needs_a_leader_clear_of_chance_and_beyond_the_noise():
+    # 10 classes on 1,000 images: chance 10%, two standard errors about 1.9 points
+    assert not informative(0.11, 1000, 10) and informative(0.13, 1000, 10)
+    assert not clearly_ahead(0.115, 0.05, 1000, 10)  # far ahead, but still at chance
+    assert not clearly_ahead(0.41, 0.40, 1000, 10)   # clear of chance, within the noise
+    assert clearly_ahead(0.50, 0.40, 1000, 10)
