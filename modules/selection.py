@@ -31,7 +31,7 @@ def informative(acc: float, n: int, num_classes: int) -> bool:
 
 
 def clearly_ahead(leader: float, acc: float, n: int, num_classes: int) -> bool:
-    """Whether `leader` is ahead of `acc` for a tuner to stop the candidate at `acc`: clear of
-    chance, and better by more than the noise. Before any candidate has left chance, short
+    """Whether a tuner may judge the candidate at `acc` behind `leader`: the leader is clear of
+    chance and better by more than the noise. Before any candidate has left chance, short
     runs from scratch only show which one leaves it first."""
     return informative(leader, n, num_classes) and beats(leader, acc, n)
