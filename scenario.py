@@ -550,9 +550,8 @@ def tune_hyperparameters(config: TrainConfig, args: RunOptions, index: DatasetIn
                      "again (the earlier one is kept as %s)", aside)
     warm = None
     if trained_anew:
-        chosen, warm = warm_start(chosen, "hpo", "the default trial" if summary["chosen_params"]
-                                  is None else "the chosen trial",
-                                  *tuner.weights_for(summary["chosen_params"]))
+        weights, epochs, source = tuner.start_for(summary["chosen_params"])
+        chosen, warm = warm_start(chosen, "hpo", source, weights, epochs)
     if distributed.world_size() > 1:
         end_trials()
         distributed.from_main(chosen)

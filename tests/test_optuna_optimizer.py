@@ -315,6 +315,41 @@ def test_the_default_and_the_best_trial_keep_their_weights(index, tmp_path, monk
     assert t.weights_for(trials[2].params) == (None, 0)  # never the best: never kept
 
 
+def test_the_default_continues_from_a_longer_earlier_trial_of_the_same_settings(
+        index, tmp_path, monkeypatch):
+    """The resolution trial at a size other than the default trains more epochs than the
+    search's trials, so it is not the default trial; when the search keeps the default, the
+    final run continues from it if it validated at least as well as the default trial."""
+    def fit_(idx, config, on_epoch):
+        for epoch in (1, 2):
+            on_epoch(epoch, {"val_acc": 0.2 * epoch})
+        model = torch.nn.Linear(1, 1)
+        return SimpleNamespace(best_val_acc=0.4, epochs_run=2, wall_s=0.01, timing={}, model=model)
+    monkeypatch.setattr(optuna_optimizer, "fit", fit_)
+    longer = tmp_path / "resolution-24px.weights.pt"
+    longer.write_bytes(b"weights")
+    probe = tuner(index, tmp_path / "probe")
+    for curve, continues in (([0.1, 0.3, 0.5], True), ([0.1, 0.2, 0.3], False)):
+        earlier = optuna_optimizer.EarlierTrial(
+            config=probe.default_config().as_trial(epochs=3), val_curve=curve, weights=longer,
+            wall_s=3.0, samples_per_s=50.0, source="the 24 px trial")
+        out = tmp_path / str(continues)
+        t = tuner(index, out, n_trials=1, earlier=earlier, weights_dir=out / "w")
+        t.run()
+        assert "reused_from" not in t.study.trials[0].user_attrs  # 3 epochs against 2
+        weights, epochs, source = t.start_for(None)
+        if continues:
+            assert (weights, epochs) == (longer, 3) and source.startswith("the 24 px trial")
+        else:
+            assert (weights.name, epochs, source) == ("hpo-trial-0.weights.pt", 2,
+                                                      "the default trial")
+    other = dataclasses.replace(earlier, val_curve=[0.1, 0.3, 0.5],
+                                config=dataclasses.replace(earlier.config, lr=0.05))
+    t = tuner(index, tmp_path / "other", n_trials=1, earlier=other)
+    t.run()
+    assert t.start_for(None)[2] == "the default trial"  # other settings: never
+
+
 def test_asha_prunes_on_equal_epochs(index, tmp_path, monkeypatch):
     """Successive halving compares trials at the same epoch: a trial worse than the default at
     epoch 1 stops there."""
