@@ -303,18 +303,19 @@ class OptunaTuner:
     def start_for(self, params: dict | None) -> tuple[Path | None, int, str]:
         """Where the final run of `params` (None: the default configuration) starts: weights,
         the epochs they trained, and which trial they are from. The default configuration
-        continues from the earlier trial instead of its own when that trained the same
-        settings for more epochs and reached at least its validation accuracy (the resolution
+        continues from the earlier trial instead of its own when that trained what it learns
+        (TrainConfig.learning_settings: the autotuner may pick other speed knobs at another
+        size) for more epochs and reached at least its validation accuracy. The resolution
         scenario's trial at a size other than the default trains more epochs than the
-        search's): the most-trained weights of what the final run trains."""
+        search's: the final run continues from the most-trained weights of what it trains."""
         if params is not None:
             return (*self.weights_for(params), "the chosen trial")
         weights, epochs = self.weights_for(None)
         e, default = self.earlier, self._default_trial()
         if e is not None and e.weights is not None and e.weights.exists() and \
                 len(e.val_curve) > epochs and \
-                {**e.config.run_settings(), "epochs": self.epochs} == \
-                self.default_config().run_settings() and \
+                {**e.config.learning_settings(), "epochs": self.epochs} == \
+                self.default_config().learning_settings() and \
                 (default is None or max(e.val_curve, default=0.0) >= (default.value or 0.0)):
             return e.weights, len(e.val_curve), f"{e.source} (the default configuration, " \
                 f"{len(e.val_curve)} epochs)"

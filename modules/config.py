@@ -26,6 +26,11 @@ DROPOUT_IMPLS = ("native", "bytemask")  # modules.models.ByteMaskDropout
 # TrainConfig fields that only change what is shown (a saved autotune or tuning result made
 # with progress bars holds for a run without them).
 DISPLAY_ONLY = frozenset({"progress"})
+# TrainConfig's speed knobs: how fast a run goes, not what it learns. The autotuner measures them
+# for each scenario and size, so a trial's weights are continued under other values.
+SPEED_ONLY = frozenset({"amp", "channels_last", "compile", "optimizer_impl", "cpu_threads",
+                        "cpu_allocator", "dropout_impl", "cache_decoded", "cudnn_benchmark",
+                        "num_workers", "pin_memory", "persistent_workers", "prefetch_factor"})
 
 
 class UserError(Exception):
@@ -136,6 +141,11 @@ class TrainConfig:
         """to_dict() without the fields that change nothing a run computes or how fast
         (DISPLAY_ONLY): what a saved result is matched against before it is reused."""
         return {k: v for k, v in self.to_dict().items() if k not in DISPLAY_ONLY}
+
+    def learning_settings(self) -> dict[str, Any]:
+        """run_settings() without the speed knobs (SPEED_ONLY): what decides what a run learns,
+        which a trial's weights must share to be continued by another run."""
+        return {k: v for k, v in self.run_settings().items() if k not in SPEED_ONLY}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)

@@ -38,3 +38,11 @@ def test_a_tuning_trial_runs_without_cudnns_algorithm_search_or_early_stopping()
         dataclasses.replace(base, image_size=64)
     with pytest.raises(UserError):
         base.as_trial(lr=0)
+
+
+def test_learning_settings_leave_out_only_the_speed_knobs():
+    base = TrainConfig()
+    assert base.learning_settings() == dataclasses.replace(
+        base, amp="bf16", channels_last=True, dropout_impl="bytemask", num_workers=2).learning_settings()
+    for change in ({"lr": 0.01}, {"batch_size": 64}, {"image_size": 64}, {"epochs": 3}):
+        assert dataclasses.replace(base, **change).learning_settings() != base.learning_settings()

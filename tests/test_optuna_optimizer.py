@@ -330,8 +330,10 @@ def test_the_default_continues_from_a_longer_earlier_trial_of_the_same_settings(
     longer.write_bytes(b"weights")
     probe = tuner(index, tmp_path / "probe")
     for curve, continues in (([0.1, 0.3, 0.5], True), ([0.1, 0.2, 0.3], False)):
-        earlier = optuna_optimizer.EarlierTrial(
-            config=probe.default_config().as_trial(epochs=3), val_curve=curve, weights=longer,
+        earlier = optuna_optimizer.EarlierTrial(  # other speed knobs: the same learning
+            config=probe.default_config().as_trial(epochs=3, dropout_impl="bytemask",
+                                                   channels_last=True),
+            val_curve=curve, weights=longer,
             wall_s=3.0, samples_per_s=50.0, source="the 24 px trial")
         out = tmp_path / str(continues)
         t = tuner(index, out, n_trials=1, earlier=earlier, weights_dir=out / "w")
