@@ -235,22 +235,16 @@ class ResolutionTuner:
         """Among the sizes that finished their trial, those whose accuracy ties with the best
         one (within one standard error of the difference on n_val images): the default size if
         it is one, else the smallest.
-        The default size also stays while its own trial is still at chance (num_classes
-        given) and no other size's trial is clearly ahead of it (clearly_ahead): before any
-        size has left chance, the short trials say nothing about where the sizes end. One that
-        has left chance where the default has not is ahead at about the same compute, and the
-        final run continues from its weights."""
+        The default size also stays when its own trial is still at chance (num_classes given):
+        then the short trials say nothing about where the sizes end."""
         trials = [t for t in trials if t.stopped_after is None]  # judged already: behind
         if not trials:
             raise UserError("no resolution was tried.")
         default = next((t for t in trials if t.image_size == default_size), None)
         if default is not None and num_classes and \
-                not informative(default.val_acc, n_val, num_classes) and \
-                not any(clearly_ahead(t.val_acc, default.val_acc, n_val, num_classes)
-                        for t in trials):
+                not informative(default.val_acc, n_val, num_classes):
             log.info("resolution: the default size's trial (%.1f%%) is still at chance for %d "
-                     "classes and no other size has left chance ahead of it: the short trials "
-                     "cannot rank the sizes; keeping the default",
+                     "classes: the short trials cannot rank the sizes; keeping the default",
                      100 * default.val_acc, num_classes)
             return default_size
         top = max(t.val_acc for t in trials)
