@@ -317,8 +317,7 @@ class OptunaTuner:
                 {**e.config.learning_settings(), "epochs": self.epochs} == \
                 self.default_config().learning_settings() and \
                 (default is None or max(e.val_curve, default=0.0) >= (default.value or 0.0)):
-            return e.weights, len(e.val_curve), f"{e.source} (the default configuration, " \
-                f"{len(e.val_curve)} epochs)"
+            return e.weights, len(e.val_curve), e.source
         return weights, epochs, "the default trial"
 
     # ------------------------------------------------------------------------- the study

@@ -341,7 +341,7 @@ def test_the_default_continues_from_a_longer_earlier_trial_of_the_same_settings(
         assert "reused_from" not in t.study.trials[0].user_attrs  # 3 epochs against 2
         weights, epochs, source = t.start_for(None)
         if continues:
-            assert (weights, epochs) == (longer, 3) and source.startswith("the 24 px trial")
+            assert (weights, epochs, source) == (longer, 3, "the 24 px trial")
         else:
             assert (weights.name, epochs, source) == ("hpo-trial-0.weights.pt", 2,
                                                       "the default trial")
