@@ -22,7 +22,7 @@ from modules.checkpoints import save_weights
 from modules.config import TrainConfig, UserError, first_line
 from modules.oom import is_out_of_memory, release
 from modules.report import figure
-from modules.selection import accuracy_se, beats, clearly_ahead, informative, tie_margin
+from modules.selection import accuracy_se, beats, informative, tie_margin
 from modules.device import resolve_device
 from modules.trainer import DivergedError, fit
 
@@ -118,11 +118,13 @@ class _BeyondNoise(optuna.pruners.BasePruner):
             return False
         leader = max(t.intermediate_values[step] for t in study.get_trials(deepcopy=False)
                      if step in t.intermediate_values)
+        # clearly_ahead, in two parts: successive halving is not asked before some trial has
+        # left chance, and is asked even when the stop will not hold (it records the rung as
+        # it answers).
         if not informative(leader, self.n_val, self.num_classes):
             return False
-        # Asked even when it will not hold: successive halving records the rung as it answers.
         return self.pruner.prune(study, trial) and \
-            clearly_ahead(leader, trial.intermediate_values[step], self.n_val, self.num_classes)
+            beats(leader, trial.intermediate_values[step], self.n_val)
 
 
 class OptunaTuner:
