@@ -4,6 +4,7 @@ RunOptions. pipeline.py is their command line; the notebook calls `pipeline.opti
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import hashlib
 import json
@@ -11,6 +12,7 @@ import logging
 import math
 import os
 import shlex
+import shutil
 import socket
 import sys
 import tempfile
@@ -318,6 +320,9 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
         config = fill_time(config, name, args, output_dir, index, tuned, tuning_s,
                            _epoch_seconds(name, config, extra))
         config = distributed.from_main(config)  # under torchrun: rank 0's timing decides
+    same = final_to_reuse(name, config, tuned)
+    if same is not None:
+        return same_final(same, extra, args, output_dir, tuning_s)
     log.info("== scenario %s: %s, %d px, batch %d, %d epochs on %s", name, config.model,
              config.image_size, config.batch_size, config.epochs, device)
     kept = weights_file(config.weights)
@@ -353,14 +358,52 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
                  if carried else "its machine figures cover only the test evaluation")
     row = result_row(name, config, result, test, index, device, system,
                      data_path_of(train_loader), carried)
+    if name == "resolution":
+        tuned["final"] = {"scenario": name, "config": config, "row": copy.deepcopy(row)}
     row.update(extra, run_id=args.run_id, tuning_s=tuning_s, total_s=tuning_s + result.wall_s)
-    log.info("%s: test accuracy %.1f%% (val %.1f%% +- %.1f at epoch %d) in %.0f s, %.0f s of "
-             "it tuning", name, 100 * row["test_acc"], 100 * row["val_acc"],
-             100 * row["val_acc_se"], row["best_epoch"], row["total_s"], tuning_s)
-    log.info("%s: %s", name, row["diagnosis"]["summary"])
+    log_row(row)
     if distributed.is_main():
         keep_best_model(result, config, index, row, output_dir)
     return row
+
+
+def final_to_reuse(name: str, config: TrainConfig, tuned: dict[str, Any]
+                   ) -> dict[str, Any] | None:
+    """The resolution scenario's final run, for the hpo scenario whose final run would train
+    exactly the same (all run settings equal, the start weights and epochs included)."""
+    same = tuned.get("final")
+    if name == "hpo" and same is not None and same["config"].run_settings() == config.run_settings():
+        return same
+    return None
+
+
+def same_final(same: dict[str, Any], extra: dict[str, Any], args: RunOptions, output_dir: Path,
+               tuning_s: float) -> dict[str, Any]:
+    """The hpo scenario's row when its final run would train exactly what the resolution
+    scenario's final trained: the search kept the default configuration, which continues from
+    the same trial's weights for the same epochs. Trained twice, the two end identically, so the
+    earlier run's model and figures are taken instead. total_s counts that final run's time as
+    if trained here, so the row compares with a run that does train it; only the run's wall
+    time is shorter."""
+    row = copy.deepcopy(same["row"])
+    log.info("hpo: the final run would train what the %s scenario's final run trained (the same "
+             "settings, start and %d epochs): taking its model and figures instead of training "
+             "it again (%.0f s saved)", same["scenario"], same["config"].epochs, row["wall_s"])
+    if distributed.is_main():  # TensorBoard shows the scenario's curves beside the others
+        runs = run_folder(output_dir, "runs", args.run_id)
+        if (runs / same["scenario"]).is_dir():
+            shutil.copytree(runs / same["scenario"], runs / "hpo", dirs_exist_ok=True)
+    row.update(extra, scenario="hpo", run_id=args.run_id, tuning_s=tuning_s,
+               total_s=tuning_s + row["wall_s"], final_from=same["scenario"])
+    log_row(row)
+    return row
+
+
+def log_row(row: dict[str, Any]) -> None:
+    log.info("%s: test accuracy %.1f%% (val %.1f%% +- %.1f at epoch %d) in %.0f s, %.0f s of "
+             "it tuning", row["scenario"], 100 * row["test_acc"], 100 * row["val_acc"],
+             100 * row["val_acc_se"], row["best_epoch"], row["total_s"], row["tuning_s"])
+    log.info("%s: %s", row["scenario"], row["diagnosis"]["summary"])
 
 
 def estimate(args: RunOptions, index: DatasetIndex) -> dict[str, Any]:

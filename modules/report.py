@@ -166,6 +166,8 @@ def versus_baseline_lines(rows: list[dict[str, Any]]) -> list[str]:
             line += ("; reached the baseline's validation accuracy after "
                      f"{reached:.0f} s" if reached is not None
                      else "; never reached the baseline's validation accuracy")
+        if row.get("final_from"):
+            line += f"; its final run is the {row['final_from']} scenario's, trained once"
         lines.append(line)
     return lines
 
@@ -216,7 +218,10 @@ def render_report(rows: list[dict[str, Any]], charts: list[str],
         lines.append("")
         lines.append(f"{settings.get('model', '?')} at {row.get('best_resolution')} px, batch "
                      f"{settings.get('batch_size')}, {settings.get('amp_dtype', 'fp32')} on "
-                     f"{settings.get('device', '?')}.")
+                     f"{settings.get('device', '?')}."
+                     + (f" Its final run is the {row['final_from']} scenario's, trained once: "
+                        "the same settings, start and epochs; its time counts in this total."
+                        if row.get("final_from") else ""))
         lines.append("")
         lines.append(f"**{diag.get('bottleneck', 'not diagnosed')}**: {diag.get('summary', '')}")
         lines += [f"- {rec}" for rec in diag.get("recommendations", [])]

@@ -218,6 +218,35 @@ def test_quick_run_does_all_three_scenarios_on_synthetic_data(tmp_path, monkeypa
         assert weights.parent == run_path(out) and rows[name]["settings"]["weights"] == str(weights)
 
 
+def test_hpo_takes_the_resolution_final_when_it_would_train_the_same(small, tmp_path, monkeypatch):
+    """One search trial, the default: it is the resolution scenario's trial, so the kept default
+    continues from the same weights for the same epochs as the resolution scenario's final run.
+    That run's model and figures are taken, not trained a second time, and trained a second
+    time they are the same."""
+    def scenarios(out):
+        assert run_main("--data-dir", str(small), "--scenarios", "resolution,hpo",
+                        "--resolutions", "32", "--image-size", "32", "--n-trials", "1",
+                        "--epochs", "2", "--weights", "none", "--no-progress",
+                        "--output-dir", str(out)) == 0
+        return {r["scenario"]: r for r in json.loads((out / "results.json").read_text())}
+
+    rows = scenarios(tmp_path / "once")
+    resolution, hpo = rows["resolution"], rows["hpo"]
+    assert hpo["hpo"]["keeps_default"] and hpo["final_from"] == "resolution"
+    assert hpo["history"] == resolution["history"] and hpo["test_acc"] == resolution["test_acc"]
+    assert hpo["total_s"] == pytest.approx(hpo["tuning_s"] + resolution["wall_s"])
+    assert hpo["warm_start"]["weights"] == resolution["warm_start"]["weights"]
+    assert not (run_path(tmp_path / "once") / "hpo.pt").exists()  # nothing trained
+    assert list((run_path(tmp_path / "once", "runs") / "hpo").iterdir())  # its scalars
+    assert "trained once" in (tmp_path / "once" / "report.md").read_text()
+
+    monkeypatch.setattr(scenario, "final_to_reuse", lambda *_: None)
+    twice = scenarios(tmp_path / "twice")["hpo"]
+    assert "final_from" not in twice and (run_path(tmp_path / "twice") / "hpo.pt").exists()
+    assert twice["test_acc"] == hpo["test_acc"]
+    assert [h["val_acc"] for h in twice["history"]] == [h["val_acc"] for h in hpo["history"]]
+
+
 REGIONS = ("data_wait", "h2d", "forward", "backward", "optimizer_step")
 
 
