@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sqlite3
 import time
+from datetime import datetime, timedelta
 from types import SimpleNamespace
 
 import optuna
@@ -135,13 +137,18 @@ def test_a_trial_killed_before_its_first_heartbeat_is_retried_too(index, tmp_pat
     its trial and the first beat left that trial RUNNING for ever (a flaky real-kill test)."""
     monkeypatch.setattr(optuna_optimizer, "fit", fake_fit)
     monkeypatch.setattr(optuna_optimizer, "HEARTBEAT_S", 1)
-    monkeypatch.setattr(optuna_optimizer, "GRACE_S", 2)  # SQLite's heartbeats: 1 s resolution
+    # A grace period no busy machine outlasts between asking `young` and the stale check; the
+    # other two are backdated past it instead of slept for.
+    monkeypatch.setattr(optuna_optimizer, "GRACE_S", 60)
     t = tuner(index, tmp_path, n_trials=1)
     study = optuna.create_study(storage=t.storage, study_name=t.study_name, direction="maximize")
     lr = {"lr": optuna.distributions.FloatDistribution(1e-4, 1e-2, log=True)}
     dead = study.ask(lr)  # killed before its first heartbeat: none recorded
     beating = study.ask(lr)
-    time.sleep(2.3)  # both started longer ago than the grace period
+    with sqlite3.connect(t.storage_url.removeprefix("sqlite:///")) as db:
+        db.execute("UPDATE trials SET datetime_start = ? WHERE trial_id IN (?, ?)",
+                   ((datetime.now() - timedelta(seconds=120)).isoformat(" "),
+                    dead._trial_id, beating._trial_id))  # both started before the grace period
     t.storage.record_heartbeat(beating._trial_id)  # but this one beats: alive
     young = study.ask(lr)  # just started, no heartbeat yet: alive as far as anyone knows
     t = tuner(index, tmp_path, n_trials=2, resume=True)  # the default trial, then the retry
