@@ -25,13 +25,13 @@ import torch
 
 from modules import distributed
 from modules.autotune import MEASURE_SHARE, ComputeProbe, autotune
-from modules.config import DISPLAY_ONLY, TrainConfig, UserError
+from modules.config import DISPLAY_ONLY, TrainConfig, UserError, first_line
 from modules.dataset import (DatasetIndex, data_path_of, index_dataset, load_rgb, make_loader,
                              resolve_source, subset, train_transform)
 from modules.device import apply_process_settings, autocast_dtype, resolve_device
 from modules.evaluation import evaluate
 from modules.fastdata import cache_fits
-from modules.files import atomic_write_text, run_log
+from modules.files import atomic_write_text, run_log, share_file
 from modules.hardware import max_batch_size
 from modules.models import weights_file
 from modules.monitor import SystemSampler
@@ -358,6 +358,8 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
                  if carried else "its machine figures cover only the test evaluation")
     row = result_row(name, config, result, test, index, device, system,
                      data_path_of(train_loader), carried)
+    if carried and carried.get("final_from"):
+        row["final_from"] = carried["final_from"]  # that final run, found finished on --resume
     if name == "resolution":
         tuned["final"] = {"scenario": name, "config": config, "row": copy.deepcopy(row)}
     row.update(extra, run_id=args.run_id, tuning_s=tuning_s, total_s=tuning_s + result.wall_s)
@@ -369,30 +371,42 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
 
 def final_to_reuse(name: str, config: TrainConfig, tuned: dict[str, Any]
                    ) -> dict[str, Any] | None:
-    """The resolution scenario's final run, for the hpo scenario whose final run would train
-    exactly the same (all run settings equal, the start weights and epochs included)."""
+    """The resolution scenario's final run, for the hpo scenario whose final run would learn
+    the same: every learning setting equal, the start weights and epochs included. Speed knobs
+    aside: the hpo scenario measures them at the picked size, the resolution scenario at the
+    baseline's, and they change how fast a run goes, not what it learns."""
     same = tuned.get("final")
-    if name == "hpo" and same is not None and same["config"].run_settings() == config.run_settings():
+    if name == "hpo" and same is not None and \
+            same["config"].learning_settings() == config.learning_settings():
         return same
     return None
 
 
 def same_final(same: dict[str, Any], extra: dict[str, Any], args: RunOptions, output_dir: Path,
                tuning_s: float) -> dict[str, Any]:
-    """The hpo scenario's row when its final run would train exactly what the resolution
-    scenario's final trained: the search kept the default configuration, which continues from
-    the same trial's weights for the same epochs. Trained twice, the two end identically, so the
-    earlier run's model and figures are taken instead. total_s counts that final run's time as
-    if trained here, so the row compares with a run that does train it; only the run's wall
-    time is shorter."""
+    """The hpo scenario's row when its final run would learn what the resolution scenario's
+    final learned: the search kept the default configuration, which continues from the same
+    trial's weights for the same epochs. Trained twice with the same speed knobs, the two end
+    identically, so the earlier run's model and figures (its knobs in `settings`) are taken
+    instead. total_s counts that final run's time as if trained here, so the row compares with
+    a run that does train it; only the run's wall time is shorter."""
     row = copy.deepcopy(same["row"])
-    log.info("hpo: the final run would train what the %s scenario's final run trained (the same "
-             "settings, start and %d epochs): taking its model and figures instead of training "
-             "it again (%.0f s saved)", same["scenario"], same["config"].epochs, row["wall_s"])
-    if distributed.is_main():  # TensorBoard shows the scenario's curves beside the others
+    log.info("hpo: the final run would learn what the %s scenario's final run learned (the "
+             "same settings, start and %d epochs): taking its model and figures instead of "
+             "training it again (%.0f s saved)", same["scenario"], same["config"].epochs,
+             row["wall_s"])
+    if distributed.is_main():
+        # Its checkpoint is that run's: --resume then finds the hpo final finished, as it would
+        # have had it trained; TensorBoard shows its curves beside the other scenarios'.
         runs = run_folder(output_dir, "runs", args.run_id)
-        if (runs / same["scenario"]).is_dir():
-            shutil.copytree(runs / same["scenario"], runs / "hpo", dirs_exist_ok=True)
+        try:
+            share_file(checkpoint_file(output_dir, same["scenario"], run_id=args.run_id),
+                       checkpoint_file(output_dir, "hpo", run_id=args.run_id))
+            if (runs / same["scenario"]).is_dir():
+                shutil.copytree(runs / same["scenario"], runs / "hpo", dirs_exist_ok=True)
+        except OSError as exc:
+            log.warning("hpo: could not give it the %s final's checkpoint and scalars (%s): "
+                        "--resume would train its final run", same["scenario"], first_line(exc))
     row.update(extra, scenario="hpo", run_id=args.run_id, tuning_s=tuning_s,
                total_s=tuning_s + row["wall_s"], final_from=same["scenario"])
     log_row(row)

@@ -26,6 +26,22 @@ def atomic_write_text(text: str, path: Path) -> None:
     _atomic_write(Path(path), lambda f: f.write(text), "w")
 
 
+def share_file(source: Path, path: Path) -> None:
+    """`path` gets `source`'s content: a hard link where the file system allows one (every
+    writer here replaces a file atomically, so a later write to either path leaves the other
+    as it was), else a copy; either appears at `path` whole."""
+    temp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        os.link(source, temp)
+    except OSError:
+        shutil.copyfile(source, temp)
+    try:
+        os.replace(temp, path)
+    except OSError:
+        temp.unlink(missing_ok=True)
+        raise
+
+
 def _atomic_write(path: Path, write, mode: str) -> None:
     if path.is_dir():
         raise UserError(f"{str(path)!r} is a directory; give a file name.")

@@ -223,11 +223,11 @@ def test_hpo_takes_the_resolution_final_when_it_would_train_the_same(small, tmp_
     continues from the same weights for the same epochs as the resolution scenario's final run.
     That run's model and figures are taken, not trained a second time, and trained a second
     time they are the same."""
-    def scenarios(out):
+    def scenarios(out, *more):
         assert run_main("--data-dir", str(small), "--scenarios", "resolution,hpo",
                         "--resolutions", "32", "--image-size", "32", "--n-trials", "1",
                         "--epochs", "2", "--weights", "none", "--no-progress",
-                        "--output-dir", str(out)) == 0
+                        "--output-dir", str(out), *more) == 0
         return {r["scenario"]: r for r in json.loads((out / "results.json").read_text())}
 
     rows = scenarios(tmp_path / "once")
@@ -236,15 +236,34 @@ def test_hpo_takes_the_resolution_final_when_it_would_train_the_same(small, tmp_
     assert hpo["history"] == resolution["history"] and hpo["test_acc"] == resolution["test_acc"]
     assert hpo["total_s"] == pytest.approx(hpo["tuning_s"] + resolution["wall_s"])
     assert hpo["warm_start"]["weights"] == resolution["warm_start"]["weights"]
-    assert not (run_path(tmp_path / "once") / "hpo.pt").exists()  # nothing trained
     assert list((run_path(tmp_path / "once", "runs") / "hpo").iterdir())  # its scalars
     assert "trained once" in (tmp_path / "once" / "report.md").read_text()
+    # its checkpoint is the resolution final's: --resume finds both finished, trains nothing
+    checkpoints = run_path(tmp_path / "once")
+    assert (checkpoints / "hpo.pt").read_bytes() == (checkpoints / "resolution.pt").read_bytes()
+    again = scenarios(tmp_path / "once", "--resume")
+    assert again["hpo"]["resumed_from_epoch"] == again["hpo"]["epochs"] == 2
+    assert again["hpo"]["history"] == hpo["history"] and again["hpo"]["final_from"] == "resolution"
 
     monkeypatch.setattr(scenario, "final_to_reuse", lambda *_: None)
     twice = scenarios(tmp_path / "twice")["hpo"]
     assert "final_from" not in twice and (run_path(tmp_path / "twice") / "hpo.pt").exists()
     assert twice["test_acc"] == hpo["test_acc"]
     assert [h["val_acc"] for h in twice["history"]] == [h["val_acc"] for h in hpo["history"]]
+
+
+def test_only_the_same_learning_takes_the_resolution_final():
+    from modules.config import TrainConfig
+    resolution = TrainConfig(weights="trial.pt", epochs=12, image_size=48)
+    tuned = {"final": {"scenario": "resolution", "config": resolution, "row": {}}}
+    # other speed knobs (measured at another size): the same learning
+    faster = dataclasses.replace(resolution, dropout_impl="bytemask", cpu_threads=1)
+    assert scenario.final_to_reuse("hpo", faster, tuned) is tuned["final"]
+    for other in ({"epochs": 13}, {"lr": 2e-3}, {"weights": "other.pt"}, {"batch_size": 16}):
+        assert scenario.final_to_reuse("hpo", dataclasses.replace(resolution, **other),
+                                       tuned) is None, other
+    assert scenario.final_to_reuse("resolution", resolution, tuned) is None
+    assert scenario.final_to_reuse("hpo", resolution, {}) is None
 
 
 REGIONS = ("data_wait", "h2d", "forward", "backward", "optimizer_step")
