@@ -404,7 +404,7 @@ def same_final(same: dict[str, Any], extra: dict[str, Any], args: RunOptions, ou
                        checkpoint_file(output_dir, "hpo", run_id=args.run_id))
             if (runs / same["scenario"]).is_dir():
                 shutil.copytree(runs / same["scenario"], runs / "hpo", dirs_exist_ok=True)
-        except OSError as exc:
+        except (OSError, UserError) as exc:  # UserError: the copy's write failed
             log.warning("hpo: could not give it the %s final's checkpoint and scalars (%s): "
                         "--resume would train its final run", same["scenario"], first_line(exc))
     row.update(extra, scenario="hpo", run_id=args.run_id, tuning_s=tuning_s,

@@ -29,12 +29,15 @@ def atomic_write_text(text: str, path: Path) -> None:
 def share_file(source: Path, path: Path) -> None:
     """`path` gets `source`'s content: a hard link where the file system allows one (every
     writer here replaces a file atomically, so a later write to either path leaves the other
-    as it was), else a copy; either appears at `path` whole."""
-    temp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    as it was), else a copy written as every file here is (Google Drive's folder in Colab has
+    no hard links); either appears at `path` whole."""
+    temp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.link")
     try:
         os.link(source, temp)
     except OSError:
-        shutil.copyfile(source, temp)
+        with open(source, "rb") as src:
+            _atomic_write(Path(path), lambda f: shutil.copyfileobj(src, f), "wb")
+        return
     try:
         os.replace(temp, path)
     except OSError:

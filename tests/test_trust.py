@@ -24,7 +24,7 @@ from conftest import make_folder
 from modules import models
 from modules.config import TrainConfig, UserError
 from modules.dataset import index_dataset, to_rgb
-from modules.files import atomic_torch_save, atomic_write_text
+from modules.files import atomic_torch_save, atomic_write_text, share_file
 from modules.models import build_model
 from modules.profiler import SystemSampler
 from modules.utility import load_model, save_model
@@ -199,6 +199,19 @@ def test_atomic_writes_give_the_mode_open_gives(tmp_path, umask, mode):
     for name in ("results.json", "ckpt.pt"):
         assert (tmp_path / name).stat().st_mode & 0o777 == mode
     assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_a_shared_file_is_a_hard_link_or_else_a_whole_copy(tmp_path, monkeypatch):
+    source = tmp_path / "resolution.pt"
+    atomic_torch_save({"x": torch.arange(4)}, source)
+    share_file(source, tmp_path / "hpo.pt")
+    assert (tmp_path / "hpo.pt").stat().st_ino == source.stat().st_ino
+    # a file system without hard links (Google Drive's folder in Colab): a copy
+    monkeypatch.setattr(os, "link", lambda *_: (_ for _ in ()).throw(OSError("no links")))
+    share_file(source, tmp_path / "copy.pt")
+    assert (tmp_path / "copy.pt").stat().st_ino != source.stat().st_ino
+    assert (tmp_path / "copy.pt").read_bytes() == source.read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["copy.pt", "hpo.pt", "resolution.pt"]
 
 
 # ----------------------------------------------------------------------------- linked data
