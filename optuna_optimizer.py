@@ -166,6 +166,7 @@ class OptunaTuner:
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.n_trials, self.timeout_s, self.resume = n_trials, timeout_s, resume
+        self.new_trials = 0  # trials the last run() added
         self.study_name, self.pruner = study_name, pruner
         self.data_fingerprint, self.overwrite = data_fingerprint, overwrite
         # The default trial's weights and the best trial's so far are kept here (weights_for).
@@ -376,9 +377,13 @@ class OptunaTuner:
         log.info("trial %d %s value %s params %s%s", trial.number, trial.state.name, value,
                  trial.params, f" ({reason})" if reason else "")
 
-    def run(self, *, extend: bool = True) -> dict:
-        """Optimise; return a summary of the whole study (earlier sessions included).
-        extend=False (with resume): take a resumed study's trials as they are, run none."""
+    def run(self, *, extend: bool = True, ended: bool = False) -> dict:
+        """Optimise until the study has n_trials finished trials (on a shared --storage: run
+        n_trials of this worker's), so that a resumed search runs only what it lacks; return a
+        summary of the whole study (earlier sessions included). extend=False (with resume):
+        take a resumed study's trials as they are, run none. ended=True: the study's search
+        has ended (its final run started): trials run only when n_trials is more than it was
+        asked for, growing it."""
         optuna.logging.set_verbosity(optuna.logging.WARNING)  # we log one line per trial
         storage, where = self.storage, _without_password(self.storage_url)
         shared = not self.storage_url.startswith("sqlite:")
@@ -397,10 +402,13 @@ class OptunaTuner:
                             "(--resume), or give the new one another name; nothing was deleted.")
         # constant_liar: parallel workers see each other's running trials as poor results, so
         # they do not all sample the same point.
-        sampler = optuna.samplers.TPESampler(seed=self.seed, constant_liar=True)
         self.study = optuna.create_study(
-            storage=storage, study_name=self.study_name, direction="maximize", sampler=sampler,
+            storage=storage, study_name=self.study_name, direction="maximize",
             pruner=self._make_pruner(), load_if_exists=True)
+        # Seeded by the trials already there: a resumed study's sampler in a new process would
+        # otherwise draw its first (random) points again, repeating trials already run.
+        self.study.sampler = optuna.samplers.TPESampler(
+            seed=self.seed + len(self.study.trials), constant_liar=True)
         data = self.study.user_attrs.get("data_fingerprint")
         if self.data_fingerprint and data and data != self.data_fingerprint:
             raise UserError(f"study {self.study_name!r} in {where} searched other data (its "
@@ -428,17 +436,29 @@ class OptunaTuner:
                          self.earlier.source, self.epochs, default.value)
             else:
                 self.study.enqueue_trial(self.default_params(), user_attrs={"default": True})
-        if not extend and self.resume and self.study.trials:
+        before = len(self.study.trials)
+        asked = self.study.user_attrs.get("n_trials", before)
+        if (not extend or (ended and self.n_trials <= asked)) and self.resume and \
+                self.study.trials:
             log.info("study %r: its %d trials as they are, none added", self.study_name,
                      len(self.study.trials))
             return self.summary()
-        # n_trials counts this call's trials only (a reused default trial among them), so
-        # resume runs n_trials more.
-        if self.n_trials > reused:
-            self.study.optimize(self.objective, n_trials=self.n_trials - reused,
+        if shared:  # every worker runs its own n_trials (a reused default trial among them)
+            to_run = self.n_trials - reused
+        else:
+            done = sum(t.state in (optuna.trial.TrialState.COMPLETE,
+                                   optuna.trial.TrialState.PRUNED) for t in self.study.trials)
+            to_run = self.n_trials - done
+            self.study.set_user_attr("n_trials", self.n_trials)
+            if self.resume and done > reused:
+                log.info("study %r: %d of its %d trials done, %d to run", self.study_name,
+                         done, self.n_trials, max(0, to_run))
+        if to_run > 0:
+            self.study.optimize(self.objective, n_trials=to_run,
                                 timeout=self.timeout_s,
                                 callbacks=[self._log_trial, self._copy_to_mirror],
                                 gc_after_trial=True)
+        self.new_trials = len(self.study.trials) - before
         return self.summary()
 
     def _copy_to_mirror(self, study=None, trial=None) -> None:

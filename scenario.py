@@ -577,17 +577,18 @@ def tune_hyperparameters(config: TrainConfig, args: RunOptions, index: DatasetIn
                         earlier=earlier)
     # Once the final run has started, its checkpoint holds the parameters it trains with: more
     # trials (this process's, or another worker's on a shared --storage) could only change the
-    # study's best, and the checkpoint would then refuse to resume. `--resume --n-trials K`
-    # asks for K more trials all the same (growing a finished study): the final run is then
+    # study's best, and the checkpoint would then refuse to resume. `--resume --n-trials N`
+    # with N more than the study was asked for grows it all the same: the final run is then
     # trained again only when the choice changed.
     final = checkpoint_file(output_dir, "hpo", run_id=args.run_id)
     started = load_checkpoint(final)["config"] if args.resume and final.exists() else None
-    grow = started is not None and args.n_trials is not None
-    if started is not None and not grow:
+    if started is not None:
         log.info("hpo: the final run had started (%s): resuming it with the parameters it "
-                 "started with; the study is not extended (add --n-trials K to search K more)",
+                 "started with; the study grows only with --n-trials N above its trial count",
                  final)
-    summary = tuner.run(extend=started is None or grow)
+    summary = tuner.run(extend=started is None or args.n_trials is not None,
+                        ended=started is not None)
+    grow = started is not None and tuner.new_trials > 0
     tuner.save_plots()
     log.info("hpo: %s", summary["choice"])
     params = summary["chosen_params"] or {k: getattr(config, k) for k in OptunaTuner.SEARCHED}

@@ -90,19 +90,44 @@ def test_second_trial_pruned_and_counted(index, tmp_path, monkeypatch):
     assert set(first.params) == set(OptunaTuner.SEARCHED)  # what a resumed final run reads back
 
 
-def test_resume_adds_trials_and_only_overwrite_starts_over(index, tmp_path, monkeypatch):
+def test_resume_runs_the_trials_it_lacks_and_only_overwrite_starts_over(index, tmp_path,
+                                                                         monkeypatch):
     monkeypatch.setattr(optuna_optimizer, "fit", fake_fit)
     storage = f"sqlite:///{tmp_path / 'shared.db'}"
     assert tuner(index, tmp_path, storage=storage).run()["n_trials"] == 2
-    resumed = tuner(index, tmp_path, storage=storage, resume=True, n_trials=1).run()
+    assert tuner(index, tmp_path, storage=storage, resume=True).run()["n_trials"] == 2
+    resumed = tuner(index, tmp_path, storage=storage, resume=True, n_trials=3).run()
     assert resumed["n_trials"] == 3 and resumed["storage"] == storage
     with pytest.raises(UserError, match="batch sizes were"):  # a changed categorical space
         tuner(index, tmp_path, storage=storage, resume=True, batch_sizes=(8,)).run()
     with pytest.raises(UserError, match="already exists.*nothing was deleted"):
         tuner(index, tmp_path, storage=storage, n_trials=1).run()
-    assert tuner(index, tmp_path, storage=storage, resume=True, n_trials=1).run()["n_trials"] == 4
+    assert tuner(index, tmp_path, storage=storage, resume=True, n_trials=4).run()["n_trials"] == 4
     assert tuner(index, tmp_path, storage=storage, n_trials=1,
                  overwrite=True).run()["n_trials"] == 1
+
+
+def test_an_interrupted_search_resumes_with_what_it_lacks_and_new_points(index, tmp_path,
+                                                                          monkeypatch):
+    """Run all again after a disconnect: the search ends with the trials it was asked for, and
+    the new process's sampler does not draw the points the first one tried again."""
+    calls = []
+
+    def interrupted(idx, config, on_epoch):
+        calls.append(config.lr)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # the session is cut off in its third trial
+        return fake_fit(idx, config, on_epoch)
+    monkeypatch.setattr(optuna_optimizer, "fit", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        tuner(index, tmp_path, n_trials=4).run()
+    monkeypatch.setattr(optuna_optimizer, "fit", fake_fit)
+    t = tuner(index, tmp_path, n_trials=4, resume=True)
+    summary = t.run()
+    finished = [x for x in t.study.trials if x.state != optuna.trial.TrialState.FAIL]
+    assert summary["n_complete"] == len(finished) == 4 and t.new_trials == 2
+    drawn = [x.params["lr"] for x in finished if not x.user_attrs.get("default")]
+    assert len(set(drawn)) == len(drawn) == 3, drawn
 
 
 def test_a_study_of_other_data_is_refused(index, tmp_path, monkeypatch):
@@ -445,7 +470,7 @@ def test_local_dir_keeps_the_study_local_and_copies_it_to_the_output_dir(index, 
     stored = optuna.load_study(study_name="hpo", storage=f"sqlite:///{copy}")
     assert len(stored.trials) == 2
     del stored
-    again = tuner(index, tmp_path, local_dir=tmp_path / "new-machine", resume=True, n_trials=1)
+    again = tuner(index, tmp_path, local_dir=tmp_path / "new-machine", resume=True, n_trials=3)
     again.run()
     assert len(again.study.trials) == 3
     assert len(optuna.load_study(study_name="hpo", storage=f"sqlite:///{copy}").trials) == 3

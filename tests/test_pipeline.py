@@ -423,17 +423,22 @@ def test_resume_after_the_search_finished_does_not_extend_the_study(small, tmp_p
     assert resumed["settings"]["lr"] == first["settings"]["lr"]
     assert resumed["resumed_from_epoch"] == 2 and resumed["test_acc"] == first["test_acc"]
 
-    # while the search itself was interrupted (no final checkpoint yet), --resume extends it
+    # while the search itself was interrupted (no final checkpoint yet), --resume runs the
+    # trials it lacks up to --n-trials: none here (it has 3), one more for 4
     final = run_path(out) / "hpo.pt"
     final.unlink()
-    monkeypatch.undo()
     assert run_main(*argv, "--resume", "--n-trials", "2") == 0
-    assert json.loads((out / "results.json").read_text())[-1]["hpo"]["n_trials"] == 5
+    assert json.loads((out / "results.json").read_text())[-1]["hpo"]["n_trials"] == 3
+    final.unlink()
+    monkeypatch.undo()
+    assert run_main(*argv, "--resume", "--n-trials", "4") == 0
+    assert json.loads((out / "results.json").read_text())[-1]["hpo"]["n_trials"] == 4
 
 
 def test_resume_with_more_trials_grows_a_finished_study(small, tmp_path, monkeypatch):
-    """`--resume --n-trials K` after a finished hpo scenario: K more trials in the same study;
-    the final run is trained again only when the choice changed (the earlier one kept aside)."""
+    """`--resume --n-trials N` after a finished hpo scenario, N more than its trials: the
+    study grows to N; the final run is trained again only when the choice changed (the
+    earlier one kept aside). The same command resumed again adds nothing."""
     out = tmp_path / "out"
     argv = ("--data-dir", str(small), "--scenarios", "hpo", "--image-size", "32", "--epochs", "2",
             "--weights", "none", "--no-progress", "--no-autotune", "--output-dir", str(out))
@@ -448,7 +453,10 @@ def test_resume_with_more_trials_grows_a_finished_study(small, tmp_path, monkeyp
     monkeypatch.setattr(scenario.OptunaTuner, "choice", lambda self: (
         None, "keeping the default") if first["hpo"]["keeps_default"] else (
         first["hpo"]["chosen_params"], "unchanged"))
-    assert run_main(*argv, "--resume", "--n-trials", "1") == 0
+    assert run_main(*argv, "--resume", "--n-trials", "2") == 0  # the command run again
+    again = json.loads((out / "results.json").read_text())[-1]
+    assert again["hpo"]["n_trials"] == 2 and again["test_acc"] == first["test_acc"]
+    assert run_main(*argv, "--resume", "--n-trials", "3") == 0
     grown = json.loads((out / "results.json").read_text())[-1]
     assert grown["hpo"]["n_trials"] == 3
     assert grown["resumed_from_epoch"] == 2 and grown["test_acc"] == first["test_acc"]
@@ -456,7 +464,7 @@ def test_resume_with_more_trials_grows_a_finished_study(small, tmp_path, monkeyp
     # one more trial that wins: trained again from the start, the earlier final run kept aside
     better = {"lr": 0.005, "batch_size": 16, "optimizer": "sgd", "weight_decay": 1e-4}
     monkeypatch.setattr(scenario.OptunaTuner, "choice", lambda self: (better, "a new winner"))
-    assert run_main(*argv, "--resume", "--n-trials", "1") == 0
+    assert run_main(*argv, "--resume", "--n-trials", "4") == 0
     changed = json.loads((out / "results.json").read_text())[-1]
     assert changed["hpo"]["n_trials"] == 4 and changed["resumed_from_epoch"] is None
     assert (changed["settings"]["lr"], changed["settings"]["optimizer"]) == (0.005, "sgd")
