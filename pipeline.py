@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", action="store_true",
                      help="continue interrupted scenarios from their checkpoints")
     run.add_argument("--local-dir", metavar="DIR",
-                     help="keep the SQLite study here (a local disk) and copy it to the output "
+                     help="keep the SQLite study (and the generated synthetic set) here, on "
+                          "a local disk, and copy the study to the output "
                           "dir after every trial: for an output dir on a network drive such as "
                           "Google Drive, where SQLite is slow and unsafe; --resume restores it "
                           "from the output dir when DIR lost it")

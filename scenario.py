@@ -278,7 +278,10 @@ def short_budget(config: TrainConfig) -> int:
 
 def load_data(args: RunOptions, output_dir: Path) -> DatasetIndex:
     per_class = QUICK_SYNTHETIC_PER_CLASS if args.quick else SYNTHETIC_PER_CLASS
-    root, name = resolve_source(args.dataset, args.data_dir, output_dir / "data", per_class)
+    # The generated set is local with --local-dir (an output dir on Google Drive would serve
+    # the baseline's every epoch from Drive); it is the same images wherever it is made.
+    cache = Path(args.local_dir) if args.local_dir else output_dir
+    root, name = resolve_source(args.dataset, args.data_dir, cache / "data", per_class)
     index = index_dataset(root, name, seed=args.seed)
     if args.quick:
         index = subset(index, QUICK_PER_CLASS)

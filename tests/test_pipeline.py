@@ -586,3 +586,14 @@ def test_run_options_hold_every_command_line_option_and_nothing_else():
     dests = {a.dest for a in pipeline.build_parser()._actions if a.dest != "help"}
     fields = {f.name for f in dataclasses.fields(scenario.RunOptions)}
     assert fields - {"run_id", "command"} == dests
+
+
+def test_local_dir_keeps_the_generated_set_off_the_output_dir(tmp_path, monkeypatch):
+    """With the outputs on Google Drive (--local-dir given), the baseline would read every
+    epoch's images from Drive: the synthetic set is made on the local disk instead."""
+    monkeypatch.setattr(scenario, "QUICK_SYNTHETIC_PER_CLASS", (12, 4))
+    args = pipeline.options(quick=True, local_dir=str(tmp_path / "local"))
+    index = scenario.load_data(args, tmp_path / "drive")
+    assert index.name == "synthetic" and index.train
+    assert all(Path(p).is_relative_to(tmp_path / "local" / "data") for p, _ in index.train)
+    assert not (tmp_path / "drive" / "data").exists()
