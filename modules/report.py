@@ -79,7 +79,7 @@ def best_row(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     return max(scored, key=lambda r: r["test_acc"]) if scored else None
 
 
-def plot_confusion(row: dict[str, Any], out_dir: Path) -> Path | None:
+def plot_confusion(row: dict[str, Any], out_dir: Path, name: str = CONFUSION_PNG) -> Path | None:
     """The scenario's test confusion matrix (counts, shaded by share of the true class) and
     its per-class accuracy. `row`: a results row, or a saved model's `meta["extra"]`."""
     matrix = row.get("confusion_matrix")
@@ -110,7 +110,7 @@ def plot_confusion(row: dict[str, Any], out_dir: Path) -> Path | None:
     for i, acc in enumerate(accs):
         acc_ax.annotate(f"{acc:.0f}", (acc, i), va="center", fontsize="small")
     fig.tight_layout()
-    path = Path(out_dir) / CONFUSION_PNG
+    path = Path(out_dir) / name
     fig.savefig(path)
     return path
 

@@ -2,6 +2,7 @@
 user came for (checked in a real browser)."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import pytest
 
 import pipeline
 from conftest import make_folder, run_path
+from modules.utility import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "main_pipeline.ipynb"
@@ -103,7 +105,7 @@ def test_notebook_runs_headless_and_shows_every_result(executed):
     text = printed(notebook)
     assert "python pipeline.py --scenarios baseline,resolution,hpo" in text
     assert "warning: running on the CPU" in text or "device: " in text
-    assert " min on " in text  # the estimate, printed before the run
+    assert re.search(r"about \d+ (s|min) on cpu: baseline \d", text)  # the estimate, before
     assert "points against the baseline" in text and "hpo: " in text
     images = [o for c in notebook["cells"] for o in c.get("outputs", [])
               if "image/png" in o.get("data", {})]
@@ -114,6 +116,34 @@ def test_notebook_runs_headless_and_shows_every_result(executed):
     assert len(images) >= len(made)
     assert any("table" in "".join(o.get("data", {}).get("text/html", ""))
                for c in notebook["cells"] for o in c.get("outputs", []))
+
+
+def test_a_later_run_into_the_same_folder_shows_its_own_results(executed, tmp_path):
+    """Baseline only, into the folder of a full run: no tuner chart of the earlier run shown as
+    this run's, the saved model's run named, every column of the table shown."""
+    papermill = pytest.importorskip("papermill")
+    path, earlier = executed
+    out = tmp_path / "out"
+    shutil.copytree(earlier, out)
+    before = json.loads((earlier / "results.json").read_text())
+    papermill.execute_notebook(str(NOTEBOOK), str(tmp_path / "again.ipynb"), cwd=str(ROOT),
+                               kernel_name="python3", progress_bar=False,
+                               parameters={**TINY, "DATA_DIR": str(earlier.parent / "colours"),
+                                           "OUTPUT_DIR": str(out), "RUN_RESOLUTION_TUNING": False,
+                                           "RUN_OPTUNA_HP_TUNING": False})
+    notebook = json.loads((tmp_path / "again.ipynb").read_text())
+    text = printed(notebook)
+    for chart in ("resolution_tradeoff.png", "optuna_history.png", "optuna_importance.png"):
+        assert f"{chart}: not made by this run" in text
+    rows = json.loads((out / "results.json").read_text())
+    this_run = rows[-1]["run_id"]
+    assert this_run != before[-1]["run_id"] and rows[-1]["scenario"] == "baseline"
+    saved = load_model(out / "colours_model.pt").meta["extra"]
+    assert ("from this run" in text) == (saved["run_id"] == this_run)
+    assert f"from run {saved['run_id']}, an earlier run" in text or saved["run_id"] == this_run
+    tables = "".join("".join(o.get("data", {}).get("text/html", ""))
+                     for c in notebook["cells"] for o in c.get("outputs", []))
+    assert "Throughput (img/s)" in tables and "Step (ms)" in tables
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (.ci/run installs it)")
@@ -169,6 +199,16 @@ def test_a_mistake_in_the_parameters_is_one_line_without_a_traceback(tmp_path):
     text = printed(notebook)
     assert "error: " in text and "scenario" in text
     assert "Traceback" not in text and not (tmp_path / "out").exists()
+    # Google Drive asked for outside Colab
+    with pytest.raises(papermill.PapermillExecutionError):
+        papermill.execute_notebook(
+            str(NOTEBOOK), str(tmp_path / "drive.ipynb"), cwd=str(ROOT), kernel_name="python3",
+            progress_bar=False, parameters={"USE_DRIVE": True, "OPEN_TENSORBOARD": False,
+                                            "OUTPUT_DIR": str(tmp_path / "out")})
+    errors = [o for c in json.loads((tmp_path / "drive.ipynb").read_text())["cells"]
+              for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    assert [(e["ename"], e["evalue"].split(";")[0]) for e in errors] == [
+        ("SystemExit", "error: USE_DRIVE needs Google Colab (its Drive)")]
 
 
 # ----------------------------------------------------------------------------- simulated Colab
@@ -251,10 +291,16 @@ def test_simulated_colab_clones_mounts_drive_and_resumes_after_a_disconnect(tmp_
     assert (content / "hwtrain" / "pipeline.py").exists()  # cloned into the session's folder
 
     # Run all again with RESUME: it continues where it stopped. (The study's local copy is
-    # tested in test_optuna_optimizer.)
+    # tested in test_optuna_optimizer.) Meanwhile the user picked another REPO_REF: the clone
+    # the first session made is moved to it.
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    (repo / "MARKER").write_text("the other branch\n")
+    for command in (["checkout", "-qb", "other"], ["add", "MARKER"], ["commit", "-qm", "other"]):
+        subprocess.run(git + command, cwd=repo, check=True)
     second = papermill_colab(notebook, tmp_path / "second.ipynb", content, env,
-                             {**params, "RESUME": True})
+                             {**params, "RESUME": True, "REPO_REF": "other"})
     assert second.wait(timeout=900) == 0, tail(tmp_path / "second.ipynb")
+    assert (content / "hwtrain" / "MARKER").exists()
     rows = json.loads((outputs / "results.json").read_text())
     assert [r["scenario"] for r in rows] == ["baseline"]
     assert 1 <= rows[0]["resumed_from_epoch"] < 6 and rows[0]["epochs"] == 6
