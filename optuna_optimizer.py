@@ -127,6 +127,23 @@ class _BeyondNoise(optuna.pruners.BasePruner):
             beats(leader, trial.intermediate_values[step], self.n_val)
 
 
+def storage_error(url: str, exc: Exception) -> UserError:
+    first = _scrub(first_line(exc, limit=1000), url)
+    return UserError(f"cannot open Optuna storage {_without_password(url)!r} "
+                     f"({type(exc).__name__}: {first}).")
+
+
+def check_storage(url: str) -> None:
+    """Opens a --storage URL once, so that a wrong one stops the run before any training."""
+    if re.fullmatch(r"sqlite:/{2,3}(:memory:)?", url.strip()):
+        raise UserError(f"--storage {url!r} is an in-memory SQLite database, gone when the run "
+                        "ends and unseen by other workers; give a file: sqlite:///path/optuna.db")
+    try:
+        optuna.storages.RDBStorage(url).engine.dispose()
+    except Exception as exc:  # as in OptunaTuner._storage
+        raise storage_error(url, exc) from None
+
+
 class OptunaTuner:
     """An Optuna study maximising validation accuracy over training hyperparameters."""
 
@@ -180,7 +197,7 @@ class OptunaTuner:
         db = self.output_dir / "optuna.db"
         if local_dir is not None and storage is None:
             # One local file per output folder, so two runs on one machine never share it.
-            key = hashlib.sha1(str(self.output_dir.resolve()).encode()).hexdigest()[:12]
+            key = hashlib.sha1(str(self.output_dir.resolve()).encode("utf-8", "surrogateescape")).hexdigest()[:12]
             local = Path(local_dir).expanduser() / key / "optuna.db"
             local.parent.mkdir(parents=True, exist_ok=True)
             if db.exists() and (not local.exists() or db.stat().st_mtime > local.stat().st_mtime):
@@ -340,9 +357,7 @@ class OptunaTuner:
                 return _Storage(self.storage_url, heartbeat_interval=HEARTBEAT_S,
                                 grace_period=GRACE_S, **{keyword: retry})
         except Exception as exc:  # SQLAlchemy raises many types for bad URLs / unreachable DBs
-            first = _scrub(first_line(exc, limit=1000), self.storage_url)
-            raise UserError(f"cannot open Optuna storage {_without_password(self.storage_url)!r} "
-                            f"({type(exc).__name__}: {first}).") from None
+            raise storage_error(self.storage_url, exc) from None
 
     def first_rung(self) -> int:
         """The epoch at which successive halving first compares trials: half a trial's."""
@@ -384,7 +399,9 @@ class OptunaTuner:
         take a resumed study's trials as they are, run none. ended=True: the study's search
         has ended (its final run started): trials run only when n_trials is more than it was
         asked for, growing it."""
-        optuna.logging.set_verbosity(optuna.logging.WARNING)  # we log one line per trial
+        # We log one line per trial; Optuna's own warning for a failed trial carries the whole
+        # traceback of a Ctrl-C, which the command line answers in one line.
+        optuna.logging.set_verbosity(optuna.logging.ERROR)
         storage, where = self.storage, _without_password(self.storage_url)
         shared = not self.storage_url.startswith("sqlite:")
         exists = self.study_name in optuna.get_all_study_names(storage)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import errno
 import logging
 import math
 import shlex
@@ -47,6 +49,8 @@ def _bounded(kind, low, high=None, strict=False):
 
 def _scenario_list(text: str) -> list[str]:
     names = [s.strip() for s in text.split(",") if s.strip()]
+    if len(set(names)) < len(names):
+        raise argparse.ArgumentTypeError(f"{text!r} names a scenario twice")
     unknown = [s for s in names if s not in SCENARIOS]
     if unknown or not names:
         raise argparse.ArgumentTypeError(
@@ -160,12 +164,28 @@ def parse_args(argv: list[str] | None = None) -> RunOptions:
     args = RunOptions(**vars(build_parser().parse_args(argv)))
     if args.data_dir is not None and not Path(args.data_dir).expanduser().is_dir():
         raise UserError(f"--data-dir {args.data_dir!r} does not exist or is not a folder.")
-    if args.weights not in ("none", "imagenet") and not Path(args.weights).is_file():
-        raise UserError(f"--weights must be none, imagenet or an existing file, but got "
-                        f"{args.weights!r}.")
+    if not args.output_dir.strip():
+        raise UserError("--output-dir is empty; name a folder (default: others).")
+    if args.data_dir is not None and Path(args.output_dir).expanduser().resolve().is_relative_to(
+            Path(args.data_dir).expanduser().resolve()):
+        raise UserError(f"--output-dir {args.output_dir!r} is inside --data-dir "
+                        f"{args.data_dir!r}: its charts would be read as images; put it elsewhere.")
+    if args.local_dir is not None and Path(args.local_dir).expanduser().exists() and \
+            not Path(args.local_dir).expanduser().is_dir():
+        raise UserError(f"--local-dir {args.local_dir!r} is a file, not a folder.")
+    if args.weights not in ("none", "imagenet"):
+        args.weights = str(Path(args.weights).expanduser())
+        if not Path(args.weights).is_file():
+            raise UserError(f"--weights must be none, imagenet or an existing file, but got "
+                            f"{args.weights!r}.")
     device = resolve_device(args.device)  # --device cuda without a GPU fails here
     for name in args.scenarios:  # so does any value TrainConfig refuses, before any work
-        scenario_config(name, args, device)
+        config = scenario_config(name, args, device)
+        for size in (args.resolutions or []) if name == "resolution" else []:
+            try:
+                dataclasses.replace(config, image_size=size)
+            except UserError as exc:
+                raise UserError(f"--resolutions: {size} px is refused ({exc})") from None
     return args
 
 
@@ -205,15 +225,30 @@ def setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
 
 
+# A folder or disk the run cannot write to: the user's to fix, not a bug.
+UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT)
+
+
+def unwritable(exc: OSError) -> str:
+    return (f"cannot write {str(exc.filename)!r} ({exc.strerror}); what was written before "
+            "stays: make room or fix the folder's permissions, then rerun with --resume.")
+
+
 def quiet_user_errors() -> None:
-    """In IPython (the notebook): a UserError prints as the command line prints it, one line
-    without a traceback; the cell still fails, so "Run all" stops there."""
+    """In IPython (the notebook): a UserError, or a folder the run cannot write, prints as the
+    command line prints it, one line without a traceback; the cell still fails, so "Run all"
+    stops there."""
     try:
         shell = get_ipython()  # type: ignore[name-defined]  # noqa: F821  (IPython's builtin)
     except NameError:
         return
-    shell.set_custom_exc((UserError,), lambda shell, etype, value, tb, tb_offset=None:
-                         print(f"error: {value}", file=sys.stderr))
+    def one_line(shell, etype, value, tb, tb_offset=None):
+        if isinstance(value, OSError) and value.errno not in UNWRITABLE:
+            shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
+        else:
+            print(f"error: {unwritable(value) if isinstance(value, OSError) else value}",
+                  file=sys.stderr)
+    shell.set_custom_exc((UserError, OSError), one_line)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,6 +259,11 @@ def main(argv: list[str] | None = None) -> int:
         run(args)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        if exc.errno not in UNWRITABLE:
+            raise  # not the user's folder: a bug, with its traceback
+        print(f"error: {unwritable(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted: rerun the same command with --resume to continue.", file=sys.stderr)

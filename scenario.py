@@ -41,7 +41,8 @@ from modules.results import (checkpoint_file, compare_to_baseline, json_safe, ke
                              merge_results, previous_row, result_row, run_folder, start_run,
                              write_json)
 from modules.trainer import load_checkpoint, prepare, train
-from optuna_optimizer import BATCH_SIZES, EarlierTrial, OptunaTuner, end_trials, follow_trials
+from optuna_optimizer import (BATCH_SIZES, EarlierTrial, OptunaTuner, check_storage, end_trials,
+                              follow_trials)
 from resolution_tuner import (CPU_RESOLUTIONS, GPU_RESOLUTIONS, QUICK_CPU_RESOLUTIONS,
                               ResolutionTuner)
 
@@ -653,7 +654,7 @@ def write_outputs(results: list[dict[str, Any]], output_dir: Path, run_id: str |
     return current
 
 
-def prepare_output_dir(path: str) -> Path:
+def prepare_output_dir(path: str, what: str = "output dir") -> Path:
     out = Path(path).expanduser()
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -661,7 +662,7 @@ def prepare_output_dir(path: str) -> Path:
         with tempfile.NamedTemporaryFile(dir=out, prefix=".write_test"):
             pass
     except OSError as exc:
-        raise UserError(f"cannot write to output dir {str(out)!r} ({exc.strerror or exc}).") from None
+        raise UserError(f"cannot write to {what} {str(out)!r} ({exc.strerror or exc}).") from None
     return out
 
 
@@ -673,6 +674,10 @@ def run(args: RunOptions, index: DatasetIndex | None = None) -> list[dict[str, A
     if not distributed.is_main():  # under torchrun: one set of logs, rank 0's
         logging.getLogger().setLevel(logging.WARNING)
     output_dir = prepare_output_dir(args.output_dir)
+    if args.local_dir:
+        prepare_output_dir(args.local_dir, "--local-dir")
+    if args.storage and "hpo" in args.scenarios:
+        check_storage(args.storage)  # a wrong URL stops the run before any training
     index = index or load_data(args, output_dir)
     # Every process checks (so a refused --resume ends them all); rank 0's id is the run's.
     args.run_id = distributed.from_main(start_run(

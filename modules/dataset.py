@@ -130,7 +130,8 @@ class DatasetIndex:
         digest = hashlib.sha1()
         for split in splits:
             for path, label in getattr(self, split):
-                digest.update(f"{path}\t{label}\n".encode())
+                # surrogateescape: a file name that is not UTF-8 (zips made on Windows)
+                digest.update(f"{path}\t{label}\n".encode("utf-8", "surrogateescape"))
             digest.update(b"\0")
         return digest.hexdigest()
 
@@ -192,25 +193,38 @@ def find_splits(root: Path) -> tuple[str, dict[str, Path]]:
     def first_dir(*candidates: Path) -> Path | None:
         return next((c for c in candidates if c.is_dir()), None)
 
-    intel_train = first_dir(root / "seg_train" / "seg_train", root / "seg_train")
+    intel_train = first_dir(_child(root, "seg_train", "seg_train"), _child(root, "seg_train"))
     if intel_train is not None:
-        intel_test = first_dir(root / "seg_test" / "seg_test", root / "seg_test")
+        intel_test = first_dir(_child(root, "seg_test", "seg_test"), _child(root, "seg_test"))
         if intel_test is None:
             raise UserError(f"{str(root)!r} has seg_train but no seg_test folder (Intel layout).")
         return "intel", {"train": intel_train, "test": intel_test}
-    if (root / "train").is_dir():
-        test = first_dir(root / "test")
+    if _child(root, "train").is_dir():
+        test = first_dir(_child(root, "test"))
         if test is None:
             raise UserError(f"{str(root)!r} has train/ but no test/ folder; add test/<class>/ "
                             "images or pass a folder of class folders to split automatically.")
-        splits = {"train": root / "train", "test": test}
-        if (root / "val").is_dir():
-            splits["val"] = root / "val"
+        splits = {"train": _child(root, "train"), "test": test}
+        if _child(root, "val").is_dir():
+            splits["val"] = _child(root, "val")
         return "train/test", splits
     if _class_dirs(root):
         return "class folders", {"all": root}
     raise UserError(f"{str(root)!r} has no class folders: expected seg_train/seg_train/<class> "
                     "(Intel), train/<class> + test/<class>, or <class>/ folders of images.")
+
+
+def _child(folder: Path, *parts: str) -> Path:
+    """folder/part/..., each part matched regardless of case (Train/, TEST/, Val/), the exact
+    name first; the exact path when nothing matches."""
+    for part in parts:
+        exact = folder / part
+        try:
+            folder = exact if exact.is_dir() else next(
+                (p for p in folder.iterdir() if p.name.lower() == part and p.is_dir()), exact)
+        except OSError:  # not a folder, or unreadable
+            folder = exact
+    return folder
 
 
 def _class_dirs(folder: Path) -> list[Path]:
@@ -287,7 +301,10 @@ def _scan_split(folder: Path, split: str, check: bool, seen: dict[str, Path] | N
     classes = _class_dirs(folder)
     if not classes:
         raise UserError(f"the {split} folder {str(folder)!r} has no class folders.")
-    listed = {c.name: _image_files(c, seen) for c in classes}
+    # A folder name that is not UTF-8 (zips made on Windows) is named with escapes, so that
+    # charts and logs can print it: b"caf\xe9" is the class 'caf\\xe9'.
+    listed = {c.name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace"):
+              _image_files(c, seen) for c in classes}
     per_class = {name: files for name, (files, _) in listed.items()}
     repeats = sum(n for _, n in listed.values())
     if repeats:

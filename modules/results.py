@@ -28,6 +28,7 @@ from modules.trainer import TrainResult
 log = logging.getLogger("pipeline")
 
 RUN_FILE = "latest_run.json"  # in the output dir: the newest run's id, data and command
+RUN_RECORD = "run.json"  # the same record, kept in each run's checkpoints folder
 
 
 def checkpoint_file(output_dir: Path, scenario: str, suffix: str = ".pt",
@@ -44,13 +45,33 @@ def run_folder(output_dir: Path, kind: str, run_id: str | None) -> Path:
     return Path(output_dir) / kind / (run_id or "")
 
 
-def latest_run(output_dir: Path) -> dict[str, Any] | None:
-    """The record of the newest run in output_dir (what --resume continues), or None."""
+def _run_record(path: Path) -> dict[str, Any] | None:
     try:
-        record = json.loads((Path(output_dir) / RUN_FILE).read_text())
-    except (OSError, json.JSONDecodeError):
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):  # ValueError: not JSON, or not UTF-8
         return None
     return record if isinstance(record, dict) and record.get("run_id") else None
+
+
+def _has_progress(output_dir: Path, run_id: str) -> bool:
+    """Whether a run left anything to continue: a checkpoint, a journal, weights or rows."""
+    folder = run_folder(output_dir, "checkpoints", run_id)
+    return any(p.name != RUN_RECORD for p in folder.glob("*")) or any(
+        r.get("run_id") == run_id for r in earlier_rows(Path(output_dir) / "results.json"))
+
+
+def latest_run(output_dir: Path) -> dict[str, Any] | None:
+    """The record of the newest run in output_dir that left something to continue (what
+    --resume continues), else the newest run's, or None. Each run's record is also kept in its
+    checkpoints folder: a run stopped by a mistake before it trained (a typo in an option
+    checked once the run started) does not hide the interrupted run before it, and a lost or
+    damaged latest_run.json loses nothing."""
+    records = [_run_record(Path(output_dir) / RUN_FILE)] + [
+        _run_record(p) for p in (Path(output_dir) / "checkpoints").glob(f"*/{RUN_RECORD}")]
+    newest = sorted({r["run_id"]: r for r in records if r}.values(),
+                    key=lambda r: (r.get("started") or "", r["run_id"]), reverse=True)
+    return next((r for r in newest if _has_progress(output_dir, r["run_id"])),
+                newest[0] if newest else None)
 
 
 def start_run(output_dir: Path, index: DatasetIndex, *, resume: bool, command: str) -> str:
@@ -63,7 +84,8 @@ def start_run(output_dir: Path, index: DatasetIndex, *, resume: bool, command: s
             raise UserError(
                 f"cannot resume: the newest run in {output_dir} ({latest['run_id']}) trained on "
                 f"{latest.get('dataset')!r} ({latest.get('n_images')} images), this one is on "
-                f"{index.name!r} ({index.n_images()} images); drop --resume to start a new run "
+                f"{index.name!r} ({index.n_images()} images): other images, the same images in "
+                "another folder, or another --seed's split; drop --resume to start a new run "
                 "beside it (nothing is deleted).")
         log.info("resuming run %s (%s)", latest["run_id"], latest.get("command") or "")
         return latest["run_id"]
@@ -77,11 +99,13 @@ def start_run(output_dir: Path, index: DatasetIndex, *, resume: bool, command: s
         suffix += 1
         run_id = f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{suffix}"
     if distributed.is_main():
-        write_json(output_dir / RUN_FILE, {
-            "run_id": run_id, "dataset": index.name, "data_fingerprint": fingerprint,
-            "n_images": index.n_images(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ",
-                                                                   time.gmtime()),
-            "command": command})
+        record = {"run_id": run_id, "dataset": index.name, "data_fingerprint": fingerprint,
+                  "n_images": index.n_images(),
+                  "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                  "command": command}
+        run_folder(output_dir, "checkpoints", run_id).mkdir(parents=True, exist_ok=True)
+        write_json(run_folder(output_dir, "checkpoints", run_id) / RUN_RECORD, record)
+        write_json(output_dir / RUN_FILE, record)
     return run_id
 
 
@@ -197,13 +221,18 @@ def write_json(path: Path, data) -> None:
     atomic_write_text(json.dumps(json_safe(data), indent=2, allow_nan=False), path)
 
 
-def earlier_rows(path: Path) -> list[dict[str, Any]]:
-    """The rows of an earlier results.json; none when it is missing or unreadable."""
+def _rows(path: Path) -> list[dict[str, Any]] | None:
+    """The rows of a results.json: [] when there is none, None when it cannot be read."""
     try:
         rows = json.loads(path.read_text()) if path.exists() else []
-    except (OSError, json.JSONDecodeError):
-        return []
-    return [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else []
+    except (OSError, ValueError):  # ValueError: not JSON, or not UTF-8
+        return None
+    return [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else None
+
+
+def earlier_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of an earlier results.json; none when it is missing or unreadable."""
+    return _rows(path) or []
 
 
 def previous_row(path: Path, scenario: str, dataset: str, run_id: str | None = None
@@ -238,5 +267,12 @@ def merge_results(path: Path, rows: list[dict[str, Any]]) -> list[dict[str, Any]
     """Every earlier run's rows stay; within one run (resumed) a scenario's new row replaces
     its old one."""
     new = {(r.get("run_id"), r["scenario"]) for r in rows}
-    kept = [r for r in earlier_rows(path) if (r.get("run_id"), r.get("scenario")) not in new]
+    earlier = _rows(path)
+    if earlier is None:  # hand-edited or damaged: kept for the user, never overwritten
+        aside = path.with_name(f"{path.stem}.unreadable-{time.strftime('%Y%m%d-%H%M%S')}.json")
+        path.rename(aside)
+        log.warning("%s could not be read as a list of results; kept it as %s and started a "
+                    "new one (its rows can be copied back once mended)", path, aside)
+        earlier = []
+    kept = [r for r in earlier if (r.get("run_id"), r.get("scenario")) not in new]
     return kept + rows

@@ -301,3 +301,120 @@ def test_a_read_only_filesystem_is_one_clear_line(data, tmp_path, capsys):
     assert code == 2 and "Traceback" not in err
     assert err.strip().splitlines()[-1] == (
         f"error: cannot write to output dir {str(mount / 'out')!r} (Read-only file system).")
+
+
+# ------------------------------------------------------------------- a new user's mistakes
+
+def test_mistakes_in_paths_and_lists_are_refused_before_any_work(tmp_path):
+    data = make_folder(tmp_path / "d", n_train=4, n_test=2)
+    (tmp_path / "afile").write_text("")
+    refused = {
+        ("--data-dir", str(data), "--output-dir", str(data / "red" / "out")): "inside --data-dir",
+        ("--data-dir", str(data), "--output-dir", str(data)): "inside --data-dir",
+        ("--output-dir", ""): "--output-dir is empty",
+        ("--local-dir", str(tmp_path / "afile")): "is a file, not a folder",
+        ("--resolutions", "8,64"): "--resolutions: 8 px is refused",
+        ("--resolutions", "100000"): "--resolutions: 100000 px is refused",
+    }
+    for argv, says in refused.items():
+        with pytest.raises(UserError, match=says):
+            pipeline.parse_args(list(argv))
+    with pytest.raises(UserError, match="names a scenario twice"):
+        pipeline.parse_args(["--scenarios", "baseline,baseline"])
+    assert not (data / "red" / "out").exists()
+    home = Path.home()
+    weights = home / ".hwtrain-test-weights.pt"
+    weights.write_bytes(b"")
+    try:
+        assert pipeline.parse_args(["--weights", "~/" + weights.name]).weights == str(weights)
+    finally:
+        weights.unlink()
+
+
+def test_a_wrong_storage_is_refused_before_any_training(tmp_path, capsys):
+    from optuna_optimizer import check_storage
+    for url in ("sqlite://", "sqlite:///:memory:"):
+        with pytest.raises(UserError, match="in-memory SQLite"):
+            check_storage(url)
+    data = make_folder(tmp_path / "d", n_train=4, n_test=2)
+    code = pipeline.main(["--data-dir", str(data), "--output-dir", str(tmp_path / "o"), *RUN,
+                          "--scenarios", "baseline,hpo",
+                          "--storage", f"sqlite:///{tmp_path / 'no' / 'such' / 'dir.db'}"])
+    assert code == 2 and "cannot open Optuna storage" in capsys.readouterr().err
+    assert not (tmp_path / "o" / "results.json").exists()  # the baseline did not train
+
+
+def test_train_and_test_folders_are_found_whatever_their_case(tmp_path):
+    root = make_folder(tmp_path / "d", n_train=4, n_test=2)
+    (root / "train").rename(root / "Train")
+    (root / "test").rename(root / "TEST")
+    index = index_dataset(root)
+    assert index.layout == "train/test" and index.classes == ["blue", "green", "red"]
+
+
+def test_names_that_are_not_utf8_train_and_print(tmp_path):
+    """Folders unzipped from an archive made on Windows: a class and a file whose names are
+    not UTF-8."""
+    root = make_folder(tmp_path / "d", n_train=6, n_test=2)
+    for split in ("train", "test"):
+        os.rename(os.fsencode(root / split / "red"), os.fsencode(root / split) + b"/r\xe9d")
+    os.rename(os.fsencode(root / "train" / "blue" / "0.jpg"),
+              os.fsencode(root / "train" / "blue") + b"/b\xff.jpg")
+    out = tmp_path / "out"
+    assert pipeline.main(["--data-dir", str(root), "--output-dir", str(out), "--quick",
+                          "--epochs", "1", "--image-size", "32", "--resolutions", "24",
+                          "--n-trials", "1", "--weights", "none", "--no-progress"]) == 0
+    rows = json.loads((out / "results.json").read_text())
+    assert [r["scenario"] for r in rows] == ["baseline", "resolution", "hpo"]
+    assert set(rows[0]["per_class_test_acc"]) == {"blue", "green", "r\\xe9d"}
+
+
+def test_a_damaged_results_file_is_kept_aside_not_overwritten(tmp_path):
+    from modules.results import merge_results
+    path = tmp_path / "results.json"
+    path.write_text('[{"scenario": "baseline", "run_id": "a"},]')  # a stray comma
+    row = {"scenario": "baseline", "run_id": "b"}
+    assert merge_results(path, [row]) == [row]
+    (aside,) = tmp_path.glob("results.unreadable-*.json")
+    assert aside.read_text() == '[{"scenario": "baseline", "run_id": "a"},]'
+
+
+def test_resume_finds_the_interrupted_run_past_a_mistake_and_a_lost_record(tmp_path):
+    """A run refused after it started (an option checked once it runs) is newer than the
+    interrupted run but left nothing to continue; latest_run.json may be lost or damaged."""
+    from modules.results import RUN_FILE, latest_run
+    out = tmp_path / "out"
+    for run_id, started, progress in (("20261127-100000", "2026-11-27T10:00:00Z", True),
+                                      ("20261127-110000", "2026-11-27T11:00:00Z", False)):
+        folder = out / "checkpoints" / run_id
+        folder.mkdir(parents=True)
+        record = json.dumps({"run_id": run_id, "started": started})
+        (folder / "run.json").write_text(record)
+        (out / RUN_FILE).write_text(record)
+        if progress:
+            (folder / "baseline.pt").write_bytes(b"a checkpoint")
+    assert latest_run(out)["run_id"] == "20261127-100000"
+    (out / RUN_FILE).write_text("{damaged")
+    assert latest_run(out)["run_id"] == "20261127-100000"
+    (out / RUN_FILE).unlink()
+    assert latest_run(out)["run_id"] == "20261127-100000"
+
+
+def test_a_folder_the_run_cannot_write_is_one_line(tmp_path, monkeypatch, capsys):
+    """A read-only checkpoints/ inside a writable output dir (root ignores modes, so the
+    refusal is played); any other OSError is a bug and keeps its traceback."""
+    import errno
+
+    import scenario
+    data = make_folder(tmp_path / "d", n_train=4, n_test=2)
+    denied = PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "checkpoints"))
+    monkeypatch.setattr(scenario, "start_run", lambda *a, **k: (_ for _ in ()).throw(denied))
+    assert pipeline.main(["--data-dir", str(data), "--output-dir", str(tmp_path / "o"), *RUN]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: cannot write {str(tmp_path / 'checkpoints')!r} (Permission denied); what was "
+        "written before stays: make room or fix the folder's permissions, then rerun with "
+        "--resume.")
+    monkeypatch.setattr(scenario, "start_run", lambda *a, **k: (_ for _ in ()).throw(
+        OSError(errno.EBADF, "Bad file descriptor")))
+    with pytest.raises(OSError, match="Bad file descriptor"):
+        pipeline.main(["--data-dir", str(data), "--output-dir", str(tmp_path / "o"), *RUN])
