@@ -31,7 +31,7 @@ from modules.dataset import (DatasetIndex, data_path_of, index_dataset, load_rgb
 from modules.device import apply_process_settings, autocast_dtype, resolve_device
 from modules.evaluation import evaluate
 from modules.fastdata import cache_fits
-from modules.files import atomic_write_text, run_log, share_file
+from modules.files import atomic_write_text, folder_lock, run_log, share_file
 from modules.hardware import max_batch_size
 from modules.models import weights_file
 from modules.monitor import SystemSampler
@@ -679,15 +679,16 @@ def run(args: RunOptions, index: DatasetIndex | None = None) -> list[dict[str, A
     if args.storage and "hpo" in args.scenarios:
         check_storage(args.storage)  # a wrong URL stops the run before any training
     index = index or load_data(args, output_dir)
-    # Every process checks (so a refused --resume ends them all); rank 0's id is the run's.
-    args.run_id = distributed.from_main(start_run(
-        output_dir, index, resume=args.resume,
-        command=args.command or shlex.join(["python", *sys.argv])))
-    with (run_log(output_dir / "runs" / args.run_id / "run.log") if distributed.is_main()
-          else contextlib.nullcontext()):
-        log.info("run %s: outputs in %s (earlier runs stay in results.json)", args.run_id,
-                 output_dir)
-        return _run_scenarios(args, index, output_dir, device)
+    with folder_lock(output_dir) if distributed.is_main() else contextlib.nullcontext():
+        # Every process checks (so a refused --resume ends them all); rank 0's id is the run's.
+        args.run_id = distributed.from_main(start_run(
+            output_dir, index, resume=args.resume,
+            command=args.command or shlex.join(["python", *sys.argv])))
+        with (run_log(output_dir / "runs" / args.run_id / "run.log") if distributed.is_main()
+              else contextlib.nullcontext()):
+            log.info("run %s: outputs in %s (earlier runs stay in results.json)", args.run_id,
+                     output_dir)
+            return _run_scenarios(args, index, output_dir, device)
 
 
 def _run_scenarios(args: RunOptions, index: DatasetIndex, output_dir: Path,

@@ -323,7 +323,8 @@ def _scan_split(folder: Path, split: str, check: bool, seen: dict[str, Path] | N
             extra = f" ({bad} undecodable files skipped)" if bad else \
                 (" (its images were already counted elsewhere through links)"
                  if listed[name][1] else "")
-            raise UserError(f"class {name!r} in the {split} split has no usable images{extra}.")
+            where = f"the {split} split" if split != "all" else repr(str(folder))
+            raise UserError(f"class {name!r} in {where} has no usable images{extra}.")
     return per_class, skipped
 
 

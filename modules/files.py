@@ -8,6 +8,7 @@ import logging
 import os
 import secrets
 import shutil
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +134,34 @@ class _RunLog(logging.FileHandler):
     def handleError(self, record: logging.LogRecord) -> None:
         """A full or vanished disk must not print logging's traceback on the console; the
         run's own writes say what is wrong, in one line."""
+
+
+@contextlib.contextmanager
+def folder_lock(folder: Path):
+    """Holds folder/.lock while a run writes there: a second run into the same folder (two
+    --resume of one interrupted run, say) stops with one line instead of training the same
+    again beside it. Where the filesystem has no locks (some network drives), runs unguarded."""
+    try:
+        import fcntl
+        handle = open(Path(folder) / ".lock", "a+")
+    except (ImportError, OSError):  # Windows; an unwritable folder is reported elsewhere
+        yield
+        return
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            raise UserError(f"another run is writing to {str(folder)!r} ({holder}): wait for "
+                            "it to end, or give this one another --output-dir.") from None
+        except OSError:
+            yield
+            return
+        handle.truncate(0)
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        handle.flush()
+        yield
 
 
 @contextlib.contextmanager

@@ -186,7 +186,7 @@ def keep_best_model(result: TrainResult, config: TrainConfig, index: DatasetInde
         except UserError as exc:
             aside = path.with_name(f"{path.stem}.unreadable-{time.strftime('%Y%m%d-%H%M%S')}.pt")
             path.rename(aside)
-            log.warning("%s; kept it as %s", exc, aside)
+            log.warning("%s; kept it as %s", str(exc).rstrip("."), aside)
             previous = {}
         best = previous.get("test_acc")
         if isinstance(best, (int, float)) and best >= row["test_acc"]:

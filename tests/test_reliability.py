@@ -418,3 +418,18 @@ def test_a_folder_the_run_cannot_write_is_one_line(tmp_path, monkeypatch, capsys
         OSError(errno.EBADF, "Bad file descriptor")))
     with pytest.raises(OSError, match="Bad file descriptor"):
         pipeline.main(["--data-dir", str(data), "--output-dir", str(tmp_path / "o"), *RUN])
+
+
+def test_a_second_run_into_a_folder_in_use_stops_in_one_line(tmp_path):
+    """Two --resume of one interrupted run would train the same thing twice, side by side."""
+    from modules.files import folder_lock
+    with folder_lock(tmp_path):
+        other = subprocess.run(
+            [sys.executable, "-c", "import sys; sys.path.insert(0, '.')\n"
+             "from modules.files import folder_lock\n"
+             f"with folder_lock({str(tmp_path)!r}): pass"],
+            cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert other.returncode != 0 and "another run is writing to" in other.stderr
+        assert f"pid {os.getpid()}" in other.stderr
+    with folder_lock(tmp_path):  # released at the end: the next run goes ahead
+        pass
