@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -196,9 +197,17 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
                   else "fp32", "effective_batch_size": config.effective_batch_size,
                   "micro_batch_size": math.ceil(config.batch_size / epochs.splits),
                   "oom_recoveries": epochs.oom_recoveries,
+                  "compile_failed": epochs.compile_failed,
                   "steps_per_epoch": math.ceil(len(train_loader) / config.grad_accum_steps),
                   "world_size": distributed.world_size(), "cpu_threads": torch.get_num_threads(),
                   "cpu_allocator": hostmem.current(), "torch": torch.__version__})
+
+
+def _compile_failed(exc: BaseException) -> bool:
+    """torch.compile's backend could not build the graph (loaded only once compile ran)."""
+    dynamo = sys.modules.get("torch._dynamo.exc")
+    failed = getattr(dynamo, "BackendCompilerFailed", None)
+    return failed is not None and isinstance(exc, failed)
 
 
 class _Epochs:
@@ -214,6 +223,7 @@ class _Epochs:
         self.config, self.device, self.dtype = config, device, dtype
         self.progress, self.timer, self.profiler = progress, timer, profiler
         self.forward = torch.compile(model) if config.compile else model
+        self.compile_failed: str | None = None  # why, when --compile fell back to eager
         self.memory_format = _memory_format(config)
         # After running out of memory every loader batch goes through in `splits` chunks (x2 per
         # recovery); the optimizer step still sees the same samples, so the effective batch stays.
@@ -276,6 +286,16 @@ class _Epochs:
                                                 self.device, self.dtype, self.scaler)
                                for bx, by in window_batches[first:]]
             except RuntimeError as exc:  # torch's OutOfMemoryError is a RuntimeError
+                if self.forward is not self.model and _compile_failed(exc):
+                    # --compile where it cannot build (no C++ compiler, say): eager, as asked
+                    # for speed, rather than no run at all. Nothing of the pass was applied.
+                    self.compile_failed = first_line(exc)
+                    log.warning("torch.compile failed here (%s): training without it",
+                                self.compile_failed)
+                    self.forward = self.model
+                    self.optimizer.zero_grad(set_to_none=True)
+                    first = 0
+                    continue
                 # Under torchrun too: nothing here is a collective, so this rank alone replays
                 # its window in smaller pieces while the others wait at the step.
                 if not is_out_of_memory(exc):

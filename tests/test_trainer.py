@@ -256,3 +256,23 @@ def test_bf16_autocast_trains_on_cpu():
 def test_fp16_with_grad_scaler_on_gpu():
     result = fit(dataclasses.replace(BASE, epochs=2, amp="fp16", device="cuda"))
     assert result.settings["amp_dtype"] == "float16" and result.best_val_acc > 0.6
+
+
+def test_a_compile_that_cannot_build_trains_eager_and_says_so(monkeypatch, caplog):
+    """--compile on a machine without a C++ compiler: inductor fails at the first pass."""
+    import torch._dynamo.exc as dynamo_exc
+
+    class NoCompiler(dynamo_exc.BackendCompilerFailed):
+        def __init__(self):
+            RuntimeError.__init__(self, "InvalidCxxCompiler: No working C++ compiler found")
+
+    def broken(*_):
+        raise NoCompiler()
+    monkeypatch.setattr(torch, "compile", lambda model, **_: broken)
+    with caplog.at_level("WARNING"):
+        result = fit(dataclasses.replace(BASE, compile=True))
+    eager = fit(BASE)
+    assert result.settings["compile_failed"].startswith("InvalidCxxCompiler")
+    assert "torch.compile failed here" in caplog.text
+    assert [r["train_loss"] for r in result.history] == \
+        pytest.approx([r["train_loss"] for r in eager.history])  # nothing of the failed pass
