@@ -587,8 +587,10 @@ class OptunaTuner:
         varying = len({json.dumps(t.params, sort_keys=True) for t in complete}) >= 2
         if varying:
             path = self.output_dir / "optuna_importance.html"
-            vis.plot_param_importances(study).write_html(path, include_plotlyjs="directory")
-            written += [path, self._importance_png(study)]
+            with warnings.catch_warnings():  # "importances will be equal" on few trials: the
+                warnings.simplefilter("ignore", UserWarning)  # chart shows it, no need to warn
+                vis.plot_param_importances(study).write_html(path, include_plotlyjs="directory")
+                written += [path, self._importance_png(study)]
         else:
             log.info("skipping parameter importances: need >= 2 complete trials with different "
                      "params, have %d complete", len(complete))

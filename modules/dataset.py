@@ -6,6 +6,7 @@ import hashlib
 import logging
 import os
 import re
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -18,6 +19,10 @@ from torchvision import transforms as T
 
 from modules import distributed
 from modules.config import IMAGENET_MEAN, IMAGENET_STD, TrainConfig, UserError
+
+# Images between PIL's limit and twice it are used (beyond, they are skipped as bombs); its
+# warning for each one says nothing the user can act on.
+warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
 
 log = logging.getLogger(__name__)
 
@@ -199,6 +204,10 @@ def find_splits(root: Path) -> tuple[str, dict[str, Path]]:
         if intel_test is None:
             raise UserError(f"{str(root)!r} has seg_train but no seg_test folder (Intel layout).")
         return "intel", {"train": intel_train, "test": intel_test}
+    only = _class_dirs(root)
+    if len(only) == 1 and only[0].name.lower() in ("test", "val"):
+        raise UserError(f"{str(root)!r} has {only[0].name}/ but no train/ folder; add train/<class>/ "
+                        "images or pass a folder of class folders to split automatically.")
     if _child(root, "train").is_dir():
         test = first_dir(_child(root, "test"))
         if test is None:

@@ -433,3 +433,11 @@ def test_a_second_run_into_a_folder_in_use_stops_in_one_line(tmp_path):
         assert f"pid {os.getpid()}" in other.stderr
     with folder_lock(tmp_path):  # released at the end: the next run goes ahead
         pass
+
+
+def test_a_test_folder_alone_is_named_as_the_problem(tmp_path):
+    root = make_folder(tmp_path / "d", n_train=2, n_test=2)
+    import shutil
+    shutil.rmtree(root / "train")
+    with pytest.raises(UserError, match="has test/ but no train/ folder"):
+        index_dataset(root)
