@@ -159,7 +159,9 @@ class OptunaTuner:
                  max_batch_size: int | None = None, seed: int | None = None,
                  local_dir: str | Path | None = None, data_fingerprint: str | None = None,
                  overwrite: bool = False, weights_dir: str | Path | None = None,
-                 earlier: EarlierTrial | None = None):
+                 earlier: EarlierTrial | None = None, study_count: bool = False):
+        """n_trials: the study's size (on a shared --storage, this worker's trials); with
+        study_count and resume, a study's own count (what it was asked for) wins over it."""
         if isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials < 1:
             raise UserError(f"n_trials must be an integer >= 1, but got n_trials={n_trials!r}.")
         if timeout_s is not None and (isinstance(timeout_s, bool)
@@ -183,6 +185,7 @@ class OptunaTuner:
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.n_trials, self.timeout_s, self.resume = n_trials, timeout_s, resume
+        self.study_count = study_count
         self.new_trials = 0  # trials the last run() added
         self.study_name, self.pruner = study_name, pruner
         self.data_fingerprint, self.overwrite = data_fingerprint, overwrite
@@ -425,7 +428,7 @@ class OptunaTuner:
         # Seeded by the trials already there: a resumed study's sampler in a new process would
         # otherwise draw its first (random) points again, repeating trials already run.
         self.study.sampler = optuna.samplers.TPESampler(
-            seed=self.seed + len(self.study.trials), constant_liar=True)
+            seed=(self.seed + len(self.study.trials)) % 2**32, constant_liar=True)
         data = self.study.user_attrs.get("data_fingerprint")
         if self.data_fingerprint and data and data != self.data_fingerprint:
             raise UserError(f"study {self.study_name!r} in {where} searched other data (its "
@@ -440,7 +443,9 @@ class OptunaTuner:
                                 f"{tuple(old.choices)}, now {self.batch_sizes} (keep batch_sizes "
                                 "and max_batch_size, or run without resume to start over).")
         reused = 0
-        if not any(t.user_attrs.get("default") for t in self.study.trials):
+        alive = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.WAITING,
+                 optuna.trial.TrialState.RUNNING)  # a default trial stopped by Ctrl-C is FAIL
+        if not any(t.user_attrs.get("default") and t.state in alive for t in self.study.trials):
             # The default configuration is always a candidate, so the search can only keep or
             # beat it (see choice()).
             default = self._reused_default()
@@ -455,7 +460,10 @@ class OptunaTuner:
                 self.study.enqueue_trial(self.default_params(), user_attrs={"default": True})
         before = len(self.study.trials)
         asked = self.study.user_attrs.get("n_trials", before)
-        if (not extend or (ended and self.n_trials <= asked)) and self.resume and \
+        # Resumed without a count of its own: the count the study was asked for, not a preset.
+        n_trials = asked if self.resume and self.study_count and not shared and \
+            "n_trials" in self.study.user_attrs else self.n_trials
+        if (not extend or (ended and n_trials <= asked)) and self.resume and \
                 self.study.trials:
             log.info("study %r: its %d trials as they are, none added", self.study_name,
                      len(self.study.trials))
@@ -465,11 +473,11 @@ class OptunaTuner:
         else:
             done = sum(t.state in (optuna.trial.TrialState.COMPLETE,
                                    optuna.trial.TrialState.PRUNED) for t in self.study.trials)
-            to_run = self.n_trials - done
-            self.study.set_user_attr("n_trials", self.n_trials)
+            to_run = n_trials - done
+            self.study.set_user_attr("n_trials", n_trials)
             if self.resume and done > reused:
                 log.info("study %r: %d of its %d trials done, %d to run", self.study_name,
-                         done, self.n_trials, max(0, to_run))
+                         done, n_trials, max(0, to_run))
         if to_run > 0:
             self.study.optimize(self.objective, n_trials=to_run,
                                 timeout=self.timeout_s,
@@ -594,6 +602,8 @@ class OptunaTuner:
         else:
             log.info("skipping parameter importances: need >= 2 complete trials with different "
                      "params, have %d complete", len(complete))
+            for stale in ("optuna_importance.html", "optuna_importance.png"):  # an earlier run's
+                (self.output_dir / stale).unlink(missing_ok=True)
 
         written.append(self._history_png(complete))
         path = self.output_dir / "best_params.json"

@@ -230,8 +230,12 @@ UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT
 
 
 def unwritable(exc: OSError) -> str:
-    return (f"cannot write {str(exc.filename)!r} ({exc.strerror}); what was written before "
-            "stays: make room or fix the folder's permissions, then rerun with --resume.")
+    where = repr(str(exc.filename)) if exc.filename else "the output folder"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return (f"cannot use {where} ({exc.strerror}): fix its permissions, then rerun "
+                "(with --resume to continue; what was written before stays).")
+    return (f"cannot write to {where} ({exc.strerror}): make room or use another folder, then "
+            "rerun (with --resume to continue; what was written before stays).")
 
 
 def quiet_user_errors() -> None:

@@ -37,9 +37,9 @@ from modules.models import weights_file
 from modules.monitor import SystemSampler
 from modules.profiler import TorchProfiler
 from modules.report import plot_comparison, results_table, table_markdown, write_report
-from modules.results import (checkpoint_file, compare_to_baseline, json_safe, keep_best_model,
-                             merge_results, previous_row, result_row, run_folder, start_run,
-                             write_json)
+from modules.results import (checkpoint_file, compare_to_baseline, forget_refused_run,
+                             json_safe, keep_best_model, merge_results, previous_row, result_row,
+                             run_folder, start_run, write_json)
 from modules.trainer import load_checkpoint, prepare, train
 from optuna_optimizer import (BATCH_SIZES, EarlierTrial, OptunaTuner, check_storage, end_trials,
                               follow_trials)
@@ -281,7 +281,9 @@ def load_data(args: RunOptions, output_dir: Path) -> DatasetIndex:
     per_class = QUICK_SYNTHETIC_PER_CLASS if args.quick else SYNTHETIC_PER_CLASS
     # The generated set is local with --local-dir (an output dir on Google Drive would serve
     # the baseline's every epoch from Drive); it is the same images wherever it is made.
-    cache = Path(args.local_dir) if args.local_dir else output_dir
+    cache = Path(args.local_dir).expanduser() if args.local_dir else output_dir
+    if (output_dir / "data" / "synthetic").is_dir():
+        cache = output_dir  # a run made before this moved: its images' paths are its data's
     root, name = resolve_source(args.dataset, args.data_dir, cache / "data", per_class)
     index = index_dataset(root, name, seed=args.seed)
     if args.quick:
@@ -578,7 +580,7 @@ def tune_hyperparameters(config: TrainConfig, args: RunOptions, index: DatasetIn
                         seed=worker_seed(args) if shared else args.seed,
                         data_fingerprint=index.fingerprint(),
                         weights_dir=run_folder(output_dir, "checkpoints", args.run_id),
-                        earlier=earlier)
+                        earlier=earlier, study_count=args.n_trials is None)
     # Once the final run has started, its checkpoint holds the parameters it trains with: more
     # trials (this process's, or another worker's on a shared --storage) could only change the
     # study's best, and the checkpoint would then refuse to resume. `--resume --n-trials N`
@@ -588,8 +590,8 @@ def tune_hyperparameters(config: TrainConfig, args: RunOptions, index: DatasetIn
     started = load_checkpoint(final)["config"] if args.resume and final.exists() else None
     if started is not None:
         log.info("hpo: the final run had started (%s): resuming it with the parameters it "
-                 "started with; the study grows only with --n-trials N above its trial count",
-                 final)
+                 "started with; the study grows only with --n-trials N above the count it was "
+                 "asked for", final)
     summary = tuner.run(extend=started is None or args.n_trials is not None,
                         ended=started is not None)
     grow = started is not None and tuner.new_trials > 0
@@ -676,7 +678,7 @@ def run(args: RunOptions, index: DatasetIndex | None = None) -> list[dict[str, A
     output_dir = prepare_output_dir(args.output_dir)
     if args.local_dir:
         prepare_output_dir(args.local_dir, "--local-dir")
-    if args.storage and "hpo" in args.scenarios:
+    if args.storage and "hpo" in args.scenarios and distributed.is_main():
         check_storage(args.storage)  # a wrong URL stops the run before any training
     index = index or load_data(args, output_dir)
     with folder_lock(output_dir) if distributed.is_main() else contextlib.nullcontext():
@@ -688,7 +690,12 @@ def run(args: RunOptions, index: DatasetIndex | None = None) -> list[dict[str, A
               else contextlib.nullcontext()):
             log.info("run %s: outputs in %s (earlier runs stay in results.json)", args.run_id,
                      output_dir)
-            return _run_scenarios(args, index, output_dir, device)
+            try:
+                return _run_scenarios(args, index, output_dir, device)
+            except UserError:
+                if distributed.is_main():  # refused before it made anything: not a run to resume
+                    forget_refused_run(output_dir, args.run_id)
+                raise
 
 
 def _run_scenarios(args: RunOptions, index: DatasetIndex, output_dir: Path,

@@ -208,7 +208,9 @@ def find_splits(root: Path) -> tuple[str, dict[str, Path]]:
     if len(only) == 1 and only[0].name.lower() in ("test", "val"):
         raise UserError(f"{str(root)!r} has {only[0].name}/ but no train/ folder; add train/<class>/ "
                         "images or pass a folder of class folders to split automatically.")
-    if _child(root, "train").is_dir():
+    # train/ in any case, but a class folder named Train (beside Bus/, Car/) is not a split
+    if (root / "train").is_dir() or (_child(root, "train").is_dir() and
+                                     _child(root, "test").is_dir()):
         test = first_dir(_child(root, "test"))
         if test is None:
             raise UserError(f"{str(root)!r} has train/ but no test/ folder; add test/<class>/ "

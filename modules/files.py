@@ -149,15 +149,17 @@ def folder_lock(folder: Path):
         return
     with handle:
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            # A POSIX record lock belongs to this process: DataLoader workers forked during the
+            # run do not inherit it (a flock would outlive a failed notebook cell in them).
+            fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EACCES, errno.EAGAIN):
+                yield  # no locks on this filesystem
+                return
             handle.seek(0)
             holder = handle.read().strip() or "another process"
             raise UserError(f"another run is writing to {str(folder)!r} ({holder}): wait for "
                             "it to end, or give this one another --output-dir.") from None
-        except OSError:
-            yield
-            return
         handle.truncate(0)
         handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
         handle.flush()

@@ -60,18 +60,37 @@ def _has_progress(output_dir: Path, run_id: str) -> bool:
         r.get("run_id") == run_id for r in earlier_rows(Path(output_dir) / "results.json"))
 
 
-def latest_run(output_dir: Path) -> dict[str, Any] | None:
-    """The record of the newest run in output_dir that left something to continue (what
-    --resume continues), else the newest run's, or None. Each run's record is also kept in its
-    checkpoints folder: a run stopped by a mistake before it trained (a typo in an option
-    checked once the run started) does not hide the interrupted run before it, and a lost or
-    damaged latest_run.json loses nothing."""
+def _records(output_dir: Path) -> list[dict[str, Any]]:
+    """Every run's record, newest first: latest_run.json's and each run's own."""
     records = [_run_record(Path(output_dir) / RUN_FILE)] + [
         _run_record(p) for p in (Path(output_dir) / "checkpoints").glob(f"*/{RUN_RECORD}")]
-    newest = sorted({r["run_id"]: r for r in records if r}.values(),
-                    key=lambda r: (r.get("started") or "", r["run_id"]), reverse=True)
-    return next((r for r in newest if _has_progress(output_dir, r["run_id"])),
-                newest[0] if newest else None)
+    mine = {r["run_id"]: r for r in records[1:] if r}  # a run's own record says if it was refused
+    merged = {r["run_id"]: mine.get(r["run_id"], r) for r in records if r}
+    return sorted(merged.values(), key=lambda r: (r.get("started") or "", r["run_id"]),
+                  reverse=True)
+
+
+def latest_run(output_dir: Path) -> dict[str, Any] | None:
+    """The record of the newest run in output_dir (what --resume continues), or None. Each
+    run's record is also kept in its checkpoints folder, so a lost or damaged latest_run.json
+    loses nothing; a run refused before it made anything (an option checked once the run
+    runs) is skipped, so it does not hide the interrupted run before it."""
+    return next((r for r in _records(output_dir) if not r.get("refused")), None)
+
+
+def forget_refused_run(output_dir: Path, run_id: str) -> None:
+    """A run stopped by a mistake before it made anything: marked refused in its own record,
+    and latest_run.json points at the run before it again."""
+    if _has_progress(output_dir, run_id):
+        return
+    record = _run_record(run_folder(output_dir, "checkpoints", run_id) / RUN_RECORD)
+    if record is None:
+        return
+    write_json(run_folder(output_dir, "checkpoints", run_id) / RUN_RECORD,
+               {**record, "refused": True})
+    earlier = latest_run(output_dir)
+    if earlier is not None:
+        write_json(Path(output_dir) / RUN_FILE, earlier)
 
 
 def start_run(output_dir: Path, index: DatasetIndex, *, resume: bool, command: str) -> str:
@@ -267,6 +286,8 @@ def merge_results(path: Path, rows: list[dict[str, Any]]) -> list[dict[str, Any]
     """Every earlier run's rows stay; within one run (resumed) a scenario's new row replaces
     its old one."""
     new = {(r.get("run_id"), r["scenario"]) for r in rows}
+    if path.exists():
+        path.read_bytes()  # a read that fails (a network drive's hiccup) stops here: not damage
     earlier = _rows(path)
     if earlier is None:  # hand-edited or damaged: kept for the user, never overwritten
         aside = path.with_name(f"{path.stem}.unreadable-{time.strftime('%Y%m%d-%H%M%S')}.json")

@@ -130,6 +130,26 @@ def test_an_interrupted_search_resumes_with_what_it_lacks_and_new_points(index, 
     assert len(set(drawn)) == len(drawn) == 3, drawn
 
 
+def test_a_resume_without_a_count_keeps_the_study_s_and_retries_a_stopped_default(
+        index, tmp_path, monkeypatch):
+    calls = []
+
+    def interrupted(idx, config, on_epoch):
+        calls.append(config.lr)
+        if len(calls) in (1, 4):
+            raise KeyboardInterrupt  # the default trial, then a later one
+        return fake_fit(idx, config, on_epoch)
+    monkeypatch.setattr(optuna_optimizer, "fit", interrupted)
+    for _ in range(2):
+        with pytest.raises(KeyboardInterrupt):
+            tuner(index, tmp_path, n_trials=5, resume=True, study_count=True).run()
+    monkeypatch.setattr(optuna_optimizer, "fit", fake_fit)
+    t = tuner(index, tmp_path, n_trials=2, resume=True, study_count=True)  # a preset of 2
+    summary = t.run()
+    assert summary["n_complete"] + summary["n_pruned"] == 5
+    assert summary["default_value"] is not None and t.study.user_attrs["n_trials"] == 5
+
+
 def test_a_study_of_other_data_is_refused(index, tmp_path, monkeypatch):
     monkeypatch.setattr(optuna_optimizer, "fit", fake_fit)
     tuner(index, tmp_path, data_fingerprint="a", n_trials=1).run()

@@ -380,9 +380,10 @@ def test_a_damaged_results_file_is_kept_aside_not_overwritten(tmp_path):
 
 
 def test_resume_finds_the_interrupted_run_past_a_mistake_and_a_lost_record(tmp_path):
-    """A run refused after it started (an option checked once it runs) is newer than the
-    interrupted run but left nothing to continue; latest_run.json may be lost or damaged."""
-    from modules.results import RUN_FILE, latest_run
+    """The newest run is what --resume continues, even one stopped before it checkpointed;
+    a run refused after it started (an option checked once the run runs) is not; and a lost
+    or damaged latest_run.json loses nothing."""
+    from modules.results import RUN_FILE, forget_refused_run, latest_run
     out = tmp_path / "out"
     for run_id, started, progress in (("20261127-100000", "2026-11-27T10:00:00Z", True),
                                       ("20261127-110000", "2026-11-27T11:00:00Z", False)):
@@ -393,11 +394,28 @@ def test_resume_finds_the_interrupted_run_past_a_mistake_and_a_lost_record(tmp_p
         (out / RUN_FILE).write_text(record)
         if progress:
             (folder / "baseline.pt").write_bytes(b"a checkpoint")
+    assert latest_run(out)["run_id"] == "20261127-110000"  # interrupted in its first epoch
+    forget_refused_run(out, "20261127-110000")  # no: it was refused
     assert latest_run(out)["run_id"] == "20261127-100000"
+    assert json.loads((out / RUN_FILE).read_text())["run_id"] == "20261127-100000"
     (out / RUN_FILE).write_text("{damaged")
     assert latest_run(out)["run_id"] == "20261127-100000"
     (out / RUN_FILE).unlink()
     assert latest_run(out)["run_id"] == "20261127-100000"
+    forget_refused_run(out, "20261127-100000")  # it has a checkpoint: kept
+    assert latest_run(out)["run_id"] == "20261127-100000"
+
+
+def test_a_typo_after_an_interrupted_run_does_not_take_over_resume(tmp_path, capsys):
+    data = make_folder(tmp_path / "d", n_train=4, n_test=2)
+    out = tmp_path / "o"
+    argv = ["--data-dir", str(data), "--output-dir", str(out), *RUN, "--epochs", "1"]
+    assert pipeline.main(argv) == 0
+    first = json.loads((out / "results.json").read_text())[-1]["run_id"]
+    assert pipeline.main(argv + ["--scenarios", "resolution", "--amp", "fp16"]) == 2  # no GPU
+    capsys.readouterr()
+    assert pipeline.main(argv + ["--resume"]) == 0
+    assert f"resuming run {first}" in capsys.readouterr().err
 
 
 def test_a_folder_the_run_cannot_write_is_one_line(tmp_path, monkeypatch, capsys):
@@ -411,9 +429,8 @@ def test_a_folder_the_run_cannot_write_is_one_line(tmp_path, monkeypatch, capsys
     monkeypatch.setattr(scenario, "start_run", lambda *a, **k: (_ for _ in ()).throw(denied))
     assert pipeline.main(["--data-dir", str(data), "--output-dir", str(tmp_path / "o"), *RUN]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        f"error: cannot write {str(tmp_path / 'checkpoints')!r} (Permission denied); what was "
-        "written before stays: make room or fix the folder's permissions, then rerun with "
-        "--resume.")
+        f"error: cannot use {str(tmp_path / 'checkpoints')!r} (Permission denied): fix its "
+        "permissions, then rerun (with --resume to continue; what was written before stays).")
     monkeypatch.setattr(scenario, "start_run", lambda *a, **k: (_ for _ in ()).throw(
         OSError(errno.EBADF, "Bad file descriptor")))
     with pytest.raises(OSError, match="Bad file descriptor"):
@@ -433,6 +450,30 @@ def test_a_second_run_into_a_folder_in_use_stops_in_one_line(tmp_path):
         assert f"pid {os.getpid()}" in other.stderr
     with folder_lock(tmp_path):  # released at the end: the next run goes ahead
         pass
+    # A process forked during the run (a DataLoader worker kept alive by a failed notebook
+    # cell's traceback) does not keep the folder locked once the run is over.
+    import multiprocessing
+    import time as time_
+    with folder_lock(tmp_path):
+        worker = multiprocessing.get_context("fork").Process(target=time_.sleep, args=(60,))
+        worker.start()
+    try:
+        again = subprocess.run(
+            [sys.executable, "-c", "import sys; sys.path.insert(0, '.')\n"
+             "from modules.files import folder_lock\n"
+             f"with folder_lock({str(tmp_path)!r}): pass"],
+            cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert again.returncode == 0, again.stderr
+    finally:
+        worker.kill()
+
+
+def test_a_class_named_train_is_a_class(tmp_path):
+    root = make_folder(tmp_path / "d", layout="class folders", n_train=3, n_test=2,
+                       classes=("red", "green", "blue"))
+    (root / "green").rename(root / "Train")
+    index = index_dataset(root)
+    assert index.layout == "class folders" and "Train" in index.classes
 
 
 def test_a_test_folder_alone_is_named_as_the_problem(tmp_path):
