@@ -200,7 +200,7 @@ class OptunaTuner:
         db = self.output_dir / "optuna.db"
         if local_dir is not None and storage is None:
             # One local file per output folder, so two runs on one machine never share it.
-            key = hashlib.sha1(str(self.output_dir.resolve()).encode("utf-8", "surrogateescape")).hexdigest()[:12]
+            key = hashlib.sha1(os.fsencode(self.output_dir.resolve())).hexdigest()[:12]
             local = Path(local_dir).expanduser() / key / "optuna.db"
             local.parent.mkdir(parents=True, exist_ok=True)
             if db.exists() and (not local.exists() or db.stat().st_mtime > local.stat().st_mtime):

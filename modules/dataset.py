@@ -135,8 +135,8 @@ class DatasetIndex:
         digest = hashlib.sha1()
         for split in splits:
             for path, label in getattr(self, split):
-                # surrogateescape: a file name that is not UTF-8 (zips made on Windows)
-                digest.update(f"{path}\t{label}\n".encode("utf-8", "surrogateescape"))
+                # fsencode: a file name that is not UTF-8 (zips made on Windows) hashes too
+                digest.update(os.fsencode(f"{path}\t{label}\n"))
             digest.update(b"\0")
         return digest.hexdigest()
 
@@ -204,22 +204,22 @@ def find_splits(root: Path) -> tuple[str, dict[str, Path]]:
         if intel_test is None:
             raise UserError(f"{str(root)!r} has seg_train but no seg_test folder (Intel layout).")
         return "intel", {"train": intel_train, "test": intel_test}
-    only = _class_dirs(root)
-    if len(only) == 1 and only[0].name.lower() in ("test", "val"):
-        raise UserError(f"{str(root)!r} has {only[0].name}/ but no train/ folder; add train/<class>/ "
-                        "images or pass a folder of class folders to split automatically.")
+    folders = _class_dirs(root)
+    if len(folders) == 1 and folders[0].name.lower() in ("test", "val"):
+        raise UserError(f"{str(root)!r} has {folders[0].name}/ but no train/ folder; add "
+                        "train/<class>/ images or pass a folder of class folders to split "
+                        "automatically.")
+    train, test, val = (_child(root, name) for name in ("train", "test", "val"))
     # train/ in any case, but a class folder named Train (beside Bus/, Car/) is not a split
-    if (root / "train").is_dir() or (_child(root, "train").is_dir() and
-                                     _child(root, "test").is_dir()):
-        test = first_dir(_child(root, "test"))
-        if test is None:
+    if (root / "train").is_dir() or (train.is_dir() and test.is_dir()):
+        if not test.is_dir():
             raise UserError(f"{str(root)!r} has train/ but no test/ folder; add test/<class>/ "
                             "images or pass a folder of class folders to split automatically.")
-        splits = {"train": _child(root, "train"), "test": test}
-        if _child(root, "val").is_dir():
-            splits["val"] = _child(root, "val")
+        splits = {"train": train, "test": test}
+        if val.is_dir():
+            splits["val"] = val
         return "train/test", splits
-    if _class_dirs(root):
+    if folders:
         return "class folders", {"all": root}
     raise UserError(f"{str(root)!r} has no class folders: expected seg_train/seg_train/<class> "
                     "(Intel), train/<class> + test/<class>, or <class>/ folders of images.")

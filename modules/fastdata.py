@@ -69,7 +69,7 @@ def cache_bytes(n_images: int, size: int) -> int:
 
 
 def _key(samples: list[Sample], size: int) -> tuple[str, int]:
-    return hashlib.sha1("\n".join(p for p, _ in samples).encode("utf-8", "surrogateescape")).hexdigest(), size
+    return hashlib.sha1(os.fsencode("\n".join(p for p, _ in samples))).hexdigest(), size
 
 
 def image_means(images: torch.Tensor) -> torch.Tensor:

@@ -240,18 +240,21 @@ def write_json(path: Path, data) -> None:
     atomic_write_text(json.dumps(json_safe(data), indent=2, allow_nan=False), path)
 
 
-def _rows(path: Path) -> list[dict[str, Any]] | None:
-    """The rows of a results.json: [] when there is none, None when it cannot be read."""
+def _parse_rows(data: bytes) -> list[dict[str, Any]] | None:
+    """The rows of a results.json's content; None when it is not a list of results."""
     try:
-        rows = json.loads(path.read_text()) if path.exists() else []
-    except (OSError, ValueError):  # ValueError: not JSON, or not UTF-8
+        rows = json.loads(data)
+    except ValueError:  # not JSON, or not UTF-8
         return None
     return [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else None
 
 
 def earlier_rows(path: Path) -> list[dict[str, Any]]:
     """The rows of an earlier results.json; none when it is missing or unreadable."""
-    return _rows(path) or []
+    try:
+        return (_parse_rows(path.read_bytes()) or []) if path.exists() else []
+    except OSError:
+        return []
 
 
 def previous_row(path: Path, scenario: str, dataset: str, run_id: str | None = None
@@ -286,9 +289,8 @@ def merge_results(path: Path, rows: list[dict[str, Any]]) -> list[dict[str, Any]
     """Every earlier run's rows stay; within one run (resumed) a scenario's new row replaces
     its old one."""
     new = {(r.get("run_id"), r["scenario"]) for r in rows}
-    if path.exists():
-        path.read_bytes()  # a read that fails (a network drive's hiccup) stops here: not damage
-    earlier = _rows(path)
+    # A read that fails (a network drive's hiccup) stops here: it is not damage.
+    earlier = _parse_rows(path.read_bytes()) if path.exists() else []
     if earlier is None:  # hand-edited or damaged: kept for the user, never overwritten
         aside = path.with_name(f"{path.stem}.unreadable-{time.strftime('%Y%m%d-%H%M%S')}.json")
         path.rename(aside)
