@@ -15,7 +15,9 @@ from typing import Any
 
 import torch
 
-from modules.config import CPU_ALLOCATORS, DROPOUT_IMPLS, MODELS, SCHEDULERS, UserError
+from modules.config import (CPU_ALLOCATORS, DROPOUT_IMPLS, MAX_IMAGE_SIZE, MIN_IMAGE_SIZE, MODELS,
+                            SCHEDULERS, UserError)
+from modules.files import write_error
 from optuna_optimizer import PRUNERS
 # The library API the notebook and README call through this module.
 from scenario import (MAX_EPOCH_FACTOR, N_TRIALS, QUICK_N_TRIALS, SCENARIOS,  # noqa: F401
@@ -119,7 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     train_.add_argument("--weights", default="imagenet", metavar="none|imagenet|PATH",
                         help="initial weights (default imagenet, random when unreachable)")
     train_.add_argument("--epochs", type=_bounded(int, 1, 100_000))
-    train_.add_argument("--image-size", type=_bounded(int, 16, 2048))
+    train_.add_argument("--image-size", type=_bounded(int, min(MIN_IMAGE_SIZE.values()),
+                                                      MAX_IMAGE_SIZE),
+                        help="input side in pixels (at least %d for squeezenet1_1)"
+                             % MIN_IMAGE_SIZE["squeezenet1_1"])
     train_.add_argument("--batch-size", type=_bounded(int, 1, 1 << 20))
     train_.add_argument("--lr", type=_bounded(float, 0.0, 10.0, strict=True))
     train_.add_argument("--scheduler", choices=SCHEDULERS,
@@ -230,12 +235,7 @@ UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT
 
 
 def unwritable(exc: OSError) -> str:
-    where = repr(str(exc.filename)) if exc.filename else "the output folder"
-    if exc.errno in (errno.EACCES, errno.EPERM):
-        return (f"cannot use {where} ({exc.strerror}): fix its permissions, then rerun "
-                "(with --resume to continue; what was written before stays).")
-    return (f"cannot write to {where} ({exc.strerror}): make room or use another folder, then "
-            "rerun (with --resume to continue; what was written before stays).")
+    return str(write_error(exc.filename, exc))
 
 
 def quiet_user_errors() -> None:

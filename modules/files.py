@@ -94,14 +94,21 @@ def disk_full(folder: Path) -> bool:
     return usage.free < min(64 * 2**20, 0.01 * usage.total) or usage.free < 2**20
 
 
-def write_error(path: Path, exc: BaseException) -> UserError:
-    """One line for a write that failed: a full disk, a read-only or forbidden folder."""
+def write_error(path: Path | str | None, exc: BaseException) -> UserError:
+    """One line for a write that failed: a full disk, a read-only or forbidden folder. `path`
+    None: the failing call did not name its file."""
     code = getattr(exc, "errno", None)
-    if code in (errno.ENOSPC, errno.EDQUOT) or disk_full(Path(path).parent):
-        return UserError(f"no space left on the device holding {str(path)!r}; free some space or "
-                         "pass --output-dir on another disk (earlier files there are intact).")
+    where = "the output folder" if path is None else repr(str(path))
+    then = "then rerun (with --resume to continue; what was written before stays intact)."
+    if code in (errno.ENOSPC, errno.EDQUOT) or (path is not None
+                                                 and disk_full(Path(path).parent)):
+        return UserError(f"no space left on the device holding {where}; free some space or "
+                         f"pass --output-dir on another disk, {then}")
     reason = getattr(exc, "strerror", None) or first_line(exc, limit=1000)
-    return UserError(f"cannot write {str(path)!r} ({reason}); pass a writable --output-dir.")
+    if code in (errno.EACCES, errno.EPERM):
+        return UserError(f"cannot write {where} ({reason}); fix its permissions or pass "
+                         f"another --output-dir, {then}")
+    return UserError(f"cannot write {where} ({reason}); pass a writable --output-dir, {then}")
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -429,8 +429,16 @@ def test_a_folder_the_run_cannot_write_is_one_line(tmp_path, monkeypatch, capsys
     monkeypatch.setattr(scenario, "start_run", lambda *a, **k: (_ for _ in ()).throw(denied))
     assert pipeline.main(["--data-dir", str(data), "--output-dir", str(tmp_path / "o"), *RUN]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        f"error: cannot use {str(tmp_path / 'checkpoints')!r} (Permission denied): fix its "
-        "permissions, then rerun (with --resume to continue; what was written before stays).")
+        f"error: cannot write {str(tmp_path / 'checkpoints')!r} (Permission denied); fix its "
+        "permissions or pass another --output-dir, then rerun (with --resume to continue; what "
+        "was written before stays intact).")
+    # The same words as a write that modules.files catches itself, also when the OSError
+    # names no file.
+    monkeypatch.setattr(scenario, "start_run", lambda *a, **k: (_ for _ in ()).throw(
+        OSError(errno.ENOSPC, "No space left on device")))
+    assert pipeline.main(["--data-dir", str(data), "--output-dir", str(tmp_path / "o"), *RUN]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+        "error: no space left on the device holding the output folder; free some space")
     monkeypatch.setattr(scenario, "start_run", lambda *a, **k: (_ for _ in ()).throw(
         OSError(errno.EBADF, "Bad file descriptor")))
     with pytest.raises(OSError, match="Bad file descriptor"):
