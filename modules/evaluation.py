@@ -63,7 +63,9 @@ def evaluate(model: nn.Module, loader, *, device: torch.device | str | None = No
     if total == 0:
         return {"loss": float("nan"), "acc": float("nan"), "per_class_acc": [], "confusion": [],
                 "n": 0}
-    per_class = matrix.diag() / matrix.sum(dim=1).clamp(min=1)
+    # A class without images in this split has no accuracy (NaN, null in results.json),
+    # not 0%: with a seeded split of a tiny class it happens.
+    per_class = matrix.diag() / matrix.sum(dim=1)
     return {"loss": loss_sum.item() / total, "acc": matrix.diag().sum().item() / total,
             "per_class_acc": per_class.tolist(), "confusion": matrix.tolist(), "n": total}
 

@@ -101,14 +101,16 @@ def plot_confusion(row: dict[str, Any], out_dir: Path, name: str = CONFUSION_PNG
     grid_ax.set_xlabel("predicted")
     grid_ax.set_ylabel("true")
     grid_ax.set_title(f"{row['scenario']}: test confusion matrix")
-    accs = [100 * (per_class[k] or 0.0) for k in names]
-    acc_ax.barh(names, accs, color="C2")
+    accs = [100 * per_class[k] if isinstance(per_class[k], (int, float))
+            and math.isfinite(per_class[k]) else None for k in names]
+    acc_ax.barh(names, [a or 0.0 for a in accs], color="C2")
     acc_ax.invert_yaxis()
     acc_ax.set_xlim(0, 112)
     acc_ax.set_xlabel("test accuracy (%)")
     acc_ax.set_title("per class")
     for i, acc in enumerate(accs):
-        acc_ax.annotate(f"{acc:.0f}", (acc, i), va="center", fontsize="small")
+        acc_ax.annotate("no test images" if acc is None else f"{acc:.0f}", (acc or 0.0, i),
+                        va="center", fontsize="small")
     fig.tight_layout()
     path = Path(out_dir) / name
     fig.savefig(path)

@@ -165,3 +165,31 @@ def test_plot_comparison_writes_png_and_html(tmp_path):
 def test_plot_comparison_empty_writes_nothing(tmp_path):
     assert plot_comparison({}, tmp_path / "plots") == []
     assert not (tmp_path / "plots").exists()
+
+
+def test_a_class_without_test_images_has_no_accuracy_not_zero(tmp_path):
+    """A seeded split can leave a tiny class out of the test split: its accuracy is unknown
+    (null in results.json, "no test images" on the chart), not 0%."""
+    from modules.evaluation import evaluate
+    from modules.report import plot_confusion
+    from modules.results import json_safe
+
+    class AlwaysFirst(torch.nn.Module):
+        num_classes = 3
+
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(()))
+
+        def forward(self, x):
+            return torch.tensor([[5.0, 0.0, 0.0]]).expand(len(x), 3) + self.w
+
+    loader = [(torch.zeros(4, 3, 8, 8), torch.tensor([0, 0, 1, 1]))]
+    result = evaluate(AlwaysFirst(), loader, device="cpu")
+    assert result["per_class_acc"][:2] == [1.0, 0.0] and math.isnan(result["per_class_acc"][2])
+    row = {"scenario": "baseline", "confusion_matrix": result["confusion"],
+           "per_class_test_acc": dict(zip(CLASSES, result["per_class_acc"]))}
+    assert json_safe(row)["per_class_test_acc"]["fish"] is None
+    for shown in (row, json_safe(row)):  # in memory (NaN) and read back (null)
+        path = plot_confusion(shown, tmp_path)
+        assert path.read_bytes().startswith(PNG_MAGIC)
