@@ -113,7 +113,7 @@ def test_each_finished_scenario_is_in_results_json_before_the_next_one_runs(smal
     (["--lr", "abc"], "argument --lr: expected a number"),
     (["--batch-size", "0"], "argument --batch-size: must be >= 1"),
     (["--epochs", "1e9"], "argument --epochs: expected a number"),
-    (["--image-size", "16"], "image_size must be an integer in 17..2048"),
+    (["--image-size", "16"], "image_size 16 is too small for squeezenet1_1: its layers need at least 17"),
     (["--model", "resnet999"], "argument --model: invalid choice"),
     (["--data-dir", "/no/such/folder"], "--data-dir '/no/such/folder' does not exist"),
     (["--weights", "/no/such.pt"], "--weights must be none, imagenet or an existing file"),
