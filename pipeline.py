@@ -2,13 +2,22 @@
 (scenario.py); the notebook calls the same API with keyword arguments (`options`, `run`)."""
 from __future__ import annotations
 
+import signal
+import sys
+
+if __name__ == "__main__":
+    def _quiet_interrupt(*_) -> None:
+        # Ctrl-C while torch loads (seconds) ends without a traceback: nothing has started.
+        print("interrupted before the run started.", file=sys.stderr)
+        sys.exit(130)
+    signal.signal(signal.SIGINT, _quiet_interrupt)
+
 import argparse
 import dataclasses
 import errno
 import logging
 import math
 import shlex
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -256,6 +265,8 @@ def quiet_user_errors() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if signal.getsignal(signal.SIGINT) is globals().get("_quiet_interrupt"):
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # from here: resume hints
     setup_logging()
     started = time.perf_counter()
     try:

@@ -490,3 +490,15 @@ def test_a_test_folder_alone_is_named_as_the_problem(tmp_path):
     shutil.rmtree(root / "train")
     with pytest.raises(UserError, match="has test/ but no train/ folder"):
         index_dataset(root)
+
+
+def test_ctrl_c_while_torch_loads_ends_without_a_traceback(tmp_path):
+    """Loading torch takes seconds, and a Ctrl-C then printed an import traceback. Wherever it
+    lands (loading, or the run's start), it ends with one line and exit code 130."""
+    proc = subprocess.Popen([sys.executable, "pipeline.py", "--quick", "--output-dir",
+                             str(tmp_path / "out")], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGINT)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1].startswith("interrupted")
