@@ -307,3 +307,34 @@ def test_simulated_colab_clones_mounts_drive_and_resumes_after_a_disconnect(tmp_
     assert (outputs / "colours_model.pt").exists()
     text = printed(json.loads((tmp_path / "second.ipynb").read_text()))
     assert "Mounted at" in text and "warning: running on the CPU" in text
+
+
+def test_the_set_up_cell_run_again_in_one_session_follows_repo_ref(tmp_path):
+    """Run all again in the same session, after changing REPO_REF: the working folder is by
+    then the clone, and the cell still moves it to the new ref; as the session still runs the
+    code it imported, it asks for a restart instead of running old code on new files."""
+    papermill = pytest.importorskip("papermill")
+    nbformat = pytest.importorskip("nbformat")
+    repo = project_repository(tmp_path)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    (repo / "MARKER").write_text("the other branch\n")
+    for command in (["checkout", "-qb", "other"], ["add", "MARKER"], ["commit", "-qm", "other"],
+                    ["checkout", "-q", "main"]):
+        subprocess.run(git + command, cwd=repo, check=True)
+    content = tmp_path / "content"
+    content.mkdir()
+    setup = source(cells()[3])
+    notebook = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell(f"REPO_URL = {str(repo)!r}\nREPO_REF = 'main'\n"
+                                  "PERFORM_DETAILED_PROFILING = False"),
+        nbformat.v4.new_code_cell(setup),
+        nbformat.v4.new_code_cell("import pipeline\nassert not Path('MARKER').exists()"),
+        nbformat.v4.new_code_cell("REPO_REF = 'other'"),
+        nbformat.v4.new_code_cell(setup)])
+    nbformat.write(notebook, content / "rerun.ipynb")
+    with pytest.raises(papermill.PapermillExecutionError) as raised:
+        papermill.execute_notebook(str(content / "rerun.ipynb"), str(tmp_path / "out.ipynb"),
+                                   cwd=str(content), kernel_name="python3", progress_bar=False)
+    assert raised.value.ename == "SystemExit" and "Restart session" in raised.value.evalue
+    assert raised.value.cell_index == 4
+    assert (content / "hwtrain" / "MARKER").exists()
