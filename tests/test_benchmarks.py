@@ -227,9 +227,11 @@ def test_the_search_verdict_needs_a_best_clear_of_chance():
     """A plain TPE whose every trial is still at chance has no best to reach: its "best" is
     the luckiest noise (synthetic seed 1's 4-epoch trials, 20.0% against 16.7% on 360)."""
     verdict = _benchmark_module("scenarios").search_verdict
-    at_chance = verdict([(10, 0.19), (20, 0.20)], [(10, 0.19), (20, 0.19)], 360, 6)
+    at_chance = verdict([(10, 4, 0.19), (20, 8, 0.20)], [(10, 4, 0.19), (20, 8, 0.19)], 360, 6)
     assert at_chance[1].startswith("n/a: no trial of plain TPE left chance (16.7% on 360")
-    met = verdict([(10, 0.3), (20, 0.5), (30, 0.6)], [(9, 0.597), (15, 0.6)], 360, 6)
+    plain = [(10, 4, 0.3), (20, 8, 0.5), (30, 12, 0.6)]
+    met = verdict(plain, [(9, 4, 0.597), (15, 6, 0.6)], 360, 6)
     assert met[1].startswith("met: ours within 0.5 points") and "(0.30x" in met[1]
-    missed = verdict([(10, 0.3), (20, 0.5), (30, 0.6)], [(9, 0.4), (15, 0.5)], 360, 6)
+    assert "0.33x its trial epochs" in met[1]
+    missed = verdict(plain, [(9, 4, 0.4), (15, 6, 0.5)], 360, 6)
     assert missed[1] == "MISSED: ours never came within 0.5 points of plain TPE's best"
