@@ -174,6 +174,13 @@ def search_verdict(plain: list[tuple[float, int, float]], ours: list[tuple[float
     lines = [f"search: plain TPE best {100 * plain_best:.1f}% in {plain_s:.0f} trial seconds "
              f"({plain_epochs} epochs); ours best {100 * ours[-1][2]:.1f}% in {ours[-1][0]:.0f} s "
              f"({ours[-1][1]} epochs)"]
+    # The other way round: what plain TPE had found by the time ours had trained all it did.
+    ours_epochs, ours_best = ours[-1][1], ours[-1][2]
+    plain_then = max((b for _, e, b in plain if e <= ours_epochs), default=None)
+    if plain_then is not None:
+        lines.append(f"search: within ours' {ours_epochs} trial epochs plain TPE's best was "
+                     f"{100 * plain_then:.1f}% (ours {100 * ours_best:.1f}%, "
+                     f"{100 * (ours_best - plain_then):+.1f} points)")
     if not informative(plain_best, n_val, num_classes):
         # Every trial still at chance: "the best" is the luckiest noise, nothing to reach.
         lines.append(f"n/a: no trial of plain TPE left chance ({100 / num_classes:.1f}% on "

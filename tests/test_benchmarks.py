@@ -228,10 +228,13 @@ def test_the_search_verdict_needs_a_best_clear_of_chance():
     the luckiest noise (synthetic seed 1's 4-epoch trials, 20.0% against 16.7% on 360)."""
     verdict = _benchmark_module("scenarios").search_verdict
     at_chance = verdict([(10, 4, 0.19), (20, 8, 0.20)], [(10, 4, 0.19), (20, 8, 0.19)], 360, 6)
-    assert at_chance[1].startswith("n/a: no trial of plain TPE left chance (16.7% on 360")
+    assert at_chance[2].startswith("n/a: no trial of plain TPE left chance (16.7% on 360")
     plain = [(10, 4, 0.3), (20, 8, 0.5), (30, 12, 0.6)]
     met = verdict(plain, [(9, 4, 0.597), (15, 6, 0.6)], 360, 6)
-    assert met[1].startswith("met: ours within 0.5 points") and "(0.30x" in met[1]
-    assert "0.33x its trial epochs" in met[1]
-    missed = verdict(plain, [(9, 4, 0.4), (15, 6, 0.5)], 360, 6)
-    assert missed[1] == "MISSED: ours never came within 0.5 points of plain TPE's best"
+    assert met[1] == ("search: within ours' 6 trial epochs plain TPE's best was 30.0% (ours "
+                      "60.0%, +30.0 points)")
+    assert met[2].startswith("met: ours within 0.5 points") and "(0.30x" in met[2]
+    assert "0.33x its trial epochs" in met[2]
+    missed = verdict(plain, [(9, 4, 0.4), (15, 8, 0.5)], 360, 6)
+    assert missed[1].endswith("was 50.0% (ours 50.0%, +0.0 points)")
+    assert missed[2] == "MISSED: ours never came within 0.5 points of plain TPE's best"
