@@ -29,11 +29,12 @@ from modules.trainer import DivergedError, fit
 
 log = logging.getLogger(__name__)
 
-# asha: Optuna's asynchronous successive halving, epochs as the resource (the first rung at half
-# a trial's epochs, then 3x that ..., each keeping the top third of the trials that reached it);
-# hyperband runs several such brackets; median stops a trial below the median of earlier ones
-# at the same epoch. The first rung is not epoch 1: from scratch, learning curves cross in the
-# first epochs (a lower learning rate leaves the starting plateau later, then overtakes).
+# asha: Optuna's asynchronous successive halving, epochs as the resource (the first rung at two
+# thirds of a trial's epochs, then 3x that ..., each keeping the top third of the trials that
+# reached it); hyperband runs such brackets (with trials this short, one); median stops a trial
+# below the median of earlier ones at the same epoch. The first rung is late: from scratch,
+# learning curves cross in the first epochs (a lower learning rate leaves the starting plateau
+# later, then overtakes).
 # none: every trial trains its whole budget (plain TPE, for comparison).
 PRUNERS = ("asha", "hyperband", "median", "none")
 REDUCTION_FACTOR = 3
@@ -111,12 +112,17 @@ class _BeyondNoise(optuna.pruners.BasePruner):
     for an epoch or two, and with few trials at a rung successive halving keeps only the top
     one, however close the next."""
 
-    def __init__(self, pruner: optuna.pruners.BasePruner, n_val: int, num_classes: int):
+    def __init__(self, pruner: optuna.pruners.BasePruner, n_val: int, num_classes: int,
+                 epochs: int):
         self.pruner, self.n_val, self.num_classes = pruner, n_val, num_classes
+        self.epochs = epochs
 
     def prune(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> bool:
         step = trial.last_step
-        if step is None:
+        # At its last epoch a trial has cost all it will: stopping it saves nothing and would
+        # tell the sampler a finished result is poor. (Successive halving, first asked once a
+        # trial has left chance, can be asked that late.)
+        if step is None or step >= self.epochs:
             return False
         leader = max(t.intermediate_values[step] for t in study.get_trials(deepcopy=False)
                      if step in t.intermediate_values)
@@ -389,7 +395,7 @@ class OptunaTuner:
         else:
             pruner = optuna.pruners.SuccessiveHalvingPruner(min_resource=self.first_rung(),
                                                             reduction_factor=REDUCTION_FACTOR)
-        return _BeyondNoise(pruner, len(self.index.val), len(self.index.classes))
+        return _BeyondNoise(pruner, len(self.index.val), len(self.index.classes), self.epochs)
 
     def _log_trial(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
         value = "-" if trial.value is None else f"{trial.value:.4f}"

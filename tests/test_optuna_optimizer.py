@@ -429,6 +429,11 @@ def test_the_first_rung_is_at_two_thirds_of_a_trial(index, tmp_path, monkeypatch
     for trial in t.study.trials[1:]:
         assert trial.state == optuna.trial.TrialState.PRUNED and max(trial.intermediate_values) == 3
     assert [optuna_optimizer.first_rung(e) for e in (1, 2, 3, 4, 6, 12)] == [1, 2, 2, 3, 4, 8]
+    # A 2-epoch trial would be judged at its end: nothing saved, a finished trial thrown away
+    # (and told to the sampler as poor). Such trials all finish.
+    short = with_val_images(tuner(index, tmp_path / "short", n_trials=3, epochs=2))
+    short.run()
+    assert [trial.state for trial in short.study.trials] == [optuna.trial.TrialState.COMPLETE] * 3
     # what the measuring budget counts a trial as, at the least
     assert [OptunaTuner.shortest_trial(p, 4) for p in ("asha", "hyperband", "median", "none")] \
         == [3, 3, 2, 4]
@@ -450,15 +455,21 @@ def test_the_default_stays_only_while_no_trial_has_left_chance(index, tmp_path, 
 
 def test_no_trial_is_pruned_while_every_trial_is_still_at_chance(index, tmp_path, monkeypatch):
     """Three classes, 1,000 validation images: chance 33%, two standard errors 3 points. At
-    epoch 1 everyone is at chance (the default by luck a little higher): nobody is pruned; at
-    epoch 2 the default has left chance, and a trial still there is."""
-    monkeypatch.setattr(optuna_optimizer, "fit", curves_by_lr([0.35, 0.6], [0.33, 0.33]))
-    t = with_val_images(tuner(index, tmp_path, n_trials=3, epochs=2))
+    the first rung (epoch 2 of 3) everyone is at chance (the default by luck a little higher):
+    nobody is pruned, and the default, leaving chance in its last epoch, is not the only one
+    to finish. Once the default has left chance at the rung, a trial still there is pruned."""
+    monkeypatch.setattr(optuna_optimizer, "fit",
+                        curves_by_lr([0.35, 0.35, 0.6], [0.33, 0.33, 0.33]))
+    t = with_val_images(tuner(index, tmp_path, n_trials=3, epochs=3))
     t.run()
-    default, *others = t.study.trials
-    for trial in others:
+    assert [trial.state for trial in t.study.trials] == [optuna.trial.TrialState.COMPLETE] * 3
+    monkeypatch.setattr(optuna_optimizer, "fit",
+                        curves_by_lr([0.35, 0.6, 0.6], [0.33, 0.33, 0.33]))
+    t = with_val_images(tuner(index, tmp_path / "left", n_trials=3, epochs=3))
+    t.run()
+    for trial in t.study.trials[1:]:
         assert trial.state == optuna.trial.TrialState.PRUNED
-        assert max(trial.intermediate_values) == 2  # not after epoch 1
+        assert max(trial.intermediate_values) == 2
 
 
 def test_a_trial_behind_by_less_than_the_noise_is_not_pruned(index, tmp_path, monkeypatch):
