@@ -100,8 +100,11 @@ def write_error(path: Path | str | None, exc: BaseException) -> UserError:
     code = getattr(exc, "errno", None)
     where = "the output folder" if path is None else repr(str(path))
     then = "then rerun (with --resume to continue; what was written before stays intact)."
-    if code in (errno.ENOSPC, errno.EDQUOT) or (path is not None
-                                                 and disk_full(Path(path).parent)):
+    # torch.save's RuntimeError has no errno: only then is a nearly full disk the guess (a
+    # read-only or forbidden folder may report no free space at all).
+    forbidden = code in (errno.EACCES, errno.EPERM, errno.EROFS)
+    if code in (errno.ENOSPC, errno.EDQUOT) or (
+            not forbidden and path is not None and disk_full(Path(path).parent)):
         return UserError(f"no space left on the device holding {where}; free some space or "
                          f"pass --output-dir on another disk, {then}")
     reason = getattr(exc, "strerror", None) or first_line(exc, limit=1000)
