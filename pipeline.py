@@ -5,7 +5,7 @@ from __future__ import annotations
 import signal
 import sys
 
-if __name__ == "__main__":
+if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
     def _quiet_interrupt(*_) -> None:
         # Ctrl-C while torch loads (seconds) ends without a traceback: nothing has started.
         print("interrupted before the run started.", file=sys.stderr)
@@ -199,7 +199,7 @@ def parse_args(argv: list[str] | None = None) -> RunOptions:
             try:
                 dataclasses.replace(config, image_size=size)
             except UserError as exc:
-                raise UserError(f"--resolutions: {size} px is refused ({exc})") from None
+                raise UserError(f"--resolutions: {size} px is refused ({str(exc).rstrip('.')}).") from None
     return args
 
 
@@ -265,7 +265,8 @@ def quiet_user_errors() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if signal.getsignal(signal.SIGINT) is globals().get("_quiet_interrupt"):
+    if "_quiet_interrupt" in globals() and \
+            signal.getsignal(signal.SIGINT) is globals()["_quiet_interrupt"]:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # from here: resume hints
     setup_logging()
     started = time.perf_counter()
