@@ -94,7 +94,8 @@ class TrainConfig:
         _choice("dropout_impl", self.dropout_impl, DROPOUT_IMPLS)
         if self.cpu_threads is not None:
             _positive_int("cpu_threads", self.cpu_threads, high=1024)
-        if isinstance(self.image_size, int) and 0 < self.image_size < MIN_IMAGE_SIZE[self.model]:
+        if isinstance(self.image_size, int) and not isinstance(self.image_size, bool) and \
+                0 < self.image_size < MIN_IMAGE_SIZE[self.model]:
             raise UserError(f"image_size {self.image_size} is too small for {self.model}: its "
                             f"layers need at least {MIN_IMAGE_SIZE[self.model]} pixels.")
         _positive_int("image_size", self.image_size, low=MIN_IMAGE_SIZE[self.model],
