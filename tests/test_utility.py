@@ -167,7 +167,7 @@ def test_plot_comparison_empty_writes_nothing(tmp_path):
     assert not (tmp_path / "plots").exists()
 
 
-def test_a_class_without_test_images_has_no_accuracy_not_zero(tmp_path):
+def test_a_class_without_test_images_has_no_accuracy_not_zero(tmp_path, monkeypatch):
     """A seeded split can leave a tiny class out of the test split: its accuracy is unknown
     (null in results.json, "no test images" on the chart), not 0%."""
     from modules.evaluation import evaluate
@@ -190,6 +190,13 @@ def test_a_class_without_test_images_has_no_accuracy_not_zero(tmp_path):
     row = {"scenario": "baseline", "confusion_matrix": result["confusion"],
            "per_class_test_acc": dict(zip(CLASSES, result["per_class_acc"]))}
     assert json_safe(row)["per_class_test_acc"]["fish"] is None
+    import matplotlib.axes
+    labels = []
+    original = matplotlib.axes.Axes.annotate
+    monkeypatch.setattr(matplotlib.axes.Axes, "annotate",
+                        lambda ax, text, *a, **k: labels.append(text) or original(ax, text, *a, **k))
     for shown in (row, json_safe(row)):  # in memory (NaN) and read back (null)
+        labels.clear()
         path = plot_confusion(shown, tmp_path)
         assert path.read_bytes().startswith(PNG_MAGIC)
+        assert labels == ["100", "0", "no test images"]
