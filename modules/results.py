@@ -53,6 +53,10 @@ def _run_record(path: Path) -> dict[str, Any] | None:
     return record if isinstance(record, dict) and record.get("run_id") else None
 
 
+def _record_path(output_dir: Path, run_id: str) -> Path:
+    return run_folder(output_dir, "checkpoints", run_id) / RUN_RECORD
+
+
 def _has_progress(output_dir: Path, run_id: str) -> bool:
     """Whether a run left anything to continue: a checkpoint, a journal, weights or rows."""
     folder = run_folder(output_dir, "checkpoints", run_id)
@@ -83,11 +87,10 @@ def forget_refused_run(output_dir: Path, run_id: str) -> None:
     and latest_run.json points at the run before it again."""
     if _has_progress(output_dir, run_id):
         return
-    record = _run_record(run_folder(output_dir, "checkpoints", run_id) / RUN_RECORD)
+    record = _run_record(_record_path(output_dir, run_id))
     if record is None:
         return
-    write_json(run_folder(output_dir, "checkpoints", run_id) / RUN_RECORD,
-               {**record, "refused": True})
+    write_json(_record_path(output_dir, run_id), {**record, "refused": True})
     earlier = latest_run(output_dir)
     if earlier is not None:
         write_json(Path(output_dir) / RUN_FILE, earlier)
@@ -122,8 +125,7 @@ def start_run(output_dir: Path, index: DatasetIndex, *, resume: bool, command: s
                   "n_images": index.n_images(),
                   "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                   "command": command}
-        run_folder(output_dir, "checkpoints", run_id).mkdir(parents=True, exist_ok=True)
-        write_json(run_folder(output_dir, "checkpoints", run_id) / RUN_RECORD, record)
+        write_json(_record_path(output_dir, run_id), record)  # makes the run's folder
         write_json(output_dir / RUN_FILE, record)
     return run_id
 
