@@ -243,8 +243,14 @@ def setup_logging() -> None:
 UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT)
 
 
-def unwritable(exc: OSError) -> str:
-    return str(write_error(exc.filename, exc))
+def user_error(exc: BaseException) -> str | None:
+    """The one line for a mistake of the user's (a UserError, a folder the run cannot write);
+    None for anything else, a bug that keeps its traceback."""
+    if isinstance(exc, UserError):
+        return str(exc)
+    if isinstance(exc, OSError) and exc.errno in UNWRITABLE:
+        return str(write_error(exc.filename, exc))
+    return None
 
 
 def quiet_user_errors() -> None:
@@ -256,11 +262,11 @@ def quiet_user_errors() -> None:
     except NameError:
         return
     def one_line(shell, etype, value, tb, tb_offset=None):
-        if isinstance(value, OSError) and value.errno not in UNWRITABLE:
+        said = user_error(value)
+        if said is None:
             shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
         else:
-            print(f"error: {unwritable(value) if isinstance(value, OSError) else value}",
-                  file=sys.stderr)
+            print(f"error: {said}", file=sys.stderr)
     shell.set_custom_exc((UserError, OSError), one_line)
 
 
@@ -273,13 +279,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
         run(args)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        if exc.errno not in UNWRITABLE:
-            raise  # not the user's folder: a bug, with its traceback
-        print(f"error: {unwritable(exc)}", file=sys.stderr)
+    except (UserError, OSError) as exc:
+        said = user_error(exc)
+        if said is None:
+            raise  # not the user's mistake: a bug, with its traceback
+        print(f"error: {said}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted: rerun the same command with --resume to continue.", file=sys.stderr)
