@@ -170,12 +170,12 @@ def search_verdict(plain: list[tuple[float, int, float]], ours: list[tuple[float
     """The search comparison's lines from each search's (trial seconds so far, trial epochs so
     far, best so far), one point per trial."""
     plain_s, plain_epochs, plain_best = plain[-1]
+    ours_s, ours_epochs, ours_best = ours[-1]
     reach = next(((s, e) for s, e, b in ours if b >= plain_best - 0.005), None)
     lines = [f"search: plain TPE best {100 * plain_best:.1f}% in {plain_s:.0f} trial seconds "
-             f"({plain_epochs} epochs); ours best {100 * ours[-1][2]:.1f}% in {ours[-1][0]:.0f} s "
-             f"({ours[-1][1]} epochs)"]
+             f"({plain_epochs} epochs); ours best {100 * ours_best:.1f}% in {ours_s:.0f} s "
+             f"({ours_epochs} epochs)"]
     # The other way round: what plain TPE had found by the time ours had trained all it did.
-    ours_epochs, ours_best = ours[-1][1], ours[-1][2]
     plain_then = max((b for _, e, b in plain if e <= ours_epochs), default=None)
     if plain_then is not None:
         lines.append(f"search: within ours' {ours_epochs} trial epochs plain TPE's best was "
