@@ -202,9 +202,9 @@ class ResolutionTuner:
 
     def epochs_for(self, size: int) -> int:
         """Every size gets about the same compute: `epochs` at the default size, scaled by the
-        pixel count (a step's cost grows with it), so the sizes are compared at equal time,
-        as the final run's time is spent (at least one epoch)."""
-        return max(1, round(self.epochs * (self.default_size / size) ** 2))
+        pixel count, so the sizes are compared at equal compute, as the final run spends it
+        (scenario.fill_time)."""
+        return equal_compute_epochs(self.epochs, self.default_size, size)
 
     def _journaled(self, data: str) -> dict[str, ResolutionTrial]:
         """{config key: trial} from the journal, for the same data; {} when there is none or it
@@ -286,6 +286,12 @@ class ResolutionTuner:
         path = Path(path)
         fig.savefig(path)
         return path
+
+
+def equal_compute_epochs(epochs: int, default_size: int, size: int) -> int:
+    """The epochs at `size` that cost about what `epochs` cost at `default_size`: a step's
+    cost grows with the pixel count (at least one epoch)."""
+    return max(1, round(epochs * (default_size / size) ** 2))
 
 
 def _config_key(config: TrainConfig) -> str:

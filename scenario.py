@@ -44,7 +44,7 @@ from modules.trainer import load_checkpoint, prepare, train
 from optuna_optimizer import (BATCH_SIZES, EarlierTrial, OptunaTuner, check_storage, end_trials,
                               follow_trials)
 from resolution_tuner import (CPU_RESOLUTIONS, GPU_RESOLUTIONS, QUICK_CPU_RESOLUTIONS,
-                              ResolutionTuner)
+                              ResolutionTuner, equal_compute_epochs)
 
 
 log = logging.getLogger("scenario")
@@ -297,6 +297,7 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
     """Tune (resolution, hpo), then train, test and describe one scenario."""
     started = time.perf_counter()
     config = scenario_config(name, args, device)
+    default_size = config.image_size  # the baseline's
     extra: dict[str, Any] = {}
     if name == "hpo" and args.image_size is None:
         size = tuned.get("image_size") or distributed.from_main(
@@ -324,7 +325,7 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
     tuning_s = time.perf_counter() - started
     if name != "baseline":
         config = fill_time(config, name, args, output_dir, index, tuned, tuning_s,
-                           _epoch_seconds(name, config, extra))
+                           _epoch_seconds(name, config, extra), default_size)
         config = distributed.from_main(config)  # under torchrun: rank 0's timing decides
     same = final_to_reuse(name, config, tuned)
     if same is not None:
@@ -465,13 +466,16 @@ def estimate(args: RunOptions, index: DatasetIndex) -> dict[str, Any]:
 
 def fill_time(config: TrainConfig, name: str, args: RunOptions, output_dir: Path,
               index: DatasetIndex, tuned: dict[str, Any], tuning_s: float,
-              epoch_s: float | None) -> TrainConfig:
+              epoch_s: float | None, default_size: int | None = None) -> TrainConfig:
     """A tuned scenario's final run trains as many epochs as fit in TIME_SHARE of the
-    baseline's total time, tuning included (at least the scenario's epochs, at most
-    MAX_EPOCH_FACTOR times them): the time the faster setup saves buys a better model. Kept
-    as they are with --epochs, --no-match-time, no baseline time or no measured epoch time,
-    and on --resume of a final run that has started (its checkpoint fixes them)."""
-    if args.epochs is not None or not args.match_time or not epoch_s:
+    baseline's total time, tuning included (at least its own epochs, at most MAX_EPOCH_FACTOR
+    times them): the time the faster setup saves buys a better model. At a size below the
+    scenario's default (`default_size`, the baseline's), its own epochs are the ones that cost
+    what the default's do: the resolution tuner compared the sizes at equal compute, and a
+    smaller size given only the default's epochs ended lower than the default where it had led
+    at equal compute (docs/tuning.md). Kept as they are with --epochs, --no-match-time, and on
+    --resume of a final run that has started (its checkpoint fixes them)."""
+    if args.epochs is not None or not args.match_time:
         return config
     ckpt = checkpoint_file(output_dir, name, run_id=getattr(args, "run_id", None))
     if args.resume and ckpt.exists():
@@ -479,18 +483,23 @@ def fill_time(config: TrainConfig, name: str, args: RunOptions, output_dir: Path
             return dataclasses.replace(config, epochs=int(load_checkpoint(ckpt)["config"]["epochs"]))
         except (OSError, KeyError, TypeError, ValueError, RuntimeError, UserError):
             return config  # the trainer says what is wrong with it
+    own = config.epochs
+    if default_size and config.image_size < default_size:
+        own = equal_compute_epochs(config.epochs, default_size, config.image_size)
+        log.info("%s: %d epochs at %d px, not %d: they cost what %d do at the default %d px",
+                 name, own, config.image_size, config.epochs, config.epochs, default_size)
     baseline_s = tuned.get("baseline_total_s")
     if baseline_s is None:
         row = previous_row(output_dir / "results.json", "baseline", index.name)
         baseline_s = (row or {}).get("total_s") or (row or {}).get("wall_s")
-    if not baseline_s:
-        return config
+    if not baseline_s or not epoch_s:
+        return dataclasses.replace(config, epochs=own)
     left = TIME_SHARE * baseline_s - tuning_s
-    epochs = min(MAX_EPOCH_FACTOR * config.epochs, max(config.epochs, int(left // epoch_s)))
-    if epochs != config.epochs:
+    epochs = min(MAX_EPOCH_FACTOR * own, max(own, int(left // epoch_s)))
+    if epochs != own:
         log.info("%s: %d epochs instead of %d: they fit in %.0f%% of the baseline's %.0f s with "
                  "%.0f s of tuning, at %.1f s per epoch measured while tuning (--epochs N or "
-                 "--no-match-time keeps the count)", name, epochs, config.epochs,
+                 "--no-match-time keeps the count)", name, epochs, own,
                  100 * TIME_SHARE, baseline_s, tuning_s, epoch_s)
     return dataclasses.replace(config, epochs=epochs)
 

@@ -514,6 +514,24 @@ def test_a_tuned_final_run_fills_the_baselines_time_with_epochs(tmp_path):
     assert fill(epoch_s=None).epochs == 10 and fill(tuned={}).epochs == 10  # nothing to go by
 
 
+def test_a_smaller_size_trains_the_epochs_that_cost_what_the_defaults_do(tmp_path):
+    """The resolution tuner compares sizes at equal compute, so a final run at a smaller size
+    than the baseline's trains the epochs that cost what the baseline's do: 48 px for 64 px's
+    10 is about 18 (x (64 / 48)^2), and time-matching fills from there, up to 3x that."""
+    index = type("Index", (), {"name": "d"})()
+    small = scenario.TrainConfig(epochs=10, image_size=48, device="cpu")
+
+    def fill(config=small, args=None, **kw):
+        return scenario.fill_time(config, "resolution", _ns(**(args or {})), tmp_path, index,
+                                  kw.get("tuned", {"baseline_total_s": 100.0}),
+                                  kw.get("tuning_s", 70.0), kw.get("epoch_s", 1.0), 64).epochs
+    assert fill() == 18                            # no time left: the default's compute
+    assert fill(tuned={}) == 18 and fill(epoch_s=None) == 18  # nothing to time by
+    assert fill(tuning_s=0.0) == 54                # 80 epochs fit: capped at 3x its 18
+    assert fill(scenario.TrainConfig(epochs=10, image_size=96, device="cpu")) == 10  # larger
+    assert fill(args={"epochs": 10}) == 10 and fill(args={"match_time": False}) == 10
+
+
 def test_each_row_is_compared_with_the_baseline():
     hist = lambda *accs: [{"epoch": i + 1, "val_acc": a, "elapsed_s": 10.0 * (i + 1)}  # noqa: E731
                           for i, a in enumerate(accs)]
