@@ -235,18 +235,24 @@ class ResolutionTuner:
         """Among the sizes that finished their trial, those whose accuracy ties with the best
         one (within one standard error of the difference on n_val images): the default size if
         it is one, else the smallest.
-        The default size also stays when its own trial is still at chance (num_classes given):
-        then the short trials say nothing about where the sizes end."""
+        The default size also stays when its own trial is still at chance and no other size
+        has left chance ahead of it (num_classes given): then the short trials rank nothing.
+        A size that has left chance at the same compute is ahead, as the final run spends it."""
         trials = [t for t in trials if t.stopped_after is None]  # judged already: behind
         if not trials:
             raise UserError("no resolution was tried.")
         default = next((t for t in trials if t.image_size == default_size), None)
         if default is not None and num_classes and \
                 not informative(default.val_acc, n_val, num_classes):
+            if not any(clearly_ahead(t.val_acc, default.val_acc, n_val, num_classes)
+                       for t in trials):
+                log.info("resolution: every size's trial is still at chance for %d classes "
+                         "(the default's %.1f%%): the short trials cannot rank the sizes; "
+                         "keeping the default", num_classes, 100 * default.val_acc)
+                return default_size
             log.info("resolution: the default size's trial (%.1f%%) is still at chance for %d "
-                     "classes: the short trials cannot rank the sizes; keeping the default",
-                     100 * default.val_acc, num_classes)
-            return default_size
+                     "classes, and a size that cost the same has left it", 100 * default.val_acc,
+                     num_classes)
         top = max(t.val_acc for t in trials)
         tied = [t.image_size for t in trials if top - t.val_acc <= tie_margin(top, t.val_acc, n_val)]
         return default_size if default_size in tied else min(tied)
