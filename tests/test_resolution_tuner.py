@@ -138,9 +138,8 @@ def test_every_size_gets_about_the_same_compute(tmp_path):
 def test_a_default_trial_at_chance_stays_only_while_no_size_has_left_chance():
     """Six classes, 360 images: chance is 16.7%, two standard errors 3.9 points. While every
     size is at chance the trials rank nothing and the default stays; a size that left chance at
-    the same compute is ahead of a default still at chance (at non-quick CPU sizes, the
-    default's 3 epochs at 150 px sat at 10% on digits, and its final run with them, where
-    64 px's reached 97.8%: docs/tuning.md)."""
+    the same compute is ahead of a default still at chance (at the non-quick CPU sizes the
+    default's 3 epochs often end there: docs/tuning.md)."""
     all_at_chance = [trial(48, 0.205), trial(64, 0.15), trial(96, 0.18)]
     assert ResolutionTuner.pick(all_at_chance, 360, 64, num_classes=6) == 64
     assert ResolutionTuner.pick(all_at_chance, 360, 64) == 48  # unchecked, 48 would win
