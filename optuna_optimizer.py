@@ -336,9 +336,8 @@ class OptunaTuner:
         the epochs they trained, and which trial they are from. The default configuration
         continues from the earlier trial instead of its own when that trained what it learns
         (TrainConfig.learning_settings: the autotuner may pick other speed knobs at another
-        size) for more epochs and reached at least its validation accuracy. The resolution
-        scenario's trial at a size other than the default trains more epochs than the
-        search's: the final run continues from the most-trained weights of what it trains."""
+        size) for more epochs and reached at least its validation accuracy: the final run
+        continues from the most-trained weights of what it trains."""
         if params is not None:
             return (*self.weights_for(params), "the chosen trial")
         weights, epochs = self.weights_for(None)

@@ -262,19 +262,31 @@ def tuning_runs(name: str, args: RunOptions, config: TrainConfig, device: torch.
 
 
 def least_tuning_epochs(name: str, args: RunOptions, config: TrainConfig, index: DatasetIndex,
-                        device: torch.device) -> float:
+                        device: torch.device, default_size: int | None = None) -> float:
     """The fewest epochs (at the scenario's size) its tuning can train: every trial that can
     be stopped stopped where it first can be."""
-    budget = short_budget(config)
     if name == "resolution":
         return ResolutionTuner(index, config, tuned_resolutions(args, device, config.image_size),
-                               epochs=budget).least_compute()
+                               epochs=short_budget(config)).least_compute()
+    budget = search_epochs(config, default_size)
     return budget + (trial_count(args) - 1) * OptunaTuner.shortest_trial(args.pruner, budget)
 
 
 def short_budget(config: TrainConfig) -> int:
     """Epochs for each tuning run: a third of the scenario's, at least 2."""
     return max(2, config.epochs // 3)
+
+
+def search_epochs(config: TrainConfig, default_size: int | None = None) -> int:
+    """Epochs for each of the search's trials at config.image_size: short_budget, and at a
+    size below the scenario's default (the baseline's) the epochs that cost what those do
+    there. The resolution tuner's trial at that size trained as many, and the final run
+    trains the default's compute (fill_time): so trials stay a third of the final run, and
+    the resolution trial is the search's default trial as it is."""
+    budget = short_budget(config)
+    if default_size and config.image_size < default_size:
+        return equal_compute_epochs(budget, default_size, config.image_size)
+    return budget
 
 
 def load_data(args: RunOptions, output_dir: Path) -> DatasetIndex:
@@ -308,7 +320,7 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
         # trials early), so that it stays within that share of what it does train.
         steps = planned_steps(config, len(index.train)) + round(
             planned_steps(config, len(index.train), epochs=1) *
-            least_tuning_epochs(name, args, config, index, device))
+            least_tuning_epochs(name, args, config, index, device, default_size))
         config, findings = autotune_scenario(config, args, index, steps,
                                            checkpoint_file(output_dir, name, ".autotune.json",
                                                            args.run_id))
@@ -320,7 +332,7 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
         extra.update(tuning)
     elif name == "hpo":
         config, tuning = tune_hyperparameters(config, args, index, output_dir, device,
-                                              tuned.get("trial"))
+                                              tuned.get("trial"), default_size)
         extra.update(tuning)
     tuning_s = time.perf_counter() - started
     if name != "baseline":
@@ -562,17 +574,18 @@ def warm_start(config: TrainConfig, name: str, source: str, weights: Path | None
 
 def tune_hyperparameters(config: TrainConfig, args: RunOptions, index: DatasetIndex,
                          output_dir: Path, device: torch.device,
-                         earlier: EarlierTrial | None = None
+                         earlier: EarlierTrial | None = None, default_size: int | None = None
                          ) -> tuple[TrainConfig, dict[str, Any]]:
     """The search, then the final run's configuration: the search's winner only when it beat
     the default configuration (its first trial) on validation, else the default. `earlier`:
-    a trial already trained (the resolution scenario's), the default trial when it matches."""
+    a trial already trained (the resolution scenario's), the default trial when it matches.
+    default_size: the baseline's size (search_epochs)."""
     if not distributed.is_main():
         # Under torchrun rank 0 runs the study; every trial trains data-parallel on all ranks.
         follow_trials(index)
         return distributed.from_main(None), {}
     n_trials = trial_count(args)
-    trial_epochs = short_budget(config)
+    trial_epochs = search_epochs(config, default_size)
     log.info("== hyperparameter search: %d trials of %d epochs at %d px (the default "
              "configuration first), successive halving over epochs", n_trials, trial_epochs,
              config.image_size)

@@ -213,6 +213,9 @@ def test_quick_run_does_all_three_scenarios_on_synthetic_data(tmp_path, monkeypa
     assert all(t["val_curve"] and max(t["val_curve"]) == t["val_acc"] for t in trials)
     if size == 64:
         assert search["default_reused_from"] == "the resolution scenario's 64 px trial"
+    if size <= 64:  # below the baseline's 64 px, trials of the compute the sizes were compared at
+        picked = next(t for t in trials if t["image_size"] == size)
+        assert search["trial_epochs"] == len(picked["val_curve"]) == (4 if size == 48 else 2)
     for name in ("resolution", "hpo"):
         weights = Path(rows[name]["warm_start"]["weights"])
         assert weights.parent == run_path(out) and rows[name]["settings"]["weights"] == str(weights)
@@ -530,6 +533,22 @@ def test_a_smaller_size_trains_the_epochs_that_cost_what_the_defaults_do(tmp_pat
     assert fill(tuning_s=0.0) == 54                # 80 epochs fit: capped at 3x its 18
     assert fill(scenario.TrainConfig(epochs=10, image_size=96, device="cpu")) == 10  # larger
     assert fill(args={"epochs": 10}) == 10 and fill(args={"match_time": False}) == 10
+
+
+def test_the_search_trains_trials_a_third_of_the_final_runs_compute():
+    """At a size below the baseline's, the final run trains the baseline's compute (above), so
+    the search's trials train the epochs that cost a third of it: as many as the resolution
+    tuner's trial at that size, which is then the search's default trial as it is."""
+    from resolution_tuner import ResolutionTuner
+    config = scenario.TrainConfig(epochs=12, image_size=48, device="cpu")
+    assert scenario.search_epochs(config) == 4                   # no default size: a third
+    assert scenario.search_epochs(config, 48) == 4
+    assert scenario.search_epochs(config, 64) == 7               # 4 x (64 / 48)^2
+    assert scenario.search_epochs(dataclasses.replace(config, image_size=96), 64) == 4  # larger
+    from types import SimpleNamespace
+    tuner = ResolutionTuner(SimpleNamespace(val=[]), dataclasses.replace(config, image_size=64),
+                            (48, 96), epochs=scenario.short_budget(config))
+    assert tuner.epochs_for(48) == scenario.search_epochs(config, 64)
 
 
 def test_each_row_is_compared_with_the_baseline():
