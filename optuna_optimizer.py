@@ -257,11 +257,14 @@ class OptunaTuner:
                                                                        log=True)}
 
     def _reused_default(self) -> optuna.trial.FrozenTrial | None:
-        """The earlier trial as the default trial, when it trained the same settings for the
-        same epochs; else None (the default trial is trained)."""
+        """The earlier trial as the default trial, when it learned the same for the same epochs
+        (TrainConfig.learning_settings: the autotuner measures the speed knobs again at the
+        search's size, and may pick others; its seconds are then the earlier knobs'); else
+        None (the default trial is trained). Trained again, the same settings from scratch can
+        end far from the first run, and the search's choice is made against that draw."""
         e = self.earlier
         if e is None or len(e.val_curve) != self.epochs or \
-                e.config.run_settings() != self.default_config().run_settings():
+                e.config.learning_settings() != self.default_config().learning_settings():
             return None
         attrs = {"default": True, "reused_from": e.source, "epochs_run": len(e.val_curve),
                  "wall_s": e.wall_s, "samples_per_s": e.samples_per_s}
@@ -460,8 +463,8 @@ class OptunaTuner:
                 self.study.add_trial(default)
                 self._copy_to_mirror()
                 reused = 1
-                log.info("trial 0 (the default configuration) is %s: the same settings for "
-                         "the same %d epochs, not trained again; value %.4f",
+                log.info("trial 0 (the default configuration) is %s: the same learning "
+                         "settings for the same %d epochs, not trained again; value %.4f",
                          self.earlier.source, self.epochs, default.value)
             else:
                 self.study.enqueue_trial(self.default_params(), user_attrs={"default": True})

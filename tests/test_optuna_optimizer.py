@@ -306,6 +306,13 @@ def test_a_trial_already_trained_with_the_default_settings_is_not_trained_again(
     assert summary["n_trials"] == 3 and len(trained) == 2  # the default was not trained again
     assert all(config.lr != BASE.lr or config.batch_size != BASE.batch_size for config in trained)
     assert t.weights_for(None) == (weights, 2) and summary["default_reused_from"] == "the 24 px trial"
+    # other speed knobs (the autotuner measured again at the search's size): the same learning
+    faster = dataclasses.replace(earlier, config=dataclasses.replace(
+        earlier.config, channels_last=True, optimizer_impl="fused"))
+    trained.clear()
+    t = tuner(index, tmp_path / "faster", n_trials=1, earlier=faster)
+    t.run()
+    assert t.study.trials[0].user_attrs["reused_from"] == "the 24 px trial" and not trained
     # another lr, or other epochs: not the default trial, so that one is trained
     for other in (dataclasses.replace(earlier, config=dataclasses.replace(earlier.config, lr=0.05)),
                   dataclasses.replace(earlier, val_curve=[0.4])):
