@@ -209,11 +209,11 @@ def test_quick_run_does_all_three_scenarios_on_synthetic_data(tmp_path, monkeypa
     # (a kept default continues from the resolution trial when that trained it longer)
     assert rows["hpo"]["warm_start"]["from"] in (
         "the default trial", "the chosen trial", f"the resolution scenario's {size} px trial")
-    # the search's default trial at the kept size is the resolution trial, not trained again
     assert all(t["val_curve"] and max(t["val_curve"]) == t["val_acc"] for t in trials)
-    if size == 64:
-        assert search["default_reused_from"] == "the resolution scenario's 64 px trial"
-    if size <= 64:  # below the baseline's 64 px, trials of the compute the sizes were compared at
+    # the search's default trial at the picked size is the resolution trial, not trained again
+    # (below the baseline's 64 px, the search's trials train the compute sizes were compared at)
+    if size <= 64:
+        assert search["default_reused_from"] == f"the resolution scenario's {size} px trial"
         picked = next(t for t in trials if t["image_size"] == size)
         assert search["trial_epochs"] == len(picked["val_curve"]) == (4 if size == 48 else 2)
     for name in ("resolution", "hpo"):
