@@ -445,6 +445,7 @@ class OptunaTuner:
                             f"images differ from this run's): give this run its own study.")
         if self.data_fingerprint and not data:
             self.study.set_user_attr("data_fingerprint", self.data_fingerprint)
+        self._check_trial_setup(where)
         # Optuna refuses a categorical whose choices change within a study, mid-trial; say it now.
         for trial in self.study.trials:
             old = trial.distributions.get("batch_size")
@@ -519,6 +520,27 @@ class OptunaTuner:
                 "n_trials": len(states), "n_pruned": states.count(optuna.trial.TrialState.PRUNED),
                 "n_complete": complete, "study_name": self.study_name,
                 "storage": _without_password(self.storage_url)}
+
+    def _check_trial_setup(self, where: str) -> None:
+        """A study's trials are compared with each other, so they all train at one size for
+        the same epochs: a resumed or joined study whose trials trained otherwise (another
+        picked size, other --epochs, or a version that gave trials other epochs at that size)
+        is refused, and a new one records its own."""
+        setup = {"image_size": self.base.image_size, "epochs": self.epochs}
+        recorded = self.study.user_attrs.get("trial_setup")
+        if recorded is None:  # a study from before the record: its finished trials' epochs
+            ran = {t.user_attrs.get("epochs_run") for t in self._complete()} - {None}
+            if ran and ran != {self.epochs}:
+                recorded = {"epochs": sorted(ran)[0]}
+        differ = [k for k, v in (recorded or {}).items() if setup.get(k) != v]
+        if differ:
+            raise UserError(
+                f"cannot resume study {self.study_name!r} in {where}: its trials trained "
+                + ", ".join(f"{k}={recorded[k]}" for k in differ) + ", this run's would train "
+                + ", ".join(f"{k}={setup[k]}" for k in differ) + " (resume with the settings "
+                "it started with, or give this run its own study; nothing was deleted).")
+        if self.study.user_attrs.get("trial_setup") is None:
+            self.study.set_user_attr("trial_setup", setup)
 
     def _complete(self) -> list[optuna.trial.FrozenTrial]:
         return [t for t in self._require_study().trials

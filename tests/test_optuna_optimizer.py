@@ -157,6 +157,27 @@ def test_a_study_of_other_data_is_refused(index, tmp_path, monkeypatch):
         tuner(index, tmp_path, data_fingerprint="b", resume=True, n_trials=1).run()
 
 
+def test_a_study_whose_trials_trained_otherwise_is_refused(index, tmp_path, monkeypatch):
+    """Trials are compared with each other: a resumed study whose trials trained another size
+    or other epochs is refused in one line, nothing deleted; so is one from before the study
+    recorded that, whose finished trials trained other epochs."""
+    monkeypatch.setattr(optuna_optimizer, "fit", fake_fit)
+    tuner(index, tmp_path, n_trials=1).run()
+    for kwargs, message in (({"epochs": 3}, "epochs=2, this run's would train epochs=3"),
+                            ({"base": dataclasses.replace(BASE, image_size=48)},
+                             "image_size=24, this run's would train image_size=48")):
+        base = kwargs.pop("base", BASE)
+        with pytest.raises(UserError, match=f"trained {message}.*nothing was deleted"):
+            OptunaTuner(index, base, output_dir=tmp_path / "hpo", batch_sizes=(8, 16),
+                        n_trials=2, resume=True, **{"epochs": 2, **kwargs}).run()
+    assert tuner(index, tmp_path, n_trials=2, resume=True).run()["n_complete"] == 2
+    older = tuner(index, tmp_path / "older", n_trials=1)
+    older.run()
+    older.study.set_user_attr("trial_setup", None)  # as a study from before the record
+    with pytest.raises(UserError, match="trained epochs=2, this run's would train epochs=4"):
+        tuner(index, tmp_path / "older", n_trials=2, resume=True, epochs=4).run()
+
+
 @pytest.mark.filterwarnings("ignore:Heartbeat of storage")  # our study.ask() plays the dead run
 def test_trial_of_a_killed_process_is_retried(index, tmp_path, monkeypatch):
     monkeypatch.setattr(optuna_optimizer, "fit", fake_fit)
