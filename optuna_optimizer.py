@@ -527,8 +527,8 @@ class OptunaTuner:
         picked size, other --epochs, or a version that gave trials other epochs at that size)
         is refused, and a new one records its own."""
         setup = {"image_size": self.base.image_size, "epochs": self.epochs}
-        recorded = self.study.user_attrs.get("trial_setup")
-        if recorded is None:  # a study from before the record: its finished trials' epochs
+        saved = recorded = self.study.user_attrs.get("trial_setup")
+        if saved is None:  # a study from before the record: its finished trials' epochs
             ran = {t.user_attrs.get("epochs_run") for t in self._complete()} - {None}
             if ran and ran != {self.epochs}:
                 recorded = {"epochs": sorted(ran)[0]}
@@ -539,7 +539,7 @@ class OptunaTuner:
                 + ", ".join(f"{k}={recorded[k]}" for k in differ) + ", this run's would train "
                 + ", ".join(f"{k}={setup[k]}" for k in differ) + " (resume with the settings "
                 "it started with, or give this run its own study; nothing was deleted).")
-        if self.study.user_attrs.get("trial_setup") is None:
+        if saved is None:
             self.study.set_user_attr("trial_setup", setup)
 
     def _complete(self) -> list[optuna.trial.FrozenTrial]:

@@ -283,10 +283,15 @@ def search_epochs(config: TrainConfig, default_size: int | None = None) -> int:
     there. The resolution tuner's trial at that size trained as many, and the final run
     trains the default's compute (fill_time): so trials stay a third of the final run, and
     the resolution trial is the search's default trial as it is."""
-    budget = short_budget(config)
-    if default_size and config.image_size < default_size:
-        return equal_compute_epochs(budget, default_size, config.image_size)
-    return budget
+    return epochs_at_size(short_budget(config), config.image_size, default_size)
+
+
+def epochs_at_size(epochs: int, size: int, default_size: int | None) -> int:
+    """`epochs` at the default size, as a run at `size` trains them: below the default, the
+    epochs that cost the same (equal_compute_epochs); at or above it, as they are."""
+    if default_size and size < default_size:
+        return equal_compute_epochs(epochs, default_size, size)
+    return epochs
 
 
 def load_data(args: RunOptions, output_dir: Path) -> DatasetIndex:
@@ -495,9 +500,8 @@ def fill_time(config: TrainConfig, name: str, args: RunOptions, output_dir: Path
             return dataclasses.replace(config, epochs=int(load_checkpoint(ckpt)["config"]["epochs"]))
         except (OSError, KeyError, TypeError, ValueError, RuntimeError, UserError):
             return config  # the trainer says what is wrong with it
-    own = config.epochs
-    if default_size and config.image_size < default_size:
-        own = equal_compute_epochs(config.epochs, default_size, config.image_size)
+    own = epochs_at_size(config.epochs, config.image_size, default_size)
+    if own != config.epochs:
         log.info("%s: %d epochs at %d px, not %d: they cost what %d do at the default %d px",
                  name, own, config.image_size, config.epochs, config.epochs, default_size)
     baseline_s = tuned.get("baseline_total_s")
