@@ -31,7 +31,7 @@ from modules.dataset import (DatasetIndex, data_path_of, index_dataset, load_rgb
 from modules.device import apply_process_settings, autocast_dtype, resolve_device
 from modules.evaluation import evaluate
 from modules.fastdata import cache_fits
-from modules.files import atomic_write_text, folder_lock, run_log, share_file
+from modules.files import atomic_write_text, folder_lock, name_folder, run_log, share_file
 from modules.hardware import max_batch_size
 from modules.models import weights_file
 from modules.monitor import SystemSampler
@@ -682,7 +682,9 @@ def write_outputs(results: list[dict[str, Any]], output_dir: Path, run_id: str |
     return current
 
 
-def prepare_output_dir(path: str, what: str = "output dir") -> Path:
+def prepare_output_dir(path: str, option: str = "--output-dir") -> Path:
+    """The folder the user named with `option`, created and checked writable; a write that
+    later fails under it names that option (files.write_error)."""
     out = Path(path).expanduser()
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -690,7 +692,9 @@ def prepare_output_dir(path: str, what: str = "output dir") -> Path:
         with tempfile.NamedTemporaryFile(dir=out, prefix=".write_test"):
             pass
     except OSError as exc:
-        raise UserError(f"cannot write to {what} {str(out)!r} ({exc.strerror or exc}).") from None
+        raise UserError(f"cannot write to {option} {str(out)!r} ({exc.strerror or exc}).") \
+            from None
+    name_folder(out, option)
     return out
 
 

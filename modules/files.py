@@ -94,24 +94,50 @@ def disk_full(folder: Path) -> bool:
     return usage.free < min(64 * 2**20, 0.01 * usage.total) or usage.free < 2**20
 
 
+# The folders the user named, each with the option that names it, so that a failed write
+# tells the user which option to change (a file elsewhere, such as a download cache, names none).
+_NAMED_FOLDERS: dict[Path, str] = {}
+
+
+def name_folder(folder: Path | str, option: str) -> None:
+    """Writes under `folder` are the user's `option` (--output-dir, --local-dir)."""
+    _NAMED_FOLDERS[Path(folder).expanduser().resolve()] = option
+
+
+def _option_for(path: Path | str | None) -> str | None:
+    """The option naming the innermost registered folder that holds `path`; --output-dir
+    when the failing call did not name its file."""
+    if path is None:
+        return "--output-dir"
+    try:
+        where = Path(path).expanduser().resolve()
+    except (OSError, RuntimeError):
+        return None
+    holding = [f for f in _NAMED_FOLDERS if where == f or where.is_relative_to(f)]
+    return _NAMED_FOLDERS[max(holding, key=lambda f: len(f.parts))] if holding else None
+
+
 def write_error(path: Path | str | None, exc: BaseException) -> UserError:
     """One line for a write that failed: a full disk, a read-only or forbidden folder. `path`
     None: the failing call did not name its file."""
     code = getattr(exc, "errno", None)
     where = "the output folder" if path is None else repr(str(path))
+    option = _option_for(path)
     then = "then rerun (with --resume to continue; what was written before stays intact)."
     # torch.save's RuntimeError has no errno: only then is a nearly full disk the guess (a
     # read-only or forbidden folder may report no free space at all).
     forbidden = code in (errno.EACCES, errno.EPERM, errno.EROFS)
     if code in (errno.ENOSPC, errno.EDQUOT) or (
             not forbidden and path is not None and disk_full(Path(path).parent)):
-        return UserError(f"no space left on the device holding {where}; free some space or "
-                         f"pass --output-dir on another disk, {then}")
+        other = f" or pass {option} on another disk" if option else ""
+        return UserError(f"no space left on the device holding {where}; free some "
+                         f"space{other}, {then}")
     reason = getattr(exc, "strerror", None) or first_line(exc, limit=1000)
     if code in (errno.EACCES, errno.EPERM):
-        return UserError(f"cannot write {where} ({reason}); fix its permissions or pass "
-                         f"another --output-dir, {then}")
-    return UserError(f"cannot write {where} ({reason}); pass a writable --output-dir, {then}")
+        other = f" or pass another {option}" if option else ""
+        return UserError(f"cannot write {where} ({reason}); fix its permissions{other}, {then}")
+    other = f"; pass a writable {option}," if option else "; make its folder writable,"
+    return UserError(f"cannot write {where} ({reason}){other} {then}")
 
 
 def _fsync_dir(directory: Path) -> None:

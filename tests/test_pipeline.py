@@ -144,7 +144,7 @@ def test_unwritable_output_dir_is_one_clear_line(small, tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     assert run_main("--data-dir", str(small), "--output-dir", str(blocker / "out")) == 2
-    assert "cannot write to output dir" in capsys.readouterr().err
+    assert "cannot write to --output-dir" in capsys.readouterr().err
 
 
 def test_quick_is_the_small_cpu_preset():

@@ -300,7 +300,7 @@ def test_a_read_only_filesystem_is_one_clear_line(data, tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
     assert err.strip().splitlines()[-1] == (
-        f"error: cannot write to output dir {str(mount / 'out')!r} (Read-only file system).")
+        f"error: cannot write to --output-dir {str(mount / 'out')!r} (Read-only file system).")
 
 
 # ------------------------------------------------------------------- a new user's mistakes
@@ -425,11 +425,12 @@ def test_a_folder_the_run_cannot_write_is_one_line(tmp_path, monkeypatch, capsys
 
     import scenario
     data = make_folder(tmp_path / "d", n_train=4, n_test=2)
-    denied = PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "checkpoints"))
+    denied = PermissionError(errno.EACCES, "Permission denied",
+                             str(tmp_path / "o" / "checkpoints"))
     monkeypatch.setattr(scenario, "start_run", lambda *a, **k: (_ for _ in ()).throw(denied))
     assert pipeline.main(["--data-dir", str(data), "--output-dir", str(tmp_path / "o"), *RUN]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        f"error: cannot write {str(tmp_path / 'checkpoints')!r} (Permission denied); fix its "
+        f"error: cannot write {str(tmp_path / 'o' / 'checkpoints')!r} (Permission denied); fix its "
         "permissions or pass another --output-dir, then rerun (with --resume to continue; what "
         "was written before stays intact).")
     # The same words as a write that modules.files catches itself, also when the OSError
@@ -452,6 +453,28 @@ def test_a_folder_the_run_cannot_write_is_one_line(tmp_path, monkeypatch, capsys
         OSError(errno.EBADF, "Bad file descriptor")))
     with pytest.raises(OSError, match="Bad file descriptor"):
         pipeline.main(["--data-dir", str(data), "--output-dir", str(tmp_path / "o"), *RUN])
+
+
+def test_a_failed_write_names_the_option_of_the_folder_it_was_in(tmp_path):
+    """A full --local-dir is not fixed by another --output-dir; a file outside both (a
+    download cache) names neither."""
+    import errno
+
+    import scenario
+    from modules import files
+    out = scenario.prepare_output_dir(str(tmp_path / "out"))
+    local = scenario.prepare_output_dir(str(tmp_path / "out" / "local"), "--local-dir")
+    full = OSError(errno.ENOSPC, "No space left on device")
+    assert "pass --local-dir on another disk" in str(files.write_error(local / "cache.npy", full))
+    assert "pass --output-dir on another disk" in str(files.write_error(out / "results.json", full))
+    said = str(files.write_error(tmp_path / "elsewhere" / "weights.pth", full))
+    assert said.startswith("no space left on the device holding") and "pass --" not in said
+    denied = OSError(errno.EACCES, "Permission denied")
+    assert str(files.write_error(tmp_path / "elsewhere", denied)).startswith(
+        f"cannot write {str(tmp_path / 'elsewhere')!r} (Permission denied); fix its permissions, "
+        "then rerun")
+    assert "pass a writable --local-dir" in str(files.write_error(
+        local / "x", OSError(errno.EIO, "Input/output error")))
 
 
 def test_a_second_run_into_a_folder_in_use_stops_in_one_line(tmp_path):
