@@ -72,7 +72,8 @@ class CheckpointSaver:
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
-        scaler.load_state_dict(ckpt["scaler"])
+        if ckpt["scaler"]:  # empty from a run without fp16 (a CPU, bf16): a fresh scale here
+            scaler.load_state_dict(ckpt["scaler"])
         set_rng_state(ckpt["rng"])
         log.info("resuming from %s after epoch %d", self.path, ckpt["epoch"])
         return Progress(history=ckpt["history"], best=ckpt["best"], bad_epochs=ckpt["bad_epochs"],
@@ -134,7 +135,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
                          np_gauss))
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        # One state per GPU the saving process saw: resumed on a machine with fewer (a
+        # checkpoint from a multi-GPU node, on Colab), those it has.
+        for i, cuda_state in enumerate(state["cuda"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(cuda_state, device=i)
 
 
 def cpu_state(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -219,6 +219,29 @@ def test_resume_refuses_changed_settings(tmp_path):
             resume=True)
 
 
+def test_a_checkpoint_resumes_on_a_machine_unlike_the_one_that_saved_it(tmp_path, monkeypatch):
+    """Saved where fp16 was off (its GradScaler state is empty) and the GPUs were eight, it
+    resumes where fp16 is on (a T4) and there is one GPU: a fresh scale, the GPUs there are."""
+    from modules import checkpoints
+    fit(dataclasses.replace(BASE, epochs=1), checkpoint_path=tmp_path / "c.pt")
+    ckpt = load_checkpoint(tmp_path / "c.pt")
+    assert ckpt["scaler"] == {}
+    ckpt["rng"]["cuda"] = [torch.zeros(16, dtype=torch.uint8) + i for i in range(8)]
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_rng_state",
+                        lambda state, device: restored.append((int(state[0]), device)))
+    model = TinyNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    torch.save(ckpt, tmp_path / "c.pt")
+    scaler = torch.amp.GradScaler("cpu", enabled=True)  # fp16's, as on a GPU
+    progress = checkpoints.CheckpointSaver(tmp_path / "c.pt", dataclasses.replace(
+        BASE, epochs=1)).restore(model, optimizer, scheduler, scaler)
+    assert progress.resumed_from == 1 and scaler.is_enabled() and restored == [(0, 0)]
+
+
 def test_on_epoch_sees_every_epoch_and_can_stop_training():
     seen = []
     fit(dataclasses.replace(BASE, epochs=3), on_epoch=lambda e, m: seen.append((e, m["val_acc"])))
