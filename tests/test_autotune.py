@@ -334,11 +334,14 @@ def test_amp_starts_at_what_auto_means_on_the_device(monkeypatch):
     """An unmeasured knob keeps its first candidate: on a GPU "auto" must stay mixed precision."""
     assert at.amp_candidates(torch.device("cpu"), "auto") == ["off", "bf16"]
     assert at.amp_candidates(torch.device("cpu"), "bf16") == ["bf16", "off"]
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(at, "autocast_dtype", lambda amp, device: torch.bfloat16)
     assert at.amp_candidates(torch.device("cuda"), "auto") == ["bf16", "off", "fp16"]
-    monkeypatch.setattr(at, "autocast_dtype", lambda amp, device: torch.float16)  # a T4
-    assert at.amp_candidates(torch.device("cuda"), "auto") == ["fp16", "off", "bf16"]
+    # A T4: torch calls bf16 supported there (emulated, slowly); it is not raced
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(at, "autocast_dtype", lambda amp, device: torch.float16)
+    assert at.amp_candidates(torch.device("cuda"), "auto") == ["fp16", "off"]
 
 
 def test_the_memory_probe_runs_only_when_the_starting_batch_does_not_fit(monkeypatch):
