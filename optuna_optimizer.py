@@ -296,10 +296,14 @@ class OptunaTuner:
             # job stops (training already splits batches; this is one image not fitting).
             if not is_out_of_memory(exc) or distributed.world_size() > 1:
                 raise
-            release(resolve_device(config.device))  # so the next trial starts with the memory back
+            result = None
+        if result is None:
+            # Outside the except block, whose traceback holds the trial's model: so the next
+            # trial starts with the memory back.
+            release(resolve_device(config.device))
             reason = f"out of memory at batch_size={config.batch_size}"
             trial.set_user_attr("pruned_reason", reason)
-            raise optuna.TrialPruned(reason) from None
+            raise optuna.TrialPruned(reason)
         trial.set_user_attr("samples_per_s", float(result.timing.get("samples_per_s", 0.0)))
         trial.set_user_attr("epochs_run", result.epochs_run)
         trial.set_user_attr("wall_s", result.wall_s)

@@ -26,7 +26,7 @@ from modules.config import TrainConfig, UserError, first_line
 from modules.files import atomic_write_text
 from modules.hardware import PROBE_BATCHES, max_batch_size
 from modules.models import build_model, has_bytemask_dropout
-from modules.oom import is_out_of_memory
+from modules.oom import is_out_of_memory, release
 from modules.trainer import (apply_process_settings, autocast_dtype, make_optimizer,
                              resolve_device, train_step)
 
@@ -184,7 +184,7 @@ def _error(exc: Exception) -> str:
 
 def _release() -> None:
     if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+        release(torch.device("cuda"))
 
 
 def _challenge(incumbent: ComputeProbe, config: TrainConfig, num_classes: int,
@@ -197,9 +197,13 @@ def _challenge(incumbent: ComputeProbe, config: TrainConfig, num_classes: int,
         return challenger, race(incumbent, challenger, warmup=warmup, min_s=min_s,
                                 drop_slow=drop_slow)
     except Exception as exc:
-        incumbent.activate()
-        _release()
-        return None, {"error": _error(exc)}
+        failed = {"error": _error(exc)}
+    # Outside the except block, the failed challenger dropped: until then its model and the
+    # traceback's tensors hold their memory.
+    challenger = None
+    incumbent.activate()
+    _release()
+    return None, failed
 
 
 def _first_probe(config: TrainConfig, num_classes: int, min_s: float
@@ -211,8 +215,10 @@ def _first_probe(config: TrainConfig, num_classes: int, min_s: float
         probe = ComputeProbe(config, num_classes)
         return probe, probe.measure(warmup=2, min_s=min_s)
     except Exception as exc:
-        _release()
-        return None, {"error": _error(exc), "out_of_memory": is_out_of_memory(exc)}
+        failed = {"error": _error(exc), "out_of_memory": is_out_of_memory(exc)}
+    probe = None  # as in _challenge
+    _release()
+    return None, failed
 
 
 def _set_by_user(config: TrainConfig, knob: str) -> dict[str, Any]:

@@ -307,6 +307,9 @@ def cached_loaders(index, config: TrainConfig) -> tuple[CachedLoader, ...] | Non
     on_gpu = False
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
+        # Blocks torch holds but no tensor uses (a trial or probe before this one) are free
+        # to this process, though the driver counts them as taken.
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         on_gpu = needed < CACHE_GPU_FRACTION * free
     loaders = []
     for samples, train in zip(splits, (True, False, False)):

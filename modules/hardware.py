@@ -8,6 +8,7 @@ import torch
 
 from modules.config import TrainConfig
 from modules.models import build_model
+from modules.oom import is_out_of_memory, release
 from modules.trainer import autocast_dtype, make_optimizer, train_step
 
 log = logging.getLogger(__name__)
@@ -75,8 +76,12 @@ def _max_batch_size(config: TrainConfig, num_classes: int, device: torch.device,
     # a third probe at the prediction scales it down when it overshoots.
     try:
         peak = step_peak_bytes(config, num_classes, fits, device)
-    except torch.cuda.OutOfMemoryError:
-        torch.cuda.empty_cache()
+    except RuntimeError as exc:  # torch's OutOfMemoryError, or "CUDA error: out of memory"
+        if not is_out_of_memory(exc):
+            raise
+        peak = None
+    if peak is None:
+        release(device)
         peak = 2 * margin * total  # far over: halve
     if peak > margin * total:
         fits = max(1, int(fits * margin * total / peak))

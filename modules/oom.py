@@ -2,6 +2,7 @@
 Shared by the training loop (smaller micro-batches) and evaluation (smaller chunks)."""
 from __future__ import annotations
 
+import gc
 import math
 
 import torch
@@ -26,8 +27,10 @@ def is_out_of_memory(exc: BaseException) -> bool:
 
 
 def release(device: torch.device) -> None:
-    """Hand the failed pass's cached blocks back before trying smaller pieces."""
+    """Hand the failed pass's cached blocks back before trying smaller pieces. Call it after
+    the except block: until then its traceback holds the failed pass's tensors."""
     if device.type == "cuda":
+        gc.collect()  # frames of the failed pass left in reference cycles
         torch.cuda.empty_cache()
 
 

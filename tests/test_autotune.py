@@ -344,6 +344,22 @@ def test_amp_starts_at_what_auto_means_on_the_device(monkeypatch):
     assert at.amp_candidates(torch.device("cuda"), "auto") == ["fp16", "off"]
 
 
+def test_a_failed_probe_hands_its_memory_back_outside_the_except_block(monkeypatch):
+    """Inside it, the traceback still holds the failed probe's tensors: nothing to free."""
+    handling = []
+    incumbent, _ = at._first_probe(_config(), 3, min_s=0.01)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # _release frees CUDA's only
+    monkeypatch.setattr(at, "release", lambda device: handling.append(sys.exc_info()[0]))
+
+    def too_big(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+    monkeypatch.setattr(at, "race", too_big)
+    assert at._challenge(incumbent, _config(channels_last=True), 3)[0] is None
+    monkeypatch.setattr(at.ComputeProbe, "measure", too_big)
+    probe, failed = at._first_probe(_config(), 3, min_s=0.01)
+    assert probe is None and failed["out_of_memory"] and handling == [None, None]
+
+
 def test_the_memory_probe_runs_only_when_the_starting_batch_does_not_fit(monkeypatch):
     fits, probes = [], []
     real_first = at._first_probe

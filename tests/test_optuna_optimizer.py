@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sqlite3
+import sys
 import time
 from datetime import datetime, timedelta
 from types import SimpleNamespace
@@ -232,9 +233,15 @@ def test_out_of_memory_is_a_pruned_trial(index, tmp_path, monkeypatch):
     def oom(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
     monkeypatch.setattr(optuna_optimizer, "fit", oom)
+    # The memory is handed back once no exception is being handled: inside the except block
+    # its traceback would still hold the trial's tensors.
+    handling = []
+    monkeypatch.setattr(optuna_optimizer, "release",
+                        lambda device: handling.append(sys.exc_info()[0]))
     t = tuner(index, tmp_path)
     summary = t.run()
     assert (summary["n_pruned"], summary["n_complete"], summary["best_value"]) == (2, 0, None)
+    assert handling == [None, None]
     for trial in t.study.trials:
         assert trial.state == optuna.trial.TrialState.PRUNED
         assert trial.user_attrs["pruned_reason"] == \
