@@ -185,6 +185,7 @@ class OptunaTuner:
                             f"epochs={epochs!r}.")
         self.batch_sizes = tuple(b for b in batch_sizes
                                  if max_batch_size is None or b <= max_batch_size)
+        self.searchable_batch_sizes = tuple(batch_sizes)  # before this GPU's memory bound
         if not self.batch_sizes:
             raise UserError(f"no batch size in {tuple(batch_sizes)} fits "
                             f"max_batch_size={max_batch_size!r}.")
@@ -450,13 +451,7 @@ class OptunaTuner:
         if self.data_fingerprint and not data:
             self.study.set_user_attr("data_fingerprint", self.data_fingerprint)
         self._check_trial_setup(where)
-        # Optuna refuses a categorical whose choices change within a study, mid-trial; say it now.
-        for trial in self.study.trials:
-            old = trial.distributions.get("batch_size")
-            if old is not None and tuple(old.choices) != self.batch_sizes:
-                raise UserError(f"cannot resume study {self.study_name!r}: its batch sizes were "
-                                f"{tuple(old.choices)}, now {self.batch_sizes} (keep batch_sizes "
-                                "and max_batch_size, or run without resume to start over).")
+        self._keep_study_batch_sizes()
         reused = 0
         alive = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.WAITING,
                  optuna.trial.TrialState.RUNNING)  # a default trial stopped by Ctrl-C is FAIL
@@ -524,6 +519,24 @@ class OptunaTuner:
                 "n_trials": len(states), "n_pruned": states.count(optuna.trial.TrialState.PRUNED),
                 "n_complete": complete, "study_name": self.study_name,
                 "storage": _without_password(self.storage_url)}
+
+    def _keep_study_batch_sizes(self) -> None:
+        """Optuna refuses a categorical whose choices change within a study, mid-trial. The
+        memory bound is measured on each run's GPU: a study resumed on another GPU (Colab
+        hands out a T4, an L4 or an A100), or joined from one, keeps the batch sizes it
+        searched (one that does not fit is split into smaller passes, or its trial recorded as
+        out of memory). Batch sizes outside this search's are refused, said now."""
+        old = next((t.distributions["batch_size"] for t in self.study.trials
+                    if "batch_size" in t.distributions), None)
+        if old is None or tuple(old.choices) == self.batch_sizes:
+            return
+        if not set(old.choices) <= set(self.searchable_batch_sizes):
+            raise UserError(f"cannot resume study {self.study_name!r}: its batch sizes were "
+                            f"{tuple(old.choices)}, now {self.batch_sizes} (keep batch_sizes, or "
+                            "run without resume to start over).")
+        log.info("study %r searched batch sizes %s: kept (this GPU's memory bound allows %s)",
+                 self.study_name, tuple(old.choices), self.batch_sizes)
+        self.batch_sizes = tuple(old.choices)
 
     def _check_trial_setup(self, where: str) -> None:
         """A study's trials are compared with each other, so they all train at one size for

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from modules import distributed
-from modules.autotune import MEASURE_SHARE, ComputeProbe, autotune
+from modules.autotune import MEASURE_SHARE, ComputeProbe, autotune, machine_key
 from modules.config import DISPLAY_ONLY, TrainConfig, UserError, first_line
 from modules.dataset import (DatasetIndex, data_path_of, index_dataset, load_rgb, make_loader,
                              resolve_source, subset, train_transform)
@@ -181,12 +181,23 @@ def autotune_scenario(config: TrainConfig, args: RunOptions, index: DatasetIndex
 
 def _measure_settings(config: TrainConfig, args: RunOptions, index: DatasetIndex,
                       planned_steps: int, saved: Path) -> tuple[TrainConfig, dict[str, Any]]:
-    if args.resume:
-        reused = _saved_autotune(saved, config)
-        if reused is not None:
-            return reused
     fixed = frozenset(knob for option, knob in USER_KNOBS.items()
                       if getattr(args, option, None) not in (None, False))
+    start = config
+    if args.resume:
+        reused = _saved_autotune(saved, config)
+        if reused is not None and reused[2]:
+            return reused[:2]
+        if reused is not None:
+            # Resumed on another machine (Colab's next session can be another GPU): what was
+            # measured there may not run well here (bf16 on a T4), so measure again, keeping
+            # the batch, which the checkpoint resumes only with.
+            batch = reused[0]
+            log.info("autotune: %s was measured on another machine; measuring again, keeping "
+                     "its batch (%d x %d)", saved, batch.batch_size, batch.grad_accum_steps)
+            config = dataclasses.replace(config, batch_size=batch.batch_size,
+                                         grad_accum_steps=batch.grad_accum_steps)
+            fixed |= {"batch_size"}
     launcher_threads = distributed.world_size() > 1 and config.device == "cpu"
     if launcher_threads:  # torchrun gave each process its share of the cores (OMP_NUM_THREADS)
         config = dataclasses.replace(config, cpu_threads=torch.get_num_threads())
@@ -205,14 +216,17 @@ def _measure_settings(config: TrainConfig, args: RunOptions, index: DatasetIndex
         findings["knobs"]["cpu_threads"]["reason"] = ("one share of the cores per process, as "
                                                      "torchrun set it (OMP_NUM_THREADS)")
     saved.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(json.dumps({"start": config.to_dict(), "config": tuned.to_dict(),
-                                  "report": findings}, indent=2), saved)
+    atomic_write_text(json.dumps({"start": start.to_dict(), "config": tuned.to_dict(),
+                                  "report": findings, "machine": machine_key()}, indent=2), saved)
     return tuned, findings
 
 
-def _saved_autotune(path: Path, start: TrainConfig) -> tuple[TrainConfig, dict[str, Any]] | None:
-    """The autotune result saved for the same starting settings, or None (none saved, another
-    start, or a file this version cannot read: then it is measured again)."""
+def _saved_autotune(path: Path, start: TrainConfig
+                    ) -> tuple[TrainConfig, dict[str, Any], bool] | None:
+    """(the autotune result saved for the same starting settings, its report, whether it was
+    measured on this machine: a file from before machines were recorded counts as this one),
+    or None (none saved, another start, or a file this version cannot read: then it is
+    measured again)."""
     try:
         saved = json.loads(path.read_text())
         if TrainConfig(**saved["start"]).run_settings() != start.run_settings():
@@ -221,13 +235,15 @@ def _saved_autotune(path: Path, start: TrainConfig) -> tuple[TrainConfig, dict[s
         tuned = dataclasses.replace(TrainConfig(**saved["config"]),
                                     **{k: getattr(start, k) for k in DISPLAY_ONLY})
         findings = dict(saved["report"], reused_from=str(path))
+        here = saved.get("machine", machine_key()) == machine_key()
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError, AttributeError, UserError) as exc:
         log.info("autotune: cannot reuse %s (%s); measuring again", path, exc)
         return None
-    log.info("autotune: resuming with the settings measured before (%s)", path)
-    return tuned, findings
+    if here:
+        log.info("autotune: resuming with the settings measured before (%s)", path)
+    return tuned, findings, here
 
 
 def planned_steps(config: TrainConfig, n_train: int, runs: int = 1, epochs: int | None = None
@@ -357,7 +373,10 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
     apply_process_settings(config, device)
     model, train_loader, val_loader, test_loader = prepare(index, config)
     if device.type == "cuda":
+        # The allocator's retry count is cumulative: the tuners' probes and out-of-memory
+        # trials would read as this run's retries (diagnosis: memory-bound).
         torch.cuda.reset_peak_memory_stats(device)
+        torch.cuda.reset_accumulated_memory_stats(device)
     profiler = TorchProfiler(run_folder(output_dir, "profiler", args.run_id) / name,
                              enabled=args.profile and distributed.is_main())
     with SystemSampler(cuda_device=_cuda_index(device)) as sampler, profiler:

@@ -29,8 +29,10 @@ def evaluate(model: nn.Module, loader, *, device: torch.device | str | None = No
     num_classes = int(num_classes or model.num_classes)
     memory_format = torch.channels_last if channels_last else torch.contiguous_format
     # Summed across processes below, only when each evaluated its own share (torchmetrics
-    # would otherwise sum whole copies under torchrun).
-    confusion = MulticlassConfusionMatrix(num_classes=num_classes, sync_on_compute=False).to(device)
+    # would otherwise sum whole copies under torchrun). Predictions are an argmax and labels
+    # the loader's: checking them would wait for the GPU at every batch.
+    confusion = MulticlassConfusionMatrix(num_classes=num_classes, sync_on_compute=False,
+                                          validate_args=False).to(device)
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     was_training = model.training
     model.eval()

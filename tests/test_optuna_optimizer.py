@@ -100,7 +100,11 @@ def test_resume_runs_the_trials_it_lacks_and_only_overwrite_starts_over(index, t
     resumed = tuner(index, tmp_path, storage=storage, resume=True, n_trials=3).run()
     assert resumed["n_trials"] == 3 and resumed["storage"] == storage
     with pytest.raises(UserError, match="batch sizes were"):  # a changed categorical space
-        tuner(index, tmp_path, storage=storage, resume=True, batch_sizes=(8,)).run()
+        tuner(index, tmp_path, storage=storage, resume=True, batch_sizes=(8, 32)).run()
+    # resumed on a GPU that holds less: the study keeps what it searched
+    smaller = tuner(index, tmp_path, storage=storage, resume=True, max_batch_size=8)
+    assert smaller.batch_sizes == (8,)
+    assert smaller.run()["n_trials"] == 3 and smaller.batch_sizes == (8, 16)
     with pytest.raises(UserError, match="already exists.*nothing was deleted"):
         tuner(index, tmp_path, storage=storage, n_trials=1).run()
     assert tuner(index, tmp_path, storage=storage, resume=True, n_trials=4).run()["n_trials"] == 4

@@ -378,6 +378,8 @@ def test_resume_keeps_the_autotuned_settings_instead_of_measuring_again(small, t
     assert json.loads(saved.read_text())["report"]["knobs"] == first["autotune"]["knobs"]
     assert (out / "autotune_cache.json").exists()  # beside results.json, for every later run
 
+    real_autotune = scenario.autotune
+
     def measure_again(*_, **__):
         raise AssertionError("--resume measured the knobs again")
 
@@ -393,6 +395,19 @@ def test_resume_keeps_the_autotuned_settings_instead_of_measuring_again(small, t
                  "batch_size"):
         assert resumed["settings"][knob] == first["settings"][knob], knob
     assert "reused on resume" in (out / "report.md").read_text()
+    # resumed on another machine (another GPU in Colab's next session): measured again, the
+    # batch kept, since the checkpoint resumes only with it
+    record = json.loads(saved.read_text())
+    saved.write_text(json.dumps(dict(record, machine="another machine")))
+    measured = []
+
+    def measure_keeping(config, *a, fixed=frozenset(), **k):
+        measured.append((config.batch_size, "batch_size" in fixed))
+        return real_autotune(config, *a, fixed=fixed, **k)
+    monkeypatch.setattr(scenario, "autotune", measure_keeping)
+    assert run_main(*argv, "--resume") == 0
+    assert measured == [(first["settings"]["batch_size"], True)]
+    assert json.loads(saved.read_text())["start"] == record["start"]
 
 
 def test_resume_after_the_search_finished_does_not_extend_the_study(small, tmp_path,
@@ -481,12 +496,16 @@ def test_a_saved_autotune_is_reused_only_for_the_same_start(tmp_path):
     assert scenario._saved_autotune(path, start) is None  # nothing saved
     path.write_text(json.dumps({"start": start.to_dict(), "config": tuned.to_dict(),
                                 "report": {"knobs": {}}}))
-    config, report = scenario._saved_autotune(path, start)
+    config, report, here = scenario._saved_autotune(path, start)
     assert config == tuned and report["reused_from"] == str(path)
+    assert here  # a file from before machines were recorded: taken as this machine's
+    path.write_text(json.dumps({"start": start.to_dict(), "config": tuned.to_dict(),
+                                "report": {"knobs": {}}, "machine": "another machine"}))
+    assert scenario._saved_autotune(path, start)[2] is False
     other = scenario.dataclasses.replace(start, lr=0.002)  # the user changed an option
     assert scenario._saved_autotune(path, other) is None
     # progress bars change nothing measured: resuming with --no-progress reuses the choice
-    quiet, _ = scenario._saved_autotune(path, scenario.dataclasses.replace(start, progress=False))
+    quiet, _, _ = scenario._saved_autotune(path, scenario.dataclasses.replace(start, progress=False))
     assert quiet == scenario.dataclasses.replace(tuned, progress=False)
     path.write_text("{not json")  # torn or edited: measured again, no traceback
     assert scenario._saved_autotune(path, start) is None
