@@ -71,15 +71,21 @@ def from_main(value):
 def broadcast_state(model: nn.Module, *, buffers_only: bool = False) -> None:
     """Rank 0's parameters and buffers on every rank: every rank starts a run as rank 0, and
     after each step takes rank 0's buffers (BatchNorm statistics), as DDP does."""
-    if world_size() > 1:
-        tensors = [*([] if buffers_only else model.parameters()), *model.buffers()]
-        for tensor in tensors:
-            if tensor.is_contiguous():
-                dist.broadcast(tensor.data, src=0)
-            else:  # a channels_last weight: sent in the default layout, copied back
-                dense = tensor.data.contiguous()
-                dist.broadcast(dense, src=0)
-                tensor.data.copy_(dense)
+    if world_size() == 1:
+        return
+    # One broadcast per dtype and device, not one per tensor: buffers go after every step,
+    # and a BatchNorm network has a hundred of them. Flattened in logical order, so a
+    # channels_last weight arrives as it was sent.
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for tensor in [*([] if buffers_only else model.parameters()), *model.buffers()]:
+        groups.setdefault((tensor.dtype, tensor.device), []).append(tensor.data)
+    for tensors in groups.values():
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        dist.broadcast(flat, src=0)
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset:offset + t.numel()].view(t.shape))
+            offset += t.numel()
 
 
 def average_gradients(model: nn.Module) -> None:

@@ -103,3 +103,38 @@ def test_one_rank_out_of_memory_recovers_and_the_ranks_stay_in_step(ddp_runs):
     other rank waits at the gradient average, and both still end as one process would."""
     ranks = _two_ranks_against_one(ddp_runs, "1")
     assert [r["oom_recoveries"] for r in ranks] == [0, 1]
+
+
+def _broadcast_from_rank_0(rank: int, init_file: str, out: str) -> None:
+    import torch.distributed as dist
+    from torch import nn
+
+    from modules import distributed
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    torch.manual_seed(rank)  # each rank starts elsewhere
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(64, 2))
+    model.to(memory_format=torch.channels_last)
+    model[1].running_mean.fill_(rank + 1.0)
+    model[1].num_batches_tracked.fill_(rank + 5)
+    distributed.broadcast_state(model, buffers_only=True)
+    buffers_only = {k: v.clone() for k, v in model.state_dict().items()}
+    distributed.broadcast_state(model)
+    torch.save({"buffers_only": buffers_only, "all": model.state_dict(),
+                "channels_last": model[0].weight.is_contiguous(memory_format=torch.channels_last)},
+               f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_broadcast_state_gives_every_rank_rank_0s_tensors(tmp_path):
+    """Grouped in one broadcast per dtype: BatchNorm's float statistics and integer counter,
+    and channels_last weights, arrive as rank 0 has them."""
+    import torch.multiprocessing as mp
+    out = str(tmp_path / "state")
+    mp.spawn(_broadcast_from_rank_0, args=(str(tmp_path / "init"), out), nprocs=2)
+    zero, one = torch.load(f"{out}.0"), torch.load(f"{out}.1")
+    assert one["buffers_only"]["1.running_mean"].tolist() == [1.0] * 4
+    assert one["buffers_only"]["1.num_batches_tracked"].item() == 5
+    assert not torch.equal(one["buffers_only"]["0.weight"], zero["buffers_only"]["0.weight"])
+    for key, value in zero["all"].items():
+        assert torch.equal(one["all"][key], value), key
+    assert one["channels_last"] and zero["channels_last"]
