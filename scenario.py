@@ -235,7 +235,7 @@ def _saved_autotune(path: Path, start: TrainConfig
         tuned = dataclasses.replace(TrainConfig(**saved["config"]),
                                     **{k: getattr(start, k) for k in DISPLAY_ONLY})
         findings = dict(saved["report"], reused_from=str(path))
-        here = saved.get("machine", machine_key()) == machine_key()
+        here = saved.get("machine") in (None, machine_key())
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError, AttributeError, UserError) as exc:
