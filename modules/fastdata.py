@@ -25,6 +25,7 @@ from modules import distributed
 from modules.config import IMAGENET_MEAN, IMAGENET_STD, TrainConfig, UserError
 from modules.dataset import Sample, drops_last, eval_sampler, to_rgb, train_sampler
 from modules.device import resolve_device
+from modules.oom import MEMORY_MARGIN, OutOfMemoryError, is_out_of_memory, release
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,9 @@ log = logging.getLogger(__name__)
 CACHE_RAM_FRACTION = 0.5
 # Share of free GPU memory the cache may take to live on the GPU (else it stays in RAM).
 CACHE_GPU_FRACTION = 0.25
+# Bytes one augmentation pass holds at once, in multiples of its float32 output (the float
+# copy, the colour transform's output, the sampling grid, grid_sample's output).
+PASS_WORKING_SET = 4
 # Augmentation ranges, as in dataset.train_transform (RandomResizedCrop scale, ColorJitter 0.2).
 CROP_SCALE = (0.6, 1.0)
 CROP_RATIO = (3 / 4, 4 / 3)
@@ -45,6 +49,7 @@ GPU_PASS_BYTES = 100 * 2**20
 
 # (image list, size) -> (the decoded images, their per-channel means)
 _MEMO: OrderedDict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+_SAID_IN_RAM: set[tuple[int, int]] = set()  # caches logged as kept in RAM
 MEANS_CHUNK = 256  # images converted to float at a time while their means are taken
 
 
@@ -230,34 +235,82 @@ class CachedLoader:
         # Each rank's own draws under torchrun (rank 0's are one process's).
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + 7919 * epoch + 1 +
                                                   104_729 * distributed.rank())
-        params, used, bs = None, 0, self.batch_size
-        n_batches = len(self)
+        draws = _Draws(generator)
+        bs, n_batches = self.batch_size, len(self)
         end = min(self.n_local, n_batches * bs)  # images this epoch yields
-        for k in range(0, n_batches, self.pass_batches):
+        k = 0
+        while k < n_batches:
             # One pass gathers and augments `pass_batches` batches (1 on a CPU); the images and
             # their parameters are the same whatever the pass size.
             lo, hi = k * bs, min(end, (k + self.pass_batches) * bs)
-            idx = order[lo:hi]
-            x = _to(self.images.index_select(0, idx), self.device)  # to: when the cache is in RAM
-            y = _to(self.labels.index_select(0, idx), self.device)
-            if self.train:
-                n, _, h, w = x.shape
-                if params is None or used + n > len(params):
-                    # Drawn PARAM_BATCHES batches at a time: one NumPy pass and (on a GPU) one
-                    # copy instead of one per batch; the draws follow the same generator.
-                    rows = min(PARAM_BATCHES * bs, self.n_local - lo)
-                    params, used = _to(_augment_params(rows, h, w, generator, IMAGENET_MEAN,
-                                                       IMAGENET_STD), self.device), 0
-                x = augment_with(x, params[used:used + n],
-                                 _to(self.means.index_select(0, idx), self.device))
-                used += n
-            else:
-                x = normalise(x)
-            x = x.contiguous(memory_format=self.memory_format)
+            try:
+                x, y = self._pass(order[lo:hi], lo, draws)
+                failed = False
+            except RuntimeError as exc:
+                if not is_out_of_memory(exc):
+                    raise
+                failed = True
+            if failed:  # outside the except block, whose traceback holds the failed pass
+                self._smaller_passes()
+                continue
+            draws.used += hi - lo
+            k += self.pass_batches
             if hi - lo <= bs:
                 yield x, y
             else:  # slices along the batch keep the memory format, without a copy
                 yield from zip(x.split(bs), y.split(bs))
+
+    def _pass(self, idx: torch.Tensor, lo: int, draws: _Draws
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The images at `idx` (the epoch's order from position `lo`) and their labels on the
+        device, augmented (train) or normalised (eval), in the loader's memory format."""
+        x = _to(self.images.index_select(0, idx), self.device)  # to: when the cache is in RAM
+        y = _to(self.labels.index_select(0, idx), self.device)
+        if self.train:
+            n, _, h, w = x.shape
+            params = draws.next(n, min(PARAM_BATCHES * self.batch_size, self.n_local - lo),
+                                h, w, self.device)
+            x = augment_with(x, params, _to(self.means.index_select(0, idx), self.device))
+        else:
+            x = normalise(x)
+        return x.contiguous(memory_format=self.memory_format), y
+
+    def _smaller_passes(self) -> None:
+        """After a pass ran out of device memory: passes of half as many batches from then on
+        (the batches stay the same); OutOfMemoryError when the pass was a single batch."""
+        release(self.device)
+        if self.pass_batches == 1:
+            where = "cached on the GPU" if self.images.is_cuda else "in RAM"
+            raise OutOfMemoryError(
+                f"out of memory preparing one batch of {self.batch_size} images at "
+                f"{self.images.shape[-1]} px on {self.device} (the decoded images are {where}); "
+                "pass a smaller --batch-size.")
+        self.pass_batches //= 2
+        log.warning("out of memory augmenting a pass of batches on %s; continuing with %d "
+                    "batch(es) per pass", self.device, self.pass_batches)
+
+
+class _Draws:
+    """An epoch's augmentation parameters, drawn PARAM_BATCHES batches at a time (one NumPy
+    pass and, on a GPU, one copy, instead of one of each per batch). `used` rows are spent: the
+    loader counts a pass's rows once the pass succeeded, so a failed pass gets the same rows
+    again, and a draw whose copy failed is copied again, not drawn again."""
+
+    def __init__(self, generator: torch.Generator):
+        self.generator = generator
+        self.drawn: torch.Tensor | None = None   # on the CPU, not yet copied to the device
+        self.params: torch.Tensor | None = None  # on the device
+        self.used = 0
+
+    def next(self, n: int, rows: int, h: int, w: int, device: torch.device) -> torch.Tensor:
+        """The next n unspent rows; when fewer are left, a new draw of `rows` rows."""
+        if self.params is None or self.used + n > len(self.params):
+            if self.drawn is None:
+                self.drawn = _augment_params(rows, h, w, self.generator, IMAGENET_MEAN,
+                                             IMAGENET_STD)
+            self.params, self.used = _to(self.drawn, device), 0
+            self.drawn = None
+        return self.params[self.used:self.used + n]
 
 
 def batches_per_pass(batch_size: int, size: int, device: torch.device) -> int:
@@ -286,6 +339,15 @@ def cache_fits(index, size: int) -> bool:
     return needed <= budget
 
 
+def cache_on_gpu(needed: int, free: int, total: int) -> bool:
+    """Whether `needed` bytes of decoded images may live on a GPU with `free` of its `total`
+    bytes free: within CACHE_GPU_FRACTION of the free memory, and within what a training step
+    planned to MEMORY_MARGIN of the whole (the memory probe's batch) leaves beside it, less one
+    augmentation pass. Else the cache stays in RAM, and each batch is copied over."""
+    beside_step = (1 - MEMORY_MARGIN) * total - PASS_WORKING_SET * GPU_PASS_BYTES
+    return needed <= min(CACHE_GPU_FRACTION * free, beside_step)
+
+
 def cached_loaders(index, config: TrainConfig) -> tuple[CachedLoader, ...] | None:
     """(train, val, test) CachedLoaders, or None when the decoded images would not fit in the
     RAM budget (the caller then streams from disk)."""
@@ -306,11 +368,18 @@ def cached_loaders(index, config: TrainConfig) -> tuple[CachedLoader, ...] | Non
     device = resolve_device(config.device)
     on_gpu = False
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
+        free, total = torch.cuda.mem_get_info(device)
         # Blocks torch holds but no tensor uses (a trial or probe before this one) are free
         # to this process, though the driver counts them as taken.
         free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        on_gpu = needed < CACHE_GPU_FRACTION * free
+        on_gpu = cache_on_gpu(needed, free, total)
+        if not on_gpu and (needed, size) not in _SAID_IN_RAM:  # once, not at every trial
+            _SAID_IN_RAM.add((needed, size))
+            log.info("decoded-image cache (%.0f MB at %d px) kept in RAM, each batch copied to "
+                     "the GPU: it needs more than %.0f%% of the GPU's free %.0f MB or what a "
+                     "training step planned to %.0f%% of its %.0f MB leaves", needed / 2**20,
+                     size, 100 * CACHE_GPU_FRACTION, free / 2**20, 100 * MEMORY_MARGIN,
+                     total / 2**20)
     loaders = []
     for samples, train in zip(splits, (True, False, False)):
         images, means = decoded_images(samples, size)

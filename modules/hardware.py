@@ -8,13 +8,12 @@ import torch
 
 from modules.config import TrainConfig
 from modules.models import build_model
-from modules.oom import is_out_of_memory, release
+from modules.oom import MEMORY_MARGIN, is_out_of_memory, release
 from modules.trainer import autocast_dtype, make_optimizer, train_step
 
 log = logging.getLogger(__name__)
 
 PROBE_BATCHES = (4, 16)  # two small batches; memory grows linearly in the batch size
-MEMORY_MARGIN = 0.8      # plan to use at most this share of the device's memory
 
 
 def step_peak_bytes(config: TrainConfig, num_classes: int, batch_size: int,

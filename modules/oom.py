@@ -12,6 +12,9 @@ from modules.config import UserError
 # torch.OutOfMemoryError arrived in torch 2.5; torch.cuda.OutOfMemoryError is the same class
 # there (an alias) and the only one before it.
 TORCH_OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+# The share of a GPU's memory a training step is planned to take (hardware.max_batch_size); the
+# rest is for what lives beside it (the decoded-image cache, fastdata.cache_on_gpu).
+MEMORY_MARGIN = 0.8
 
 
 class OutOfMemoryError(UserError, TORCH_OOM):

@@ -11,6 +11,7 @@ from modules import fastdata
 from modules.config import TrainConfig, UserError
 from modules.dataset import index_dataset
 from modules.loaders import make_loaders
+from modules.oom import TORCH_OOM, OutOfMemoryError
 from modules.fastdata import CachedLoader, augment_with, normalise
 
 
@@ -217,3 +218,67 @@ def test_cached_loader_on_the_gpu_keeps_the_cache_there_and_matches_the_cpu(fold
     for (xg, yg), (xc, yc) in zip(gpu[0], cpu[0]):  # same order, same augmentation numbers
         assert xg.device.type == "cuda" and torch.equal(yg.cpu(), yc)
         assert torch.allclose(xg.cpu(), xc, atol=1e-3)
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_a_pass_that_runs_out_of_memory_is_retried_in_smaller_passes(train, monkeypatch):
+    """Running out of GPU memory while a pass of several batches is augmented (outside the
+    trainer's step, whose recovery splits micro-batches) halves the passes and goes on: the
+    batches are those the loader gives without failing, and nothing is drawn twice."""
+    g = torch.Generator().manual_seed(1)
+    images = torch.randint(0, 256, (3 * fastdata.PARAM_BATCHES + 5, 3, 10, 10), dtype=torch.uint8,
+                           generator=g)
+    labels = torch.randint(0, 6, (len(images),), generator=g)
+
+    def loader():
+        return CachedLoader(images, labels, batch_size=4, train=train, device=torch.device("cpu"),
+                            seed=5, channels_last=False, pass_batches=8)
+
+    expected = list(loader())
+    failing, calls = loader(), []
+    name = "augment_with" if train else "normalise"
+    real = getattr(fastdata, name)
+
+    def flaky(x, *rest):
+        calls.append(len(x))
+        if len(x) > 8 and len(calls) in (3, 4):  # two failures in a row: 8 batches, then 4
+            raise TORCH_OOM("CUDA out of memory. Tried to allocate 2.00 MiB")
+        return real(x, *rest)
+
+    monkeypatch.setattr(fastdata, name, flaky)
+    got = list(failing)
+    assert failing.pass_batches == 2
+    assert len(got) == len(expected)
+    for (xa, ya), (xb, yb) in zip(expected, got):
+        assert torch.equal(ya, yb) and torch.allclose(xa, xb, atol=1e-5)
+    assert len(list(failing)) == len(expected)  # the next epoch keeps the smaller passes
+    assert all(n <= 8 for n in calls[4:])
+
+
+def test_a_single_batch_that_runs_out_of_memory_is_one_line_naming_the_option(monkeypatch):
+    images = torch.zeros((12, 3, 8, 8), dtype=torch.uint8)
+    loader = CachedLoader(images, torch.zeros(12, dtype=torch.int64), batch_size=4, train=True,
+                          device=torch.device("cpu"), seed=0, channels_last=False)
+
+    def fail(*args):
+        raise RuntimeError("CUDA error: out of memory")
+
+    monkeypatch.setattr(fastdata, "augment_with", fail)
+    with pytest.raises(OutOfMemoryError, match="one batch of 4 images at 8 px.*--batch-size"):
+        list(loader)
+    monkeypatch.setattr(fastdata, "augment_with", lambda *a: 1 / 0)  # not memory: as it is
+    with pytest.raises(ZeroDivisionError):
+        list(loader)
+
+
+def test_the_cache_goes_on_the_gpu_only_beside_a_step_planned_to_the_memory_margin():
+    """The memory probe plans a training step up to MEMORY_MARGIN of the GPU; the decoded
+    images go there only within what that leaves (less one augmentation pass), and within
+    CACHE_GPU_FRACTION of the free memory. A T4 (15 GB) holds Intel's 150 px images (1.2 GB)."""
+    gib = 2**30
+    t4 = 15 * gib
+    assert fastdata.cache_on_gpu(int(1.2 * gib), free=14 * gib, total=t4)
+    assert not fastdata.cache_on_gpu(int(3.5 * gib), free=14 * gib, total=t4)  # 25% of free
+    assert not fastdata.cache_on_gpu(int(2.8 * gib), free=14 * gib, total=t4)  # beside the step
+    assert not fastdata.cache_on_gpu(int(1.2 * gib), free=4 * gib, total=t4)   # a busy GPU
+    assert fastdata.cache_on_gpu(int(20 * gib), free=130 * gib, total=140 * gib)
