@@ -12,6 +12,7 @@ import math
 import os
 import re
 import sqlite3
+import time
 import warnings
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -281,7 +282,10 @@ class OptunaTuner:
         config = dataclasses.replace(self.suggest(trial), progress=False)
         distributed.from_main(config)  # under torchrun: the other ranks train it too
 
+        ended: list[float] = []
+
         def on_epoch(epoch: int, metrics: dict[str, float]) -> None:
+            ended.append(time.time())
             trial.report(metrics["val_acc"], epoch)
             if distributed.from_main(trial.should_prune()):
                 trial.set_user_attr("pruned_reason", f"pruned after epoch {epoch}")
@@ -308,6 +312,7 @@ class OptunaTuner:
         trial.set_user_attr("samples_per_s", float(result.timing.get("samples_per_s", 0.0)))
         trial.set_user_attr("epochs_run", result.epochs_run)
         trial.set_user_attr("wall_s", result.wall_s)
+        trial.set_user_attr("epoch_end_at", ended)
         self._keep_weights(trial, result)
         return result.best_val_acc
 
@@ -357,6 +362,19 @@ class OptunaTuner:
                 (default is None or max(e.val_curve, default=0.0) >= (default.value or 0.0)):
             return e.weights, len(e.val_curve), e.source
         return weights, epochs, "the default trial"
+
+    def curve_for(self, params: dict | None) -> list[tuple[float, float]]:
+        """(time.time() at its end, validation accuracy) for each epoch of the trial the final
+        run of `params` continues from (start_for), when that trial was trained in this study;
+        none for the earlier trial, whose time was spent elsewhere."""
+        _, _, source = self.start_for(params)
+        trial = None if source not in ("the chosen trial", "the default trial") else \
+            self._default_trial() if params is None else \
+            next((t for t in self._complete() if t.params == params), None)
+        if trial is None:
+            return []
+        values = [trial.intermediate_values[e] for e in sorted(trial.intermediate_values)]
+        return list(zip(trial.user_attrs.get("epoch_end_at") or [], values))
 
     # ------------------------------------------------------------------------- the study
 

@@ -44,6 +44,7 @@ class ResolutionTrial:
     wall_s: float         # the whole short run, seconds
     val_curve: list[float] = field(default_factory=list)  # validation accuracy after each epoch
     stopped_after: int | None = None  # the epoch it was stopped at, behind (None: it finished)
+    epoch_end_at: list[float] = field(default_factory=list)  # time.time() after each epoch
 
 
 class _Behind(Exception):
@@ -116,10 +117,12 @@ class ResolutionTuner:
 
     def _train(self, size: int, config: TrainConfig) -> ResolutionTrial:
         rows: list[dict[str, float]] = []
+        ended: list[float] = []
         rung = self.rung(size)
 
         def on_epoch(epoch: int, row: dict[str, float]) -> None:
             rows.append(row)
+            ended.append(time.time())
             if epoch == rung and epoch < config.epochs:
                 ahead = self._ahead(self.trials, size, max(r["val_acc"] for r in rows))
                 # every rank stops, or goes on, as rank 0 decides
@@ -141,7 +144,7 @@ class ResolutionTuner:
                                         .get("samples_per_s")) or 0.0,
             epoch_s=sum(r["epoch_s"] for r in rows) / max(1, len(rows)),
             wall_s=result.wall_s if result else time.perf_counter() - started,
-            val_curve=curve, stopped_after=None if result else len(rows))
+            val_curve=curve, stopped_after=None if result else len(rows), epoch_end_at=ended)
         if stop is not None:
             log.info("resolution %d px: stopped after epoch %d of %d at %.1f%%: %d px had %.1f%% "
                      "with no more compute, ahead by more than one standard error of the "
@@ -266,7 +269,8 @@ class ResolutionTuner:
         for t in self.trials:
             extra_s = t.epoch_s - first.epoch_s if t.stopped_after is None else 0
             gain = (t.val_acc - first.val_acc) / extra_s if extra_s > 0 else None
-            rows.append({**dataclasses.asdict(t), "points_per_extra_epoch_s":
+            trial = {k: v for k, v in dataclasses.asdict(t).items() if k != "epoch_end_at"}
+            rows.append({**trial, "points_per_extra_epoch_s":
                          100 * gain if gain is not None else None})
         return rows
 

@@ -328,7 +328,7 @@ def load_data(args: RunOptions, output_dir: Path) -> DatasetIndex:
 def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: Path,
                  device: torch.device, tuned: dict[str, Any]) -> dict[str, Any]:
     """Tune (resolution, hpo), then train, test and describe one scenario."""
-    started = time.perf_counter()
+    started, started_at = time.perf_counter(), time.time()
     config = scenario_config(name, args, device)
     default_size = config.image_size  # the baseline's
     extra: dict[str, Any] = {}
@@ -356,6 +356,7 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
                                               tuned.get("trial"), default_size)
         extra.update(tuning)
     tuning_s = time.perf_counter() - started
+    lineage(extra.get("warm_start"), started_at)
     if name != "baseline":
         config = fill_time(config, name, args, output_dir, index, tuned, tuning_s,
                            _epoch_seconds(name, config, extra), default_size)
@@ -575,16 +576,19 @@ def tune_resolution(config: TrainConfig, args: RunOptions, index: DatasetIndex,
             wall_s=trial.wall_s, samples_per_s=trial.samples_per_s,
             source=f"the resolution scenario's {size} px trial")
     config, warm = warm_start(dataclasses.replace(config, image_size=size), "resolution",
-                              f"the {size} px trial", weights, trial_epochs)
+                              f"the {size} px trial", weights, trial_epochs,
+                              list(zip(trial.epoch_end_at, trial.val_curve)) if trial else [])
     return config, {"resolution_trials": tuner.tradeoff(), "warm_start": warm}
 
 
 def warm_start(config: TrainConfig, name: str, source: str, weights: Path | None,
-               epochs: int) -> tuple[TrainConfig, dict[str, Any] | None]:
+               epochs: int, curve: list[tuple[float, float]] = ()
+               ) -> tuple[TrainConfig, dict[str, Any] | None]:
     """The final run starts from the weights its chosen trial ended with, so the epochs the
     tuning trained on the chosen configuration count towards the model rather than being
     trained again (from scratch, the first epochs of a run are the slowest to leave chance).
-    Its learning-rate schedule starts afresh."""
+    Its learning-rate schedule starts afresh. `curve`: (time.time(), validation accuracy) at
+    the end of each of that trial's epochs, when it was trained in this scenario (lineage)."""
     if weights is None:
         log.info("%s: no weights kept from %s: the final run starts from the beginning",
                  name, source)
@@ -592,7 +596,18 @@ def warm_start(config: TrainConfig, name: str, source: str, weights: Path | None
     log.info("%s: the final run starts from the weights %s ended with (%d epochs in)", name,
              source, epochs)
     return dataclasses.replace(config, weights=str(weights)), {
-        "from": source, "trial_epochs": epochs, "weights": str(weights)}
+        "from": source, "trial_epochs": epochs, "weights": str(weights),
+        "curve": [{"at": at, "val_acc": acc} for at, acc in curve]}
+
+
+def lineage(warm: dict[str, Any] | None, started_at: float) -> None:
+    """The start trial's curve as seconds since the scenario started (`started_at`, a
+    time.time()), in place: compare_to_baseline counts these epochs as the final model's first.
+    Epochs that ended before it started (a trial from an earlier session, reused) are left
+    out: their time is not in this scenario's."""
+    if warm is not None:
+        warm["curve"] = [{"elapsed_s": p["at"] - started_at, "val_acc": p["val_acc"]}
+                         for p in warm.get("curve", []) if p["at"] >= started_at]
 
 
 def tune_hyperparameters(config: TrainConfig, args: RunOptions, index: DatasetIndex,
@@ -660,7 +675,8 @@ def tune_hyperparameters(config: TrainConfig, args: RunOptions, index: DatasetIn
     warm = None
     if trained_anew:
         weights, epochs, source = tuner.start_for(summary["chosen_params"])
-        chosen, warm = warm_start(chosen, "hpo", source, weights, epochs)
+        chosen, warm = warm_start(chosen, "hpo", source, weights, epochs,
+                                  tuner.curve_for(summary["chosen_params"]))
     if distributed.world_size() > 1:
         end_trials()
         distributed.from_main(chosen)

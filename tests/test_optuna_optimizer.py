@@ -431,11 +431,15 @@ def test_the_default_continues_from_a_longer_earlier_trial_of_the_same_settings(
         t.run()
         assert "reused_from" not in t.study.trials[0].user_attrs  # 3 epochs against 2
         weights, epochs, source = t.start_for(None)
+        curve = t.curve_for(None)  # the start trial's epochs, when it trained in this study
         if continues:
             assert (weights, epochs, source) == (longer, 3, "the 24 px trial")
+            assert curve == []  # its time was spent in the resolution scenario
         else:
             assert (weights.name, epochs, source) == ("hpo-trial-0.weights.pt", 2,
                                                       "the default trial")
+            assert [acc for _, acc in curve] == [0.2, 0.4]
+            assert curve[0][0] <= curve[1][0] <= time.time()
     other = dataclasses.replace(earlier, val_curve=[0.1, 0.3, 0.5],
                                 config=dataclasses.replace(earlier.config, lr=0.05))
     t = tuner(index, tmp_path / "other", n_trials=1, earlier=other)

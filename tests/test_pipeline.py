@@ -219,6 +219,17 @@ def test_quick_run_does_all_three_scenarios_on_synthetic_data(tmp_path, monkeypa
     for name in ("resolution", "hpo"):
         weights = Path(rows[name]["warm_start"]["weights"])
         assert weights.parent == run_path(out) and rows[name]["settings"]["weights"] == str(weights)
+    # the start trial's epochs, in seconds since its scenario started, for time to accuracy
+    picked = next(t for t in trials if t["image_size"] == size)
+    curve = rows["resolution"]["warm_start"]["curve"]
+    assert [p["val_acc"] for p in curve] == picked["val_curve"]
+    elapsed = [p["elapsed_s"] for p in curve]
+    assert 0 < elapsed[0] and elapsed == sorted(elapsed)
+    assert elapsed[-1] <= rows["resolution"]["tuning_s"]
+    if search["default_reused_from"] and rows["hpo"]["warm_start"]["from"] != "the chosen trial":
+        assert rows["hpo"]["warm_start"]["curve"] == []  # trained in the resolution scenario
+    else:
+        assert rows["hpo"]["warm_start"]["curve"]
 
 
 def test_hpo_takes_the_resolution_final_when_it_would_train_the_same(small, tmp_path, monkeypatch):
@@ -584,6 +595,23 @@ def test_each_row_is_compared_with_the_baseline():
     assert fast["time_to_baseline_acc_s"] == 25.0  # tuning included: 5 + 20
     assert fast["test_acc_vs_baseline"] == pytest.approx(5.0) and fast["total_vs_baseline"] == 0.5
     assert slow["time_to_baseline_acc_s"] is None and slow["total_vs_baseline"] == 1.5
+    # The epochs of the trial a final run continued from are the final model's first: its
+    # curve (seconds since the scenario started) counts, before the final run's own.
+    trial = lambda *points: {"curve": [{"elapsed_s": t, "val_acc": a} for t, a in points]}  # noqa: E731
+    fast["warm_start"] = trial((2.0, 0.3), (4.0, 0.62))
+    slow["warm_start"] = trial((12.0, 0.45))  # never reached: the final run's history decides
+    scenario.compare_to_baseline([fast, slow], base)
+    assert fast["time_to_baseline_acc_s"] == 4.0 and slow["time_to_baseline_acc_s"] is None
+
+
+def test_a_start_trial_counts_only_the_epochs_trained_in_the_scenario():
+    """A trial reused from an earlier session (--resume) ended its epochs before this scenario
+    started: their time is not in its tuning_s, so they are not counted as reached here."""
+    warm = {"curve": [{"at": 90.0, "val_acc": 0.2}, {"at": 101.0, "val_acc": 0.4},
+                      {"at": 103.5, "val_acc": 0.5}]}
+    scenario.lineage(warm, started_at=100.0)
+    assert warm["curve"] == [{"elapsed_s": 1.0, "val_acc": 0.4}, {"elapsed_s": 3.5, "val_acc": 0.5}]
+    scenario.lineage(None, 100.0)  # no start trial: nothing to do
 
 
 def test_the_estimate_covers_every_scenario_and_match_times_fill(small, tmp_path, monkeypatch):
