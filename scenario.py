@@ -746,7 +746,7 @@ def run(args: RunOptions, index: DatasetIndex | None = None) -> list[dict[str, A
     if args.storage and "hpo" in args.scenarios and distributed.is_main():
         check_storage(args.storage)  # a wrong URL stops the run before any training
     index = index or load_data(args, output_dir)
-    with folder_lock(output_dir) if distributed.is_main() else contextlib.nullcontext():
+    with run_lock(output_dir):
         # Every process checks (so a refused --resume ends them all); rank 0's id is the run's.
         args.run_id = distributed.from_main(start_run(
             output_dir, index, resume=args.resume,
@@ -761,6 +761,24 @@ def run(args: RunOptions, index: DatasetIndex | None = None) -> list[dict[str, A
                 if distributed.is_main():  # refused before it made anything: not a run to resume
                     forget_refused_run(output_dir, args.run_id)
                 raise
+
+
+@contextlib.contextmanager
+def run_lock(output_dir: Path):
+    """The output dir's lock (files.folder_lock), held by rank 0 under torchrun. A refusal
+    stops every rank with the same line: the others would otherwise wait at the next
+    collective for a rank 0 that has left."""
+    with contextlib.ExitStack() as stack:
+        refused = None
+        if distributed.is_main():
+            try:
+                stack.enter_context(folder_lock(output_dir))
+            except UserError as exc:
+                refused = str(exc)
+        refused = distributed.from_main(refused)
+        if refused is not None:
+            raise UserError(refused)
+        yield
 
 
 def _run_scenarios(args: RunOptions, index: DatasetIndex, output_dir: Path,

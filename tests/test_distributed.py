@@ -138,3 +138,19 @@ def test_broadcast_state_gives_every_rank_rank_0s_tensors(tmp_path):
     for key, value in zero["all"].items():
         assert torch.equal(one["all"][key], value), key
     assert one["channels_last"] and zero["channels_last"]
+
+
+def test_a_folder_another_run_writes_to_stops_every_rank_in_one_line(tmp_path):
+    """Rank 0 holds the output dir's lock under torchrun; when another run holds it, every
+    rank stops with the same line, none waiting at a collective for a rank 0 that has left."""
+    from modules.files import folder_lock
+    data = make_folder(tmp_path / "d", n_train=8, n_test=2)
+    out = tmp_path / "out"
+    out.mkdir()
+    with folder_lock(out):  # another run, writing there
+        proc = torchrun("--data-dir", str(data), "--scenarios", "baseline", "--epochs", "1",
+                        "--image-size", "32", "--weights", "none", "--no-progress",
+                        "--output-dir", str(out))
+    assert proc.returncode != 0
+    assert proc.stderr.count("error: another run is writing to") == 2, proc.stderr[-3000:]
+    assert not (out / "results.json").exists()
