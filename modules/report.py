@@ -166,7 +166,10 @@ def versus_baseline_lines(rows: list[dict[str, Any]]) -> list[str]:
         reached = row.get("time_to_baseline_acc_s")
         if row["scenario"] != "baseline" and row.get("baseline_acc_target") is not None:
             line += ("; reached the baseline's validation accuracy after "
-                     f"{reached:.0f} s" if reached is not None
+                     f"{reached:.0f} s" + (" (tuning included)" if row.get("tuning_s") else "")
+                     + (", in the trial its final run continues from"
+                        if row.get("baseline_acc_reached_in") == "start trial" else "")
+                     if reached is not None
                      else "; never reached the baseline's validation accuracy")
         if row.get("final_from"):
             line += f"; its final run is the {row['final_from']} scenario's, trained once"

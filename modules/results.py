@@ -281,11 +281,13 @@ def compare_to_baseline(rows: list[dict[str, Any]], baseline: dict[str, Any] | N
         reached = None if target is None else next(
             (p["elapsed_s"] for p in (row.get("warm_start") or {}).get("curve") or []
              if (p.get("val_acc") or 0) >= target), None)
+        where = "start trial" if reached is not None else None
         if reached is None and target is not None:
             final = next((h["elapsed_s"] for h in row.get("history") or []
                           if (h.get("val_acc") or 0) >= target), None)
             reached = None if final is None else (row.get("tuning_s") or 0.0) + final
-        row["time_to_baseline_acc_s"] = reached
+            where = None if final is None else "final run"
+        row["time_to_baseline_acc_s"], row["baseline_acc_reached_in"] = reached, where
         row["test_acc_vs_baseline"] = 100 * (row["test_acc"] - baseline["test_acc"])
         base_total = baseline.get("total_s") or baseline.get("wall_s")
         total = row.get("total_s") or row.get("wall_s")

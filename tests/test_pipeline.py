@@ -17,7 +17,7 @@ import pipeline
 import scenario
 import resolution_tuner
 from conftest import COLOURS, make_folder, run_path, write_image
-from modules import hostmem
+from modules import hostmem, report
 from modules.results import MACHINE_FIGURES, STEP_FIGURES
 from modules.utility import load_model, predict
 
@@ -602,6 +602,10 @@ def test_each_row_is_compared_with_the_baseline():
     slow["warm_start"] = trial((12.0, 0.45))  # never reached: the final run's history decides
     scenario.compare_to_baseline([fast, slow], base)
     assert fast["time_to_baseline_acc_s"] == 4.0 and slow["time_to_baseline_acc_s"] is None
+    assert fast["baseline_acc_reached_in"] == "start trial"
+    assert slow["baseline_acc_reached_in"] is None and base["baseline_acc_reached_in"] == "final run"
+    assert "after 4 s (tuning included), in the trial its final run continues from" in \
+        "\n".join(report.versus_baseline_lines([base, fast]))
 
 
 def test_a_start_trial_counts_only_the_epochs_trained_in_the_scenario():
