@@ -34,8 +34,9 @@ CACHE_RAM_FRACTION = 0.5
 # Share of free GPU memory the cache may take to live on the GPU (else it stays in RAM).
 CACHE_GPU_FRACTION = 0.25
 # Bytes one augmentation pass holds at once, in multiples of its float32 output (the float
-# copy, the colour transform's output, the sampling grid, grid_sample's output).
-PASS_WORKING_SET = 4
+# copy, the colour transform's output, the sampling grid, grid_sample's output, the memory
+# format's copy; the previous pass's output is freed by then unless the step still holds it).
+PASS_WORKING_SET = 5
 # Augmentation ranges, as in dataset.train_transform (RandomResizedCrop scale, ColorJitter 0.2).
 CROP_SCALE = (0.6, 1.0)
 CROP_RATIO = (3 / 4, 4 / 3)
@@ -222,7 +223,8 @@ class CachedLoader:
         self.sampler = train_sampler(len(labels), seed) if train else eval_sampler(len(labels))
         self.n_local = len(self.sampler) if self.sampler is not None else len(labels)
         self.drop_last = drops_last(self.sampler, batch_size)
-        self.pass_batches = pass_batches or batches_per_pass(batch_size, images.shape[-1], device)
+        self.pass_batches = batches_per_pass(batch_size, images.shape[-1], device) \
+            if pass_batches is None else _param_divisor(pass_batches)
 
     def __len__(self) -> int:
         full, rest = divmod(self.n_local, self.batch_size)
@@ -313,6 +315,15 @@ class _Draws:
         return self.params[self.used:self.used + n]
 
 
+def _param_divisor(n: int) -> int:
+    """The largest power of two up to n that divides PARAM_BATCHES: passes of it never straddle
+    two draws of parameters, nor do passes of its halves after running out of memory."""
+    k = 1
+    while k * 2 <= n and PARAM_BATCHES % (k * 2) == 0:
+        k *= 2
+    return k
+
+
 def batches_per_pass(batch_size: int, size: int, device: torch.device) -> int:
     """Batches a CachedLoader gathers and augments in one pass: 1 on a CPU (no launches to save,
     and one batch stays in the caches); on a GPU a power of two dividing PARAM_BATCHES, so that
@@ -339,12 +350,14 @@ def cache_fits(index, size: int) -> bool:
     return needed <= budget
 
 
-def cache_on_gpu(needed: int, free: int, total: int) -> bool:
+def cache_on_gpu(needed: int, free: int, total: int, batch_bytes: int = 0) -> bool:
     """Whether `needed` bytes of decoded images may live on a GPU with `free` of its `total`
     bytes free: within CACHE_GPU_FRACTION of the free memory, and within what a training step
     planned to MEMORY_MARGIN of the whole (the memory probe's batch) leaves beside it, less one
-    augmentation pass. Else the cache stays in RAM, and each batch is copied over."""
-    beside_step = (1 - MEMORY_MARGIN) * total - PASS_WORKING_SET * GPU_PASS_BYTES
+    augmentation pass (up to GPU_PASS_BYTES of output, or one batch of `batch_bytes` uint8
+    images when that is more). Else the cache stays in RAM, and each batch is copied over."""
+    pass_bytes = max(GPU_PASS_BYTES, 4 * batch_bytes)  # float32 output of uint8 input
+    beside_step = (1 - MEMORY_MARGIN) * total - PASS_WORKING_SET * pass_bytes
     return needed <= min(CACHE_GPU_FRACTION * free, beside_step)
 
 
@@ -372,7 +385,7 @@ def cached_loaders(index, config: TrainConfig) -> tuple[CachedLoader, ...] | Non
         # Blocks torch holds but no tensor uses (a trial or probe before this one) are free
         # to this process, though the driver counts them as taken.
         free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        on_gpu = cache_on_gpu(needed, free, total)
+        on_gpu = cache_on_gpu(needed, free, total, cache_bytes(config.batch_size, size))
         if not on_gpu and (needed, size) not in _SAID_IN_RAM:  # once, not at every trial
             _SAID_IN_RAM.add((needed, size))
             log.info("decoded-image cache (%.0f MB at %d px) kept in RAM, each batch copied to "

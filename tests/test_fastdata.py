@@ -226,22 +226,26 @@ def test_a_pass_that_runs_out_of_memory_is_retried_in_smaller_passes(train, monk
     trainer's step, whose recovery splits micro-batches) halves the passes and goes on: the
     batches are those the loader gives without failing, and nothing is drawn twice."""
     g = torch.Generator().manual_seed(1)
-    images = torch.randint(0, 256, (3 * fastdata.PARAM_BATCHES + 5, 3, 10, 10), dtype=torch.uint8,
-                           generator=g)
+    bs = 4  # three draws of parameters (PARAM_BATCHES batches each) and a part batch
+    images = torch.randint(0, 256, (3 * fastdata.PARAM_BATCHES * bs + 5, 3, 10, 10),
+                           dtype=torch.uint8, generator=g)
     labels = torch.randint(0, 6, (len(images),), generator=g)
 
-    def loader():
-        return CachedLoader(images, labels, batch_size=4, train=train, device=torch.device("cpu"),
-                            seed=5, channels_last=False, pass_batches=8)
+    def loader(pass_batches):
+        return CachedLoader(images, labels, batch_size=bs, train=train,
+                            device=torch.device("cpu"), seed=5, channels_last=False,
+                            pass_batches=pass_batches)
 
-    expected = list(loader())
-    failing, calls = loader(), []
+    expected = list(loader(1))
+    failing, calls = loader(8), []
     name = "augment_with" if train else "normalise"
     real = getattr(fastdata, name)
+    first_of_draw_2 = fastdata.PARAM_BATCHES // 8 + 1  # the pass right after a new draw
 
     def flaky(x, *rest):
         calls.append(len(x))
-        if len(x) > 8 and len(calls) in (3, 4):  # two failures in a row: 8 batches, then 4
+        # two failures in a row there: passes of 8 batches, then of 4
+        if len(x) > 2 * bs and len(calls) in (first_of_draw_2, first_of_draw_2 + 1):
             raise TORCH_OOM("CUDA out of memory. Tried to allocate 2.00 MiB")
         return real(x, *rest)
 
@@ -251,8 +255,18 @@ def test_a_pass_that_runs_out_of_memory_is_retried_in_smaller_passes(train, monk
     assert len(got) == len(expected)
     for (xa, ya), (xb, yb) in zip(expected, got):
         assert torch.equal(ya, yb) and torch.allclose(xa, xb, atol=1e-5)
+    assert calls[:first_of_draw_2 + 2] == [8 * bs] * first_of_draw_2 + [4 * bs, 2 * bs]
     assert len(list(failing)) == len(expected)  # the next epoch keeps the smaller passes
-    assert all(n <= 8 for n in calls[4:])
+    assert max(calls[first_of_draw_2 + 1:]) <= 2 * bs
+
+
+def test_a_pass_never_straddles_two_draws_whatever_size_is_asked():
+    images = torch.zeros((4, 3, 8, 8), dtype=torch.uint8)
+    for asked, used in ((1, 1), (3, 2), (6, 4), (8, 8), (1000, fastdata.PARAM_BATCHES)):
+        loader = CachedLoader(images, torch.zeros(4, dtype=torch.int64), batch_size=2,
+                              train=True, device=torch.device("cpu"), seed=0,
+                              channels_last=False, pass_batches=asked)
+        assert loader.pass_batches == used
 
 
 def test_a_single_batch_that_runs_out_of_memory_is_one_line_naming_the_option(monkeypatch):
@@ -278,7 +292,10 @@ def test_the_cache_goes_on_the_gpu_only_beside_a_step_planned_to_the_memory_marg
     gib = 2**30
     t4 = 15 * gib
     assert fastdata.cache_on_gpu(int(1.2 * gib), free=14 * gib, total=t4)
-    assert not fastdata.cache_on_gpu(int(3.5 * gib), free=14 * gib, total=t4)  # 25% of free
     assert not fastdata.cache_on_gpu(int(2.8 * gib), free=14 * gib, total=t4)  # beside the step
-    assert not fastdata.cache_on_gpu(int(1.2 * gib), free=4 * gib, total=t4)   # a busy GPU
+    assert not fastdata.cache_on_gpu(int(1.2 * gib), free=4 * gib, total=t4)   # 25% of free
     assert fastdata.cache_on_gpu(int(20 * gib), free=130 * gib, total=140 * gib)
+    # one augmentation pass is at least one batch: large batches of large images leave less
+    batch = fastdata.cache_bytes(512, 224)  # 77 MB of uint8, 308 MB as float32
+    assert fastdata.cache_on_gpu(int(1.6 * gib), free=14 * gib, total=t4)
+    assert not fastdata.cache_on_gpu(int(1.6 * gib), free=14 * gib, total=t4, batch_bytes=batch)
