@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import re
+import socket
 import sqlite3
 import time
 import warnings
@@ -197,6 +198,8 @@ class OptunaTuner:
         self.n_trials, self.timeout_s, self.resume = n_trials, timeout_s, resume
         self.study_count = study_count
         self.new_trials = 0  # trials the last run() added
+        # Marks the trials this process trains: on a shared study others train beside it.
+        self.worker = f"{socket.gethostname()}:{os.getpid()}:{time.time()}"
         self.study_name, self.pruner = study_name, pruner
         self.data_fingerprint, self.overwrite = data_fingerprint, overwrite
         # The default trial's weights and the best trial's so far are kept here (weights_for).
@@ -313,6 +316,7 @@ class OptunaTuner:
         trial.set_user_attr("epochs_run", result.epochs_run)
         trial.set_user_attr("wall_s", result.wall_s)
         trial.set_user_attr("epoch_end_at", ended)
+        trial.set_user_attr("worker", self.worker)
         self._keep_weights(trial, result)
         return result.best_val_acc
 
@@ -365,13 +369,13 @@ class OptunaTuner:
 
     def curve_for(self, params: dict | None) -> list[tuple[float, float]]:
         """(time.time() at its end, validation accuracy) for each epoch of the trial the final
-        run of `params` continues from (start_for), when that trial was trained in this study;
-        none for the earlier trial, whose time was spent elsewhere."""
+        run of `params` continues from (start_for), when this process trained it; none for the
+        earlier trial, or another worker's on a shared study, whose time was spent elsewhere."""
         _, _, source = self.start_for(params)
         trial = None if source not in ("the chosen trial", "the default trial") else \
             self._default_trial() if params is None else \
             next((t for t in self._complete() if t.params == params), None)
-        if trial is None:
+        if trial is None or trial.user_attrs.get("worker") != self.worker:
             return []
         values = [trial.intermediate_values[e] for e in sorted(trial.intermediate_values)]
         return list(zip(trial.user_attrs.get("epoch_end_at") or [], values))

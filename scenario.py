@@ -19,7 +19,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -356,7 +356,7 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
                                               tuned.get("trial"), default_size)
         extra.update(tuning)
     tuning_s = time.perf_counter() - started
-    lineage(extra.get("warm_start"), started_at)
+    lineage(extra.get("warm_start"), started_at, tuning_s)
     if name != "baseline":
         config = fill_time(config, name, args, output_dir, index, tuned, tuning_s,
                            _epoch_seconds(name, config, extra), default_size)
@@ -600,13 +600,15 @@ def warm_start(config: TrainConfig, name: str, source: str, weights: Path | None
         "curve": [{"at": at, "val_acc": acc} for at, acc in curve]}
 
 
-def lineage(warm: dict[str, Any] | None, started_at: float) -> None:
+def lineage(warm: dict[str, Any] | None, started_at: float, tuning_s: float) -> None:
     """The start trial's curve as seconds since the scenario started (`started_at`, a
     time.time()), in place: compare_to_baseline counts these epochs as the final model's first.
     Epochs that ended before it started (a trial from an earlier session, reused) are left
-    out: their time is not in this scenario's."""
+    out: their time is not in this scenario's. None is later than the tuning's end (the wall
+    clock may be set forward meanwhile)."""
     if warm is not None:
-        warm["curve"] = [{"elapsed_s": p["at"] - started_at, "val_acc": p["val_acc"]}
+        warm["curve"] = [{"elapsed_s": min(tuning_s, p["at"] - started_at),
+                          "val_acc": p["val_acc"]}
                          for p in warm.get("curve", []) if p["at"] >= started_at]
 
 
@@ -743,8 +745,8 @@ def run(args: RunOptions, index: DatasetIndex | None = None) -> list[dict[str, A
     output_dir = prepare_output_dir(args.output_dir)
     if args.local_dir:
         prepare_output_dir(args.local_dir, "--local-dir")
-    if args.storage and "hpo" in args.scenarios and distributed.is_main():
-        check_storage(args.storage)  # a wrong URL stops the run before any training
+    if args.storage and "hpo" in args.scenarios:
+        on_main(lambda: check_storage(args.storage))  # a wrong URL stops it before training
     index = index or load_data(args, output_dir)
     with run_lock(output_dir):
         # Every process checks (so a refused --resume ends them all); rank 0's id is the run's.
@@ -763,21 +765,29 @@ def run(args: RunOptions, index: DatasetIndex | None = None) -> list[dict[str, A
                 raise
 
 
+def on_main(action: Callable[[], Any]) -> None:
+    """`action` on rank 0 alone under torchrun (as it is outside). When it fails, every rank
+    stops: rank 0 with its error, the others with its first line, rather than waiting at the
+    next collective for a rank 0 that has left."""
+    error = None
+    if distributed.is_main():
+        try:
+            action()
+        except Exception as exc:  # re-raised below, on rank 0 as it was
+            error = exc
+    said = distributed.from_main(None if error is None else first_line(error))
+    if error is not None:
+        raise error
+    if said is not None:
+        raise UserError(said)
+
+
 @contextlib.contextmanager
 def run_lock(output_dir: Path):
-    """The output dir's lock (files.folder_lock), held by rank 0 under torchrun. A refusal
-    stops every rank with the same line: the others would otherwise wait at the next
-    collective for a rank 0 that has left."""
+    """The output dir's lock (files.folder_lock), held by rank 0 under torchrun; a refusal
+    stops every rank (on_main)."""
     with contextlib.ExitStack() as stack:
-        refused = None
-        if distributed.is_main():
-            try:
-                stack.enter_context(folder_lock(output_dir))
-            except UserError as exc:
-                refused = str(exc)
-        refused = distributed.from_main(refused)
-        if refused is not None:
-            raise UserError(refused)
+        on_main(lambda: stack.enter_context(folder_lock(output_dir)))
         yield
 
 

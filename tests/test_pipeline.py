@@ -602,6 +602,11 @@ def test_each_row_is_compared_with_the_baseline():
     slow["warm_start"] = trial((12.0, 0.45))  # never reached: the final run's history decides
     scenario.compare_to_baseline([fast, slow], base)
     assert fast["time_to_baseline_acc_s"] == 4.0 and slow["time_to_baseline_acc_s"] is None
+    fast["warm_start"] = trial((2.0, 0.3))  # the trial short of it: the final run's epochs
+    scenario.compare_to_baseline([fast], base)
+    assert fast["time_to_baseline_acc_s"] == 25.0 and fast["baseline_acc_reached_in"] == "final run"
+    fast["warm_start"] = trial((2.0, 0.3), (4.0, 0.62))
+    scenario.compare_to_baseline([fast, slow], base)
     assert fast["baseline_acc_reached_in"] == "start trial"
     assert slow["baseline_acc_reached_in"] is None and base["baseline_acc_reached_in"] == "final run"
     assert "after 4 s (tuning included), in the trial its final run continues from" in \
@@ -613,9 +618,10 @@ def test_a_start_trial_counts_only_the_epochs_trained_in_the_scenario():
     started: their time is not in its tuning_s, so they are not counted as reached here."""
     warm = {"curve": [{"at": 90.0, "val_acc": 0.2}, {"at": 101.0, "val_acc": 0.4},
                       {"at": 103.5, "val_acc": 0.5}]}
-    scenario.lineage(warm, started_at=100.0)
-    assert warm["curve"] == [{"elapsed_s": 1.0, "val_acc": 0.4}, {"elapsed_s": 3.5, "val_acc": 0.5}]
-    scenario.lineage(None, 100.0)  # no start trial: nothing to do
+    scenario.lineage(warm, started_at=100.0, tuning_s=3.0)
+    assert warm["curve"] == [{"elapsed_s": 1.0, "val_acc": 0.4},
+                             {"elapsed_s": 3.0, "val_acc": 0.5}]  # never after the tuning
+    scenario.lineage(None, 100.0, 3.0)  # no start trial: nothing to do
 
 
 def test_the_estimate_covers_every_scenario_and_match_times_fill(small, tmp_path, monkeypatch):
@@ -685,3 +691,15 @@ def test_local_dir_keeps_the_generated_set_off_the_output_dir(tmp_path, monkeypa
     assert index.name == "synthetic" and index.train
     assert all(Path(p).is_relative_to(tmp_path / "local" / "data") for p, _ in index.train)
     assert not (tmp_path / "drive" / "data").exists()
+
+
+def test_on_main_raises_rank_0s_own_error_outside_torchrun():
+    """Outside torchrun the process is rank 0: an error of its action comes back as it was (a
+    bug keeps its type and traceback), and nothing is raised when the action succeeds."""
+    done = []
+    scenario.on_main(lambda: done.append(1))
+    assert done == [1]
+    with pytest.raises(ZeroDivisionError):
+        scenario.on_main(lambda: 1 / 0)
+    with pytest.raises(scenario.UserError, match="wrong URL"):
+        scenario.on_main(lambda: (_ for _ in ()).throw(scenario.UserError("wrong URL")))
