@@ -341,12 +341,16 @@ class OptunaTuner:
     def weights_for(self, params: dict | None) -> tuple[Path | None, int]:
         """(the weights the completed trial of `params` ended with (None: the default trial's),
         its epochs), or (None, 0) when none were kept here."""
-        trial = self._default_trial() if params is None else \
-            next((t for t in self._complete() if t.params == params), None)
+        trial = self._trial_for(params)
         path = trial.user_attrs.get("weights") if trial is not None else None
         if not path or not Path(path).exists():
             return None, 0
         return Path(path), int(trial.user_attrs.get("epochs_run") or self.epochs)
+
+    def _trial_for(self, params: dict | None) -> optuna.trial.FrozenTrial | None:
+        """The completed trial of `params` (None: the default trial), or None."""
+        return self._default_trial() if params is None else \
+            next((t for t in self._complete() if t.params == params), None)
 
     def start_for(self, params: dict | None) -> tuple[Path | None, int, str]:
         """Where the final run of `params` (None: the default configuration) starts: weights,
@@ -373,8 +377,7 @@ class OptunaTuner:
         earlier trial, or another worker's on a shared study, whose time was spent elsewhere."""
         _, _, source = self.start_for(params)
         trial = None if source not in ("the chosen trial", "the default trial") else \
-            self._default_trial() if params is None else \
-            next((t for t in self._complete() if t.params == params), None)
+            self._trial_for(params)
         if trial is None or trial.user_attrs.get("worker") != self.worker:
             return []
         values = [trial.intermediate_values[e] for e in sorted(trial.intermediate_values)]

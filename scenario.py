@@ -186,17 +186,17 @@ def _measure_settings(config: TrainConfig, args: RunOptions, index: DatasetIndex
     start = config
     if args.resume:
         reused = _saved_autotune(saved, config)
-        if reused is not None and reused[2]:
-            return reused[:2]
         if reused is not None:
+            measured, findings, here = reused
+            if here:
+                return measured, findings
             # Resumed on another machine (Colab's next session can be another GPU): what was
             # measured there may not run well here (bf16 on a T4), so measure again, keeping
             # the batch, which the checkpoint resumes only with.
-            batch = reused[0]
             log.info("autotune: %s was measured on another machine; measuring again, keeping "
-                     "its batch (%d x %d)", saved, batch.batch_size, batch.grad_accum_steps)
-            config = dataclasses.replace(config, batch_size=batch.batch_size,
-                                         grad_accum_steps=batch.grad_accum_steps)
+                     "its batch (%d x %d)", saved, measured.batch_size, measured.grad_accum_steps)
+            config = dataclasses.replace(config, batch_size=measured.batch_size,
+                                         grad_accum_steps=measured.grad_accum_steps)
             fixed |= {"batch_size"}
     launcher_threads = distributed.world_size() > 1 and config.device == "cpu"
     if launcher_threads:  # torchrun gave each process its share of the cores (OMP_NUM_THREADS)
