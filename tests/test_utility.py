@@ -1,6 +1,7 @@
 """Tests for modules.utility: model files, prediction, the results table and the plots."""
 from __future__ import annotations
 
+import logging
 import math
 
 import numpy as np
@@ -200,3 +201,16 @@ def test_a_class_without_test_images_has_no_accuracy_not_zero(tmp_path, monkeypa
         path = plot_confusion(shown, tmp_path)
         assert path.read_bytes().startswith(PNG_MAGIC)
         assert labels == ["100", "0", "no test images"]
+
+
+def test_class_names_that_read_as_numbers_plot_without_a_log_line(tmp_path, caplog):
+    """Digit folders are named 0..9: the per-class chart says nothing in the run's log."""
+    from modules.report import plot_confusion
+
+    names = [str(i) for i in range(3)]
+    row = {"scenario": "baseline", "confusion_matrix": [[2, 0, 0], [0, 1, 1], [0, 0, 2]],
+           "per_class_test_acc": dict(zip(names, [1.0, 0.5, 1.0]))}
+    with caplog.at_level(logging.INFO):
+        path = plot_confusion(row, tmp_path)
+    assert path.read_bytes().startswith(PNG_MAGIC)
+    assert not [r for r in caplog.records if r.name.startswith("matplotlib")]
