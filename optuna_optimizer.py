@@ -595,8 +595,7 @@ class OptunaTuner:
     def epoch_seconds(self, params: dict | None) -> float | None:
         """Seconds per epoch (validation included) measured by the trial of `params` (None:
         the default trial), or None when no such trial recorded it."""
-        trial = self._default_trial() if params is None else \
-            next((t for t in self._complete() if t.params == params), None)
+        trial = self._trial_for(params)
         if trial is None:
             return None
         epochs, wall = trial.user_attrs.get("epochs_run"), trial.user_attrs.get("wall_s")

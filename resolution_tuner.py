@@ -62,8 +62,6 @@ class ResolutionTuner:
         settings and data are taken from it, not trained again. weights_dir: where each size's
         trial keeps its best weights (weights_for)."""
         sizes = sorted(set(int(r) for r in resolutions) | {base.image_size})
-        if not sizes:
-            raise UserError("resolutions must name at least one input size.")
         for size in sizes:  # TrainConfig checks each size against the model's minimum
             dataclasses.replace(base, image_size=size)
         self.index, self.base, self.resolutions = index, base, sizes

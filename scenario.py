@@ -626,9 +626,11 @@ def tune_hyperparameters(config: TrainConfig, args: RunOptions, index: DatasetIn
         return distributed.from_main(None), {}
     n_trials = trial_count(args)
     trial_epochs = search_epochs(config, default_size)
+    stopping = {"asha": "successive halving over epochs", "hyperband": "Hyperband over epochs",
+                "median": "median stopping over epochs", "none": "no trial stopped early"}
     log.info("== hyperparameter search: %d trials of %d epochs at %d px (the default "
-             "configuration first), successive halving over epochs", n_trials, trial_epochs,
-             config.image_size)
+             "configuration first), %s", n_trials, trial_epochs, config.image_size,
+             stopping.get(args.pruner, args.pruner))
     # Batch sizes are searched only up to what the GPU holds at this resolution.
     largest = max_batch_size(config, len(index.classes), device, upto=max(BATCH_SIZES))
     # A study of its own for each run in the output dir's SQLite file; on a shared --storage

@@ -27,10 +27,6 @@ THRESHOLDS = Thresholds()
 BOTTLENECKS = ("input-bound", "transfer-bound", "compute-bound", "memory-bound", "overhead-bound")
 
 
-THRESHOLDS = Thresholds()
-BOTTLENECKS = ("input-bound", "transfer-bound", "compute-bound", "memory-bound", "overhead-bound")
-
-
 def diagnose(figures: dict[str, Any]) -> dict[str, Any]:
     """Name the bottleneck of a run from its measured figures, with 1-3 recommendations.
 

@@ -174,6 +174,11 @@ class SystemSampler:
             except Exception as err:
                 log.info("sampler: no GPU readings (NVML unavailable: %s: %s)",
                          type(err).__name__, err)
+                if self._nvml is not None:  # initialised, but no handle: undo the init
+                    try:
+                        self._nvml.nvmlShutdown()
+                    except Exception:
+                        pass
                 self._nvml = self._gpu = None
         if self._gpu is not None:
             try:  # Volta and newer; mJ since the driver loaded

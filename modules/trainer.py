@@ -160,28 +160,30 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
                      profiler)
     writer = _summary_writer(run_dir if distributed.is_main() else None, config)
     elapsed_before, stopped_early = progress.elapsed_s, False
-    for epoch in range(progress.start_epoch, config.epochs):
-        epoch_start = time.perf_counter()
-        row = epochs.train_one(train_loader, epoch)
-        val = evaluate(model, val_loader, device=device, amp_dtype=dtype,
-                       channels_last=config.channels_last, num_classes=num_classes)
-        row.update(val_loss=val["loss"], val_acc=val["acc"], lr=row.pop("lr"),
-                   epoch_s=time.perf_counter() - epoch_start,
-                   samples_per_s=row.pop("samples_per_s"))
-        row["elapsed_s"] = elapsed_before + (time.perf_counter() - started)
-        _log_epoch(row, config.epochs, writer)
-        stopped_early = progress.record(row, model, config.early_stopping_patience)
-        saver.save(progress, stopped_early or epoch + 1 == config.epochs, model, optimizer,
-                   scheduler, scaler, timer.state())
-        if on_epoch is not None:
-            on_epoch(row["epoch"], row)
-        if stopped_early:
-            log.info("early stopping: no better val accuracy for %d epochs; best was epoch %d "
-                     "(%.1f%%)", config.early_stopping_patience, progress.best["epoch"],
-                     100 * progress.best["acc"])
-            break
-    if writer is not None:
-        writer.close()
+    try:  # the event file is closed however the loop ends (pruned, diverged, Ctrl-C)
+        for epoch in range(progress.start_epoch, config.epochs):
+            epoch_start = time.perf_counter()
+            row = epochs.train_one(train_loader, epoch)
+            val = evaluate(model, val_loader, device=device, amp_dtype=dtype,
+                           channels_last=config.channels_last, num_classes=num_classes)
+            row.update(val_loss=val["loss"], val_acc=val["acc"], lr=row.pop("lr"),
+                       epoch_s=time.perf_counter() - epoch_start,
+                       samples_per_s=row.pop("samples_per_s"))
+            row["elapsed_s"] = elapsed_before + (time.perf_counter() - started)
+            _log_epoch(row, config.epochs, writer)
+            stopped_early = progress.record(row, model, config.early_stopping_patience)
+            saver.save(progress, stopped_early or epoch + 1 == config.epochs, model, optimizer,
+                       scheduler, scaler, timer.state())
+            if on_epoch is not None:
+                on_epoch(row["epoch"], row)
+            if stopped_early:
+                log.info("early stopping: no better val accuracy for %d epochs; best was epoch %d "
+                         "(%.1f%%)", config.early_stopping_patience, progress.best["epoch"],
+                         100 * progress.best["acc"])
+                break
+    finally:
+        if writer is not None:
+            writer.close()
     if progress.best["state"] is not None:
         model.load_state_dict(progress.best["state"])
     history, best = progress.history, progress.best

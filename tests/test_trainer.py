@@ -254,6 +254,22 @@ def test_tensorboard_scalars_and_config_are_written(tmp_path):
     assert '"batch_size": 8' in (tmp_path / "run" / "config.json").read_text()
 
 
+def test_a_stopped_run_closes_its_tensorboard_file(tmp_path, monkeypatch):
+    """A pruned trial (on_epoch raises) leaves no writer thread or open event file behind in
+    the notebook's kernel."""
+    from torch.utils.tensorboard import SummaryWriter
+    closed = []
+    original = SummaryWriter.close
+    monkeypatch.setattr(SummaryWriter, "close", lambda w: closed.append(w) or original(w))
+
+    def stop(epoch, metrics):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        fit(dataclasses.replace(BASE, epochs=2), run_dir=tmp_path / "run", on_epoch=stop)
+    assert len(closed) == 1
+
+
 def test_channels_last_trains_to_the_same_result():
     a = fit(dataclasses.replace(BASE, epochs=1))
     b = fit(dataclasses.replace(BASE, epochs=1, channels_last=True))
