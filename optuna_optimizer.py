@@ -334,9 +334,13 @@ class OptunaTuner:
                             self.weights_dir / f"hpo-trial-{trial.number}.weights.pt")
         trial.set_user_attr("weights", str(path))
         if not default:  # the best before this one cannot be chosen any more
+            # Only files in this run's folder: on a shared study, another worker's trial's
+            # weights are that worker's, which may be continuing from them.
+            mine = self.weights_dir.resolve()
             for t in complete:
-                if t.user_attrs.get("weights") and not t.user_attrs.get("default"):
-                    Path(t.user_attrs["weights"]).unlink(missing_ok=True)
+                kept = t.user_attrs.get("weights")
+                if kept and not t.user_attrs.get("default") and Path(kept).resolve().parent == mine:
+                    Path(kept).unlink(missing_ok=True)
 
     def weights_for(self, params: dict | None) -> tuple[Path | None, int]:
         """(the weights the completed trial of `params` ended with (None: the default trial's),

@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from modules.config import TrainConfig
+from modules.config import TrainConfig, UserError
 from modules.models import build_model
 from modules.oom import MEMORY_MARGIN, is_out_of_memory, release
 from modules.trainer import autocast_dtype, make_optimizer, train_step
@@ -61,10 +61,32 @@ def max_batch_size(config: TrainConfig, num_classes: int, device: torch.device, 
         torch.backends.cudnn.benchmark = searching
 
 
+def _probe(config: TrainConfig, num_classes: int, batch_size: int, device: torch.device
+           ) -> int | None:
+    """step_peak_bytes, or None when that step ran out of memory (the memory released)."""
+    try:
+        return step_peak_bytes(config, num_classes, batch_size, device)
+    except RuntimeError as exc:  # torch's OutOfMemoryError, or "CUDA error: out of memory"
+        if not is_out_of_memory(exc):
+            raise
+    release(device)  # outside the except block, whose traceback holds the probe's tensors
+    return None
+
+
 def _max_batch_size(config: TrainConfig, num_classes: int, device: torch.device,
                     upto: int | None, margin: float) -> int:
     small, large = PROBE_BATCHES
-    low, high = (step_peak_bytes(config, num_classes, b, device) for b in (small, large))
+    low = _probe(config, num_classes, small, device)
+    if low is None:
+        free, total = torch.cuda.mem_get_info(device)
+        raise UserError(f"a training step of {small} images at {config.image_size} px does not "
+                        f"fit in the GPU's memory ({free / 2**20:.0f} MB free of "
+                        f"{total / 2**20:.0f} MB): use a smaller --image-size, or free the GPU.")
+    high = _probe(config, num_classes, large, device)
+    if high is None:
+        log.info("memory probe at %d px: a step of %d images does not fit; %d do",
+                 config.image_size, large, small)
+        return small if upto is None else min(small, upto)
     per_sample = max(1.0, (high - low) / (large - small))
     fixed = low - per_sample * small
     total = torch.cuda.get_device_properties(device).total_memory
@@ -72,16 +94,10 @@ def _max_batch_size(config: TrainConfig, num_classes: int, device: torch.device,
     if upto is not None:
         fits = min(fits, upto)
     # Large batches can pick cuDNN algorithms with bigger workspaces than the line predicts:
-    # a third probe at the prediction scales it down when it overshoots.
-    try:
-        peak = step_peak_bytes(config, num_classes, fits, device)
-    except RuntimeError as exc:  # torch's OutOfMemoryError, or "CUDA error: out of memory"
-        if not is_out_of_memory(exc):
-            raise
-        peak = None
+    # a third probe at the prediction scales it down when it overshoots (far over: halve).
+    peak = _probe(config, num_classes, fits, device)
     if peak is None:
-        release(device)
-        peak = 2 * margin * total  # far over: halve
+        peak = 2 * margin * total
     if peak > margin * total:
         fits = max(1, int(fits * margin * total / peak))
     log.info("memory probe at %d px: %.1f MB per sample, %.0f MB fixed; up to batch %d fits in "

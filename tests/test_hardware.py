@@ -1,8 +1,11 @@
 """The memory probe: None on CPU; on a GPU a batch that fits, from two probes."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from modules.config import TrainConfig
+import modules.hardware
+from modules.config import TrainConfig, UserError
 from modules.hardware import max_batch_size, step_peak_bytes
 
 CONFIG = TrainConfig(model="squeezenet1_1", image_size=64, amp="auto", channels_last=True)
@@ -27,3 +30,28 @@ def test_probe_predicts_a_batch_that_fits():
         torch.backends.cudnn.benchmark = searching
         max_batch_size(CONFIG, 6, device, upto=32, margin=0.05)
         assert torch.backends.cudnn.benchmark is searching
+
+
+def test_a_probe_that_runs_out_of_memory_ends_in_one_line_or_a_smaller_batch(monkeypatch):
+    """A size too large for the GPU: the first probes' out-of-memory errors are the user's to
+    fix (one line naming --image-size) or bound the batch, not a traceback."""
+    fits_up_to = {"n": 0}
+
+    def probe(config, num_classes, batch_size, device):
+        if batch_size > fits_up_to["n"]:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return 1000 * batch_size
+    released = []
+    monkeypatch.setattr(modules.hardware, "step_peak_bytes", probe)
+    monkeypatch.setattr(modules.hardware, "release", released.append)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2**30, 16 * 2**30))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: SimpleNamespace(total_memory=16 * 2**30))
+    cuda = torch.device("cuda")
+    with pytest.raises(UserError, match=r"4 images at 64 px does not fit .*1024 MB free of "
+                                        r"16384 MB.*--image-size"):
+        max_batch_size(CONFIG, 6, cuda)
+    fits_up_to["n"] = 4  # 16 does not fit: the search and autotune stay at 4
+    assert max_batch_size(CONFIG, 6, cuda) == 4
+    assert max_batch_size(CONFIG, 6, cuda, upto=2) == 2
+    assert len(released) == 3  # each failed probe's memory handed back

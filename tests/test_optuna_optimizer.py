@@ -406,6 +406,27 @@ def test_the_default_and_the_best_trial_keep_their_weights(index, tmp_path, monk
     assert t.weights_for(trials[2].params) == (None, 0)  # never the best: never kept
 
 
+def test_a_new_best_deletes_no_other_workers_weights(index, tmp_path, monkeypatch):
+    """On a study two workers share, each keeps its trials' weights in its own folder; a best
+    found by one must not delete the file the other may be continuing from."""
+    accs = iter([0.5, 0.6, 0.7, 0.65])  # worker A: trials 0, 1 (its best); B: 2 (new best), 3
+
+    def fit_(idx, config, on_epoch):
+        acc = next(accs)
+        on_epoch(1, {"val_acc": acc})
+        return SimpleNamespace(best_val_acc=acc, epochs_run=1, wall_s=0.01, timing={},
+                               model=torch.nn.Linear(1, 1))
+    monkeypatch.setattr(optuna_optimizer, "fit", fit_)
+    storage = f"sqlite:///{tmp_path / 'shared.db'}"
+    a = tuner(index, tmp_path / "a", storage=storage, pruner="none", weights_dir=tmp_path / "a")
+    a.run()
+    b = tuner(index, tmp_path / "b", storage=storage, pruner="none", weights_dir=tmp_path / "b",
+              resume=True, n_trials=4)
+    b.run()
+    assert (tmp_path / "a" / "hpo-trial-1.weights.pt").exists()
+    assert (tmp_path / "b" / "hpo-trial-2.weights.pt").exists()
+
+
 def test_the_default_continues_from_a_longer_earlier_trial_of_the_same_settings(
         index, tmp_path, monkeypatch):
     """The resolution trial at a size other than the default trains more epochs than the
