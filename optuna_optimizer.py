@@ -169,9 +169,12 @@ class OptunaTuner:
                  max_batch_size: int | None = None, seed: int | None = None,
                  local_dir: str | Path | None = None, data_fingerprint: str | None = None,
                  overwrite: bool = False, weights_dir: str | Path | None = None,
-                 earlier: EarlierTrial | None = None, study_count: bool = False):
+                 earlier: EarlierTrial | None = None, study_count: bool = False,
+                 shared: bool = False):
         """n_trials: the study's size (on a shared --storage, this worker's trials); with
-        study_count and resume, a study's own count (what it was asked for) wins over it."""
+        study_count and resume, a study's own count (what it was asked for) wins over it.
+        shared: other workers search the study too (the user gave --storage, whatever the
+        database): it is joined when it exists, and never deleted."""
         if isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials < 1:
             raise UserError(f"n_trials must be an integer >= 1, but got n_trials={n_trials!r}.")
         if timeout_s is not None and (isinstance(timeout_s, bool)
@@ -196,7 +199,7 @@ class OptunaTuner:
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.n_trials, self.timeout_s, self.resume = n_trials, timeout_s, resume
-        self.study_count = study_count
+        self.study_count, self.shared = study_count, shared
         self.new_trials = 0  # trials the last run() added
         # Marks the trials this process trains: on a shared study others train beside it.
         self.worker = f"{socket.gethostname()}:{os.getpid()}:{time.time()}"
@@ -450,7 +453,7 @@ class OptunaTuner:
         # traceback of a Ctrl-C, which the command line answers in one line.
         optuna.logging.set_verbosity(optuna.logging.ERROR)
         storage, where = self.storage, _without_password(self.storage_url)
-        shared = not self.storage_url.startswith("sqlite:")
+        shared = self.shared
         exists = self.study_name in optuna.get_all_study_names(storage)
         # A study is deleted only when asked (overwrite=True), and never on a shared database,
         # where another worker's trials would go with it: there every worker joins.

@@ -599,3 +599,16 @@ def test_a_smaller_batch_must_beat_the_default_within_the_default_trials_steps(i
     assert params["batch_size"] == 4 and "60.0% after epoch 2" in why and "beats" in why
     params, why = study_with(16, [0.2, 0.3, 0.5, 0.6])
     assert params["batch_size"] == 16 and "after epoch" not in why
+
+
+def test_a_study_given_by_storage_is_joined_whatever_the_database(index, tmp_path, monkeypatch):
+    """--storage sqlite:///... names a study other runs search too, as a PostgreSQL URL does:
+    a second run joins it and runs its own trials, where it used to stop with "already exists"
+    after the baseline and resolution scenarios had trained."""
+    monkeypatch.setattr(optuna_optimizer, "fit", fake_fit)
+    storage = f"sqlite:///{tmp_path / 'shared.db'}"
+    first = tuner(index, tmp_path / "a", storage=storage, shared=True).run()
+    second = tuner(index, tmp_path / "b", storage=storage, shared=True, seed=7).run()
+    assert (first["n_trials"], second["n_trials"]) == (2, 4)
+    with pytest.raises(UserError, match="refusing to delete the shared study"):
+        tuner(index, tmp_path / "c", storage=storage, shared=True, overwrite=True).run()
