@@ -318,7 +318,10 @@ def load_data(args: RunOptions, output_dir: Path) -> DatasetIndex:
     if (output_dir / "data" / "synthetic").is_dir():
         cache = output_dir  # a run made before this moved: its images' paths are its data's
     root, name = resolve_source(args.dataset, args.data_dir, cache / "data", per_class)
-    index = index_dataset(root, name, seed=args.seed)
+    generated = args.data_dir is None and args.dataset == "synthetic"
+    # --quick and the full preset share the generated folder; each sees only its own counts.
+    index = index_dataset(root, name, seed=args.seed, numbered_below=dict(
+        zip(("train", "test"), per_class)) if generated else None)
     if args.quick:
         index = subset(index, QUICK_PER_CLASS)
     log.info("data: %s", index.summary())

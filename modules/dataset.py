@@ -307,7 +307,8 @@ def check_image(path: Path) -> str | None:
         return f"undecodable ({type(exc).__name__})"
 
 
-def _scan_split(folder: Path, split: str, check: bool, seen: dict[str, Path] | None = None
+def _scan_split(folder: Path, split: str, check: bool, seen: dict[str, Path] | None = None,
+                numbered_below: int | None = None
                 ) -> tuple[dict[str, list[Path]], list[tuple[str, str]]]:
     classes = _class_dirs(folder)
     if not classes:
@@ -317,6 +318,9 @@ def _scan_split(folder: Path, split: str, check: bool, seen: dict[str, Path] | N
     listed = {c.name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace"):
               _image_files(c, seen) for c in classes}
     per_class = {name: files for name, (files, _) in listed.items()}
+    if numbered_below is not None:
+        per_class = {name: [p for p in files if p.stem.isdigit() and int(p.stem) < numbered_below]
+                     for name, files in per_class.items()}
     repeats = sum(n for _, n in listed.values())
     if repeats:
         log.warning("the %s split reaches %d image file(s) a second time through links; each "
@@ -359,15 +363,19 @@ def _val_share(per_class: dict[str, list[Path]], fraction: float) -> float:
 
 
 def index_dataset(root: Path, name: str | None = None, *, seed: int = 0, check: bool = True,
-                  val_fraction: float = VAL_FRACTION) -> DatasetIndex:
-    """Find the layout, list and check every image, and split train/val/test."""
+                  val_fraction: float = VAL_FRACTION,
+                  numbered_below: dict[str, int] | None = None) -> DatasetIndex:
+    """Find the layout, list and check every image, and split train/val/test.
+    numbered_below: {split: n} keeps only the files named 0..n-1 in each class of that split:
+    the generated set, whose folder also holds the images a larger preset asked for."""
     root = Path(root)
     if not root.is_dir():
         raise UserError(f"data folder {str(root)!r} does not exist.")
     layout, folders = find_splits(root)
     scanned, skipped, seen = {}, [], {}
     for split, folder in folders.items():
-        scanned[split], bad = _scan_split(folder, split, check, seen)
+        scanned[split], bad = _scan_split(folder, split, check, seen,
+                                          (numbered_below or {}).get(split))
         skipped += bad
     if layout == "class folders":
         rest, scanned["test"] = _seeded_split(scanned.pop("all"), 0.2, seed)

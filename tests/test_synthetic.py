@@ -3,6 +3,7 @@ that the class cannot be read off the mean colour."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -113,3 +114,26 @@ def test_families_pair_classes_with_distinct_textures():
     families = [synthetic._FAMILY[c] for c in CLASSES]
     assert sorted(families.count(f) for f in set(families)) == [2, 2, 2]
     assert len({synthetic._TEXTURES[c] for c in CLASSES}) == len(CLASSES)
+
+
+def test_each_preset_sees_its_own_images_in_a_shared_folder(tmp_path, monkeypatch):
+    """--quick and the full preset generate into the same folder; a full run made before a
+    quick one (or after) must not change the other's images, splits or fingerprint."""
+    import pipeline
+    import scenario
+    monkeypatch.setattr(scenario, "SYNTHETIC_PER_CLASS", (6, 2))
+    monkeypatch.setattr(scenario, "QUICK_SYNTHETIC_PER_CLASS", (4, 3))
+    monkeypatch.setattr(scenario, "QUICK_PER_CLASS", {"train": 3, "val": 1, "test": 3})
+
+    def load(out, *flags):
+        index = scenario.load_data(pipeline.parse_args(["--output-dir", str(out), *flags]), out)
+        return [[(str(Path(p).relative_to(out)), label) for p, label in split]
+                for split in (index.train, index.val, index.test)]
+
+    alone = {flags: load(tmp_path / f"alone{i}", *flags)
+             for i, flags in enumerate([("--quick",), ()])}
+    both = tmp_path / "both"
+    assert load(both) == alone[()]
+    assert load(both, "--quick") == alone[("--quick",)]  # the full run's 6 + 2 are there too
+    assert load(both) == alone[()]  # and the quick run's 3 test images per class
+    assert len(alone[()][2]) == 2 * len(CLASSES)
