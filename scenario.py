@@ -337,7 +337,7 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
     extra: dict[str, Any] = {}
     if name == "hpo" and args.image_size is None:
         size = tuned.get("image_size") or distributed.from_main(
-            _previous_resolution(output_dir, index.name))
+            _previous_resolution(output_dir, args, index, device))
         config = dataclasses.replace(config, image_size=size or config.image_size)
     if name != "baseline":
         # The measuring budget is a share of the least the scenario trains (the tuners may stop
@@ -529,7 +529,8 @@ def fill_time(config: TrainConfig, name: str, args: RunOptions, output_dir: Path
                  name, own, config.image_size, config.epochs, config.epochs, default_size)
     baseline_s = tuned.get("baseline_total_s")
     if baseline_s is None:
-        row = previous_row(output_dir / "results.json", "baseline", index.name)
+        row = previous_row(output_dir / "results.json", "baseline", index.name,
+                           match=same_setup(args, index, torch.device(config.device)))
         baseline_s = (row or {}).get("total_s") or (row or {}).get("wall_s")
     if not baseline_s or not epoch_s:
         return dataclasses.replace(config, epochs=own)
@@ -701,9 +702,31 @@ def worker_seed(args: RunOptions) -> int:
     return seed
 
 
-def _previous_resolution(output_dir: Path, dataset: str) -> int | None:
-    """The resolution scenario's pick from an earlier run on the same dataset, if any."""
-    row = previous_row(output_dir / "results.json", "resolution", dataset)
+def same_setup(args: RunOptions, index: DatasetIndex, device: torch.device
+               ) -> Callable[[dict[str, Any]], bool]:
+    """Whether an earlier run's row in the output dir was made with this run's data split,
+    model, kind of device and baseline (its size and epochs): a --quick run's rows are no
+    baseline, and no picked size, for a full run, nor a CPU run's for a GPU run."""
+    def match(row: dict[str, Any]) -> bool:
+        base = scenario_config("baseline", args, device)
+        settings = row.get("settings") or {}
+        if (row.get("model"), row.get("n_val"), row.get("n_test"),
+                str(settings.get("device", "")).split(":")[0]) != \
+                (base.model, len(index.val), len(index.test), device.type):
+            return False
+        if row.get("scenario") == "baseline":
+            return (settings.get("image_size"), settings.get("epochs")) == \
+                (base.image_size, base.epochs)
+        trials = row.get("resolution_trials")  # the baseline's size is always among them
+        return not trials or any(t.get("image_size") == base.image_size for t in trials)
+    return match
+
+
+def _previous_resolution(output_dir: Path, args: RunOptions, index: DatasetIndex,
+                         device: torch.device) -> int | None:
+    """The resolution scenario's pick from an earlier run of the same setup, if any."""
+    row = previous_row(output_dir / "results.json", "resolution", index.name,
+                       match=same_setup(args, index, device))
     return row.get("best_resolution") if row else None
 
 
@@ -806,7 +829,8 @@ def _run_scenarios(args: RunOptions, index: DatasetIndex, output_dir: Path,
         if name == "baseline":
             tuned["baseline_total_s"] = rows[-1]["total_s"]
         baseline = next((r for r in rows if r["scenario"] == "baseline"), None) or \
-            previous_row(output_dir / "results.json", "baseline", index.name)
+            previous_row(output_dir / "results.json", "baseline", index.name,
+                         match=same_setup(args, index, device))
         compare_to_baseline(rows, baseline)
         if distributed.is_main():  # as each scenario ends: a crash in the next one loses no row
             path = output_dir / "results.json"

@@ -9,7 +9,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import psutil
 import torch
@@ -259,12 +259,13 @@ def earlier_rows(path: Path) -> list[dict[str, Any]]:
         return []
 
 
-def previous_row(path: Path, scenario: str, dataset: str, run_id: str | None = None
-                  ) -> dict[str, Any] | None:
-    """The scenario's last row on `dataset` (of run `run_id` when given) in results.json."""
+def previous_row(path: Path, scenario: str, dataset: str, run_id: str | None = None,
+                 match: Callable[[dict[str, Any]], bool] | None = None) -> dict[str, Any] | None:
+    """The scenario's last row on `dataset` (of run `run_id`, and for which `match` holds,
+    when given) in results.json."""
     rows = [r for r in earlier_rows(path)
             if r.get("scenario") == scenario and r.get("dataset") == dataset
-            and (run_id is None or r.get("run_id") == run_id)]
+            and (run_id is None or r.get("run_id") == run_id) and (match is None or match(r))]
     return rows[-1] if rows else None
 
 

@@ -703,3 +703,31 @@ def test_on_main_raises_rank_0s_own_error_outside_torchrun():
         scenario.on_main(lambda: 1 / 0)
     with pytest.raises(scenario.UserError, match="wrong URL"):
         scenario.on_main(lambda: (_ for _ in ()).throw(scenario.UserError("wrong URL")))
+
+
+def test_an_earlier_runs_rows_count_only_for_the_same_setup(tmp_path):
+    """`--scenarios hpo` takes the resolution pick, and every row its comparison with the
+    baseline, from earlier rows in the output dir: only rows of the same data split, model,
+    kind of device and baseline (a --quick run's baseline is not a full run's)."""
+    from types import SimpleNamespace
+    from modules.results import previous_row
+    index = SimpleNamespace(name="d", val=[0] * 30, test=[0] * 40)
+    cpu = torch.device("cpu")
+
+    def row(scenario, size, epochs, device="cpu", n_val=30, model="squeezenet1_1", trials=None):
+        return {"scenario": scenario, "dataset": "d", "model": model, "n_val": n_val,
+                "n_test": 40, "best_resolution": 48 if trials else size,
+                "settings": {"device": device, "image_size": size, "epochs": epochs},
+                **({"resolution_trials": [{"image_size": s} for s in trials]} if trials else {})}
+    path = tmp_path / "results.json"
+    quick = [row("baseline", 64, 12), row("resolution", 48, 21, trials=[48, 64, 96])]
+    path.write_text(json.dumps(quick))
+    for flags, found in (([], None), (["--quick"], quick)):
+        match = scenario.same_setup(pipeline.parse_args(flags), index, cpu)
+        assert [previous_row(path, s, "d", match=match) for s in ("baseline", "resolution")] \
+            == (found or [None, None])
+    others = [row("baseline", 64, 12, device="cuda:0"), row("baseline", 64, 12, n_val=31),
+              row("baseline", 64, 12, model="resnet18"), row("baseline", 64, 5)]
+    path.write_text(json.dumps(others))
+    match = scenario.same_setup(pipeline.parse_args(["--quick"]), index, cpu)
+    assert previous_row(path, "baseline", "d", match=match) is None
