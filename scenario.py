@@ -667,20 +667,21 @@ def tune_hyperparameters(config: TrainConfig, args: RunOptions, index: DatasetIn
     log.info("hpo: %s", summary["choice"])
     params = summary["chosen_params"] or {k: getattr(config, k) for k in OptunaTuner.SEARCHED}
     chosen = dataclasses.replace(config, **params)
-    trained_anew = True
+    trained_anew, warm = True, None
     if started is not None:
-        before = dataclasses.replace(config, **{k: started[k] for k in OptunaTuner.SEARCHED
-                                                if k in started})
+        # The start weights too: the run continues from its checkpoint, which started there.
+        before = dataclasses.replace(config, **{k: started[k] for k in (*OptunaTuner.SEARCHED,
+                                                                       "weights") if k in started})
         if not grow or all(getattr(before, k) == getattr(chosen, k) for k in OptunaTuner.SEARCHED):
             if grow:
                 log.info("hpo: the choice did not change: the final run is not trained again")
             chosen, trained_anew = before, False  # it continues from its checkpoint
+            warm = resumed_start(output_dir, args, index.name, before.weights)
         else:
             aside = final.with_name(f"hpo.before-{time.strftime('%Y%m%d-%H%M%S')}.pt")
             final.rename(aside)
             log.info("hpo: the choice changed with the new trials: training the final run "
                      "again (the earlier one is kept as %s)", aside)
-    warm = None
     if trained_anew:
         weights, epochs, source = tuner.start_for(summary["chosen_params"])
         chosen, warm = warm_start(chosen, "hpo", source, weights, epochs,
@@ -689,6 +690,18 @@ def tune_hyperparameters(config: TrainConfig, args: RunOptions, index: DatasetIn
         end_trials()
         distributed.from_main(chosen)
     return chosen, {"hpo": summary, "warm_start": warm}
+
+
+def resumed_start(output_dir: Path, args: RunOptions, dataset: str, weights: str
+                  ) -> dict[str, Any] | None:
+    """The warm start of an hpo final run resumed from its checkpoint: as this run's earlier
+    row recorded it, else the weights the checkpoint started from. Its trial's epochs were
+    trained in an earlier session, so they are not counted (lineage): no curve."""
+    row = previous_row(output_dir / "results.json", "hpo", dataset, args.run_id)
+    warm = dict((row or {}).get("warm_start") or {})
+    if not warm and Path(weights).is_file():
+        warm = {"from": "the weights its checkpoint started from", "weights": weights}
+    return {**warm, "curve": []} if warm else None
 
 
 def worker_seed(args: RunOptions) -> int:

@@ -489,6 +489,10 @@ def test_resume_with_more_trials_grows_a_finished_study(small, tmp_path, monkeyp
     grown = json.loads((out / "results.json").read_text())[-1]
     assert grown["hpo"]["n_trials"] == 3
     assert grown["resumed_from_epoch"] == 2 and grown["test_acc"] == first["test_acc"]
+    # the start it continued from stays on record; its trial's epochs are an earlier session's
+    assert grown["settings"]["weights"] == first["settings"]["weights"] != "none"
+    assert grown["warm_start"]["weights"] == first["warm_start"]["weights"]
+    assert grown["warm_start"]["curve"] == []
 
     # one more trial that wins: trained again from the start, the earlier final run kept aside
     better = {"lr": 0.005, "batch_size": 16, "optimizer": "sgd", "weight_decay": 1e-4}
