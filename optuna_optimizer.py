@@ -22,7 +22,7 @@ import optuna
 
 from modules import distributed
 from modules.checkpoints import save_weights
-from modules.config import TrainConfig, UserError, first_line
+from modules.config import OPTIMIZERS, TrainConfig, UserError, first_line
 from modules.oom import is_out_of_memory, release
 from modules.report import figure
 from modules.selection import accuracy_se, beats, informative, tie_margin
@@ -159,7 +159,7 @@ class OptunaTuner:
 
     SEARCHED = ("lr", "batch_size", "optimizer", "weight_decay")  # see distributions()
     LR_RANGE, WEIGHT_DECAY_RANGE = (1e-4, 1e-2), (1e-6, 1e-2)
-    OPTIMIZERS = ("adam", "adamw", "sgd")
+    OPTIMIZERS = OPTIMIZERS  # every optimizer the trainer has
 
     def __init__(self, index, base: TrainConfig, *, output_dir, n_trials: int = 10,
                  timeout_s: float | None = None, storage: str | None = None,

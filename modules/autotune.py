@@ -124,10 +124,10 @@ def race(incumbent: ComputeProbe, challenger: ComputeProbe, *, warmup: int = 2,
          drop_slow: bool = True) -> dict[str, Any]:
     """Time two probes in turns: a step of one, then a step of the other (TURN_STEPS each when
     a process-wide knob differs), until both have min_steps and min_s has passed in all. The
-    machine's drift (5-10% within seconds on a shared 2-core VM) then falls on both alike,
-    where timing one candidate after another compares each with a figure taken seconds before.
-    The order alternates (incumbent first, then challenger first) over an even number of
-    pairs: the probe that runs second in a pair measured about 1% faster.
+    machine's drift (docs/speed.md) then falls on both alike, where timing one candidate after
+    another compares each with a figure taken seconds before. The order alternates (incumbent
+    first, then challenger first) over an even number of pairs: the probe that runs second in
+    a pair measures a little faster.
 
     The challenger warms up first (its one-time costs: kernel selection, a JIT, compiling).
     With drop_slow it is dropped early when two of its steps in a row, its last warm-up step
