@@ -717,15 +717,20 @@ def worker_seed(args: RunOptions) -> int:
 
 def same_setup(args: RunOptions, index: DatasetIndex, device: torch.device
                ) -> Callable[[dict[str, Any]], bool]:
-    """Whether an earlier run's row in the output dir was made with this run's data split,
-    model, kind of device and baseline (its size and epochs): a --quick run's rows are no
-    baseline, and no picked size, for a full run, nor a CPU run's for a GPU run."""
+    """Whether an earlier run's row in the output dir was made with this run's data (its
+    images and split, not only a folder of the same name), model, kind of device and baseline
+    (its size and epochs): a --quick run's rows are no baseline, and no picked size, for a
+    full run, nor a CPU run's for a GPU run."""
+    data = index.fingerprint()
+
     def match(row: dict[str, Any]) -> bool:
         base = scenario_config("baseline", args, device)
         settings = row.get("settings") or {}
         if (row.get("model"), row.get("n_val"), row.get("n_test"),
                 str(settings.get("device", "")).split(":")[0]) != \
                 (base.model, len(index.val), len(index.test), device.type):
+            return False
+        if row.get("data_fingerprint", data) != data:  # another folder of the same name
             return False
         if row.get("scenario") == "baseline":
             return (settings.get("image_size"), settings.get("epochs")) == \

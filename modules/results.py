@@ -156,8 +156,8 @@ def result_row(name: str, config: TrainConfig, result: TrainResult, test: dict[s
         mem_limit_mb = psutil.virtual_memory().total / 2**20
         alloc_retries = None
     row = {
-        "scenario": name, "dataset": index.name, "model": config.model,
-        "train_acc": best.get("train_acc"), "train_loss": best.get("train_loss"),
+        "scenario": name, "dataset": index.name, "data_fingerprint": index.fingerprint(),
+        "model": config.model, "train_acc": best.get("train_acc"), "train_loss": best.get("train_loss"),
         "val_acc": best.get("val_acc"), "val_loss": best.get("val_loss"),
         "val_acc_se": accuracy_se(best.get("val_acc") or 0.0, len(index.val)),
         "n_val": len(index.val), "n_test": len(index.test),
@@ -199,16 +199,29 @@ def result_row(name: str, config: TrainConfig, result: TrainResult, test: dict[s
 def keep_best_model(result: TrainResult, config: TrainConfig, index: DatasetIndex,
                      row: dict[str, Any], output_dir: Path) -> None:
     """Save this scenario's model as <dataset>_model.pt only when it beats the one there on
-    test accuracy (whichever run saved it); a model file that cannot be read is kept aside."""
+    test accuracy (whichever run saved it, on the same data); a model file that cannot be read,
+    or one trained on other data under the same folder name, is kept aside."""
     path = output_dir / f"{index.name}_model.pt"
+    fingerprint = row.get("data_fingerprint") or index.fingerprint()
     if path.exists():
+        stamp = time.strftime('%Y%m%d-%H%M%S')
         try:
-            previous = load_model(path).meta.get("extra", {})
+            saved = load_model(path).meta
+            previous = saved.get("extra") or {}
         except UserError as exc:
-            aside = path.with_name(f"{path.stem}.unreadable-{time.strftime('%Y%m%d-%H%M%S')}.pt")
+            aside = path.with_name(f"{path.stem}.unreadable-{stamp}.pt")
             path.rename(aside)
             log.warning("%s; kept it as %s", str(exc).rstrip("."), aside)
             previous = {}
+        else:
+            other = previous.get("data_fingerprint", fingerprint) != fingerprint or \
+                list(saved["class_names"]) != list(index.classes)
+            if other:  # its test accuracy was on other images: not comparable
+                aside = path.with_name(f"{path.stem}.other-data-{stamp}.pt")
+                path.rename(aside)
+                log.warning("%s was trained on other data named %r (run %s); kept it as %s",
+                            path, index.name, previous.get("run_id"), aside)
+                previous = {}
         best = previous.get("test_acc")
         if isinstance(best, (int, float)) and best >= row["test_acc"]:
             log.info("kept %s (%s of run %s, test accuracy %.1f%%): this %s model's %.1f%% is "
@@ -218,7 +231,7 @@ def keep_best_model(result: TrainResult, config: TrainConfig, index: DatasetInde
     save_model(result.model, path, arch=config.model, class_names=index.classes,
                image_size=config.image_size,
                extra={"scenario": row["scenario"], "dataset": index.name,
-                      "run_id": row.get("run_id"),
+                      "data_fingerprint": fingerprint, "run_id": row.get("run_id"),
                       "test_acc": row["test_acc"], "val_acc": row["val_acc"],
                       "per_class_test_acc": row["per_class_test_acc"],
                       "confusion_matrix": row["confusion_matrix"]})

@@ -712,10 +712,11 @@ def test_on_main_raises_rank_0s_own_error_outside_torchrun():
 def test_an_earlier_runs_rows_count_only_for_the_same_setup(tmp_path):
     """`--scenarios hpo` takes the resolution pick, and every row its comparison with the
     baseline, from earlier rows in the output dir: only rows of the same data split, model,
-    kind of device and baseline (a --quick run's baseline is not a full run's)."""
+    kind of device and baseline (a --quick run's baseline is not a full run's), and of the
+    same images, not another folder of the same name."""
     from types import SimpleNamespace
     from modules.results import previous_row
-    index = SimpleNamespace(name="d", val=[0] * 30, test=[0] * 40)
+    index = SimpleNamespace(name="d", val=[0] * 30, test=[0] * 40, fingerprint=lambda: "fp")
     cpu = torch.device("cpu")
 
     def row(scenario, size, epochs, device="cpu", n_val=30, model="squeezenet1_1", trials=None):
@@ -731,7 +732,8 @@ def test_an_earlier_runs_rows_count_only_for_the_same_setup(tmp_path):
         assert [previous_row(path, s, "d", match=match) for s in ("baseline", "resolution")] \
             == (found or [None, None])
     others = [row("baseline", 64, 12, device="cuda:0"), row("baseline", 64, 12, n_val=31),
-              row("baseline", 64, 12, model="resnet18"), row("baseline", 64, 5)]
+              row("baseline", 64, 12, model="resnet18"), row("baseline", 64, 5),
+              {**row("baseline", 64, 12), "data_fingerprint": "another folder named d"}]
     path.write_text(json.dumps(others))
     match = scenario.same_setup(pipeline.parse_args(["--quick"]), index, cpu)
     assert previous_row(path, "baseline", "d", match=match) is None

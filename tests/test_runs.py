@@ -62,14 +62,15 @@ def test_resume_on_other_data_is_refused_in_one_line(tmp_path, capsys):
     assert [r["dataset"] for r in rows(out)] == ["synthetic"]  # nothing was touched
 
 
-def _keep(out: Path, test_acc: float, scenario: str) -> dict:
-    model = build_model("squeezenet1_1", 2, "none")
+def _keep(out: Path, test_acc: float, scenario: str, data: str = "same data",
+          classes=("a", "b")) -> dict:
+    model = build_model("squeezenet1_1", len(classes), "none")
     row = {"scenario": scenario, "run_id": scenario, "test_acc": test_acc, "val_acc": test_acc,
-           "per_class_test_acc": {"a": test_acc, "b": test_acc},
+           "per_class_test_acc": dict.fromkeys(classes, test_acc), "data_fingerprint": data,
            "confusion_matrix": [[1, 0], [0, 1]]}
     keep_best_model(SimpleNamespace(model=model),
                     TrainConfig(model="squeezenet1_1", image_size=32),
-                    SimpleNamespace(name="d", classes=["a", "b"]), row, out)
+                    SimpleNamespace(name="d", classes=list(classes)), row, out)
     return load_model(out / "d_model.pt").meta["extra"]
 
 
@@ -79,6 +80,16 @@ def test_a_better_model_is_never_replaced_by_a_worse_one(tmp_path, caplog):
     assert _keep(tmp_path, 0.30, "rerun")["scenario"] == "full"  # the same scenario too
     assert "is not better" in caplog.text
     assert _keep(tmp_path, 0.95, "better")["scenario"] == "better"
+
+
+def test_a_model_of_other_data_under_the_same_name_is_kept_aside(tmp_path, caplog):
+    """Two folders named alike (projA/images, projB/images) write d_model.pt into one output
+    dir: the second's model is not judged by the first's test accuracy, nor lost to it."""
+    assert _keep(tmp_path, 0.95, "cats", data="A")["scenario"] == "cats"
+    assert _keep(tmp_path, 0.40, "fruit", data="B", classes=("x", "y", "z"))["scenario"] == "fruit"
+    (aside,) = tmp_path.glob("d_model.other-data-*.pt")
+    assert load_model(aside).meta["extra"]["scenario"] == "cats"
+    assert "trained on other data named 'd'" in caplog.text
 
 
 def test_an_unreadable_model_file_is_kept_aside_not_overwritten(tmp_path):
