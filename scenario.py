@@ -721,17 +721,15 @@ def same_setup(args: RunOptions, index: DatasetIndex, device: torch.device
     images and split, not only a folder of the same name), model, kind of device and baseline
     (its size and epochs): a --quick run's rows are no baseline, and no picked size, for a
     full run, nor a CPU run's for a GPU run."""
-    data = index.fingerprint()
-
-    def match(row: dict[str, Any]) -> bool:
+    def match(row: dict[str, Any]) -> bool:  # called only when there are earlier rows
         base = scenario_config("baseline", args, device)
         settings = row.get("settings") or {}
         if (row.get("model"), row.get("n_val"), row.get("n_test"),
                 str(settings.get("device", "")).split(":")[0]) != \
                 (base.model, len(index.val), len(index.test), device.type):
             return False
-        if row.get("data_fingerprint", data) != data:  # another folder of the same name
-            return False
+        if row.get("data_fingerprint", index.fingerprint()) != index.fingerprint():
+            return False  # another folder of the same name
         if row.get("scenario") == "baseline":
             return (settings.get("image_size"), settings.get("epochs")) == \
                 (base.image_size, base.epochs)
