@@ -728,7 +728,8 @@ def same_setup(args: RunOptions, index: DatasetIndex, device: torch.device
                 str(settings.get("device", "")).split(":")[0]) != \
                 (base.model, len(index.val), len(index.test), device.type):
             return False
-        if row.get("data_fingerprint", index.fingerprint()) != index.fingerprint():
+        data = row.get("data_fingerprint")
+        if data is not None and data != index.fingerprint():
             return False  # another folder of the same name
         if row.get("scenario") == "baseline":
             return (settings.get("image_size"), settings.get("epochs")) == \

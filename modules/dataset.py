@@ -211,6 +211,11 @@ def find_splits(root: Path) -> tuple[str, dict[str, Path]]:
                         "automatically.")
     train, test, val = (_child(root, name) for name in ("train", "test", "val"))
     # train/ in any case, but a class folder named Train (beside Bus/, Car/) is not a split
+    others = [f.name for f in folders if f.name.lower() not in ("train", "test", "val")]
+    if (root / "train").is_dir() and not test.is_dir() and others:
+        log.info("%r has no test/ folder: train/ is taken as a class beside %s", str(root),
+                 ", ".join(others[:3]) + (" ..." if len(others) > 3 else ""))
+        return "class folders", {"all": root}
     if (root / "train").is_dir() or (train.is_dir() and test.is_dir()):
         if not test.is_dir():
             raise UserError(f"{str(root)!r} has train/ but no test/ folder; add test/<class>/ "
@@ -239,7 +244,9 @@ def _child(folder: Path, *parts: str) -> Path:
 
 
 def _class_dirs(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith((".", "_")))
+    """Class folders: all but hidden ones and tools' own (__MACOSX, __pycache__); a class may
+    be named _other."""
+    return sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith((".", "__")))
 
 
 def _image_files(folder: Path, seen: dict[str, Path] | None = None) -> tuple[list[Path], int]:
@@ -385,6 +392,13 @@ def index_dataset(root: Path, name: str | None = None, *, seed: int = 0, check: 
         scanned["train"], scanned["val"] = _seeded_split(
             scanned["train"], _val_share(scanned["train"], val_fraction), seed)
     classes = sorted(scanned["train"])
+    if len(classes) < 2:
+        inner = [p.name for p in _class_dirs(root / classes[0])] if layout == "class folders" \
+            else []
+        raise UserError(f"a classifier needs at least 2 classes, but {str(root)!r} has one, "
+                        f"{classes[0]!r}" + (f"; if the folders in it ({', '.join(inner[:3])}) "
+                                             f"are the classes, pass --data-dir "
+                                             f"{str(root / classes[0])!r}" if inner else "") + ".")
     for split in ("val", "test"):
         if sorted(scanned[split]) != classes:
             only_train = sorted(set(classes) - set(scanned[split]))
@@ -396,6 +410,14 @@ def index_dataset(root: Path, name: str | None = None, *, seed: int = 0, check: 
     index = DatasetIndex(name=name or root.name, root=root, layout=layout, classes=classes,
                          train=to_samples(scanned["train"]), val=to_samples(scanned["val"]),
                          test=to_samples(scanned["test"]), skipped=skipped)
+    for split, what in (("val", "validation"), ("test", "test")):
+        missing = [c for i, c in enumerate(classes) if not any(y == i for _, y in getattr(index, split))]
+        if missing:  # a class of one or two images: the seeded split left it out
+            log.warning("%s %s %s no %s images (too few images to split): %s %s accuracy is "
+                        "not measured", "class" if len(missing) == 1 else "classes",
+                        ", ".join(map(repr, missing[:5])) + (" ..." if len(missing) > 5 else ""),
+                        "has" if len(missing) == 1 else "have", what,
+                        "its" if len(missing) == 1 else "their", what)
     if skipped:
         examples = "; ".join(f"{Path(p).name}: {r}" for p, r in skipped[:3])
         log.warning("skipped %d undecodable image file(s) (%s%s); counted in skipped_files.",

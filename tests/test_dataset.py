@@ -203,3 +203,30 @@ def test_synthetic_source_generates_intel_layout(tmp_path):
     index = index_dataset(root, name)
     assert name == "synthetic" and index.layout == "intel" and len(index.classes) == 6
     assert len(index.test) == 12
+
+
+def test_folder_mistakes_a_new_user_makes_are_named(tmp_path, caplog):
+    """A class named _other is a class; a class named train beside bus/ and car/ is not a
+    split; class folders one level too deep get the --data-dir to pass; a class too small to
+    reach validation or test says its accuracy is not measured."""
+    def images(folder, n):
+        for i in range(n):
+            write_image(folder / f"{i}.jpg", COLOURS["red"], seed=i)
+
+    for name in ("cat", "_other", "__MACOSX"):
+        images(tmp_path / "under" / name, 6)
+    assert index_dataset(tmp_path / "under").classes == ["_other", "cat"]
+    for name in ("bus", "car", "train"):
+        images(tmp_path / "vehicles" / name, 6)
+    assert index_dataset(tmp_path / "vehicles").classes == ["bus", "car", "train"]
+    for name in ("cat", "dog"):
+        images(tmp_path / "deep" / "animals" / name, 4)
+    with pytest.raises(UserError, match=r"has one, 'animals'; if the folders in it \(cat, dog\) "
+                                        r"are the classes, pass --data-dir '.*deep/animals'"):
+        index_dataset(tmp_path / "deep")
+    images(tmp_path / "tiny" / "cat", 10)
+    images(tmp_path / "tiny" / "dog", 1)
+    with caplog.at_level(logging.WARNING):
+        index = index_dataset(tmp_path / "tiny")
+    assert 1 not in {y for _, y in index.test}
+    assert "class 'dog' has no test images" in caplog.text
