@@ -23,7 +23,7 @@ from PIL import Image
 
 from modules import distributed
 from modules.config import IMAGENET_MEAN, IMAGENET_STD, TrainConfig, UserError
-from modules.dataset import Sample, drops_last, eval_sampler, to_rgb, train_sampler
+from modules.dataset import Sample, drops_last, eval_sampler, to_rgb, train_sampler, upright
 from modules.device import resolve_device
 from modules.oom import MEMORY_MARGIN, OutOfMemoryError, is_out_of_memory, release
 
@@ -61,7 +61,8 @@ def decode_resized(path: str, size: int) -> np.ndarray:
     try:
         with Image.open(path) as img:
             img.draft("RGB", (size, size))  # JPEG: decode at the smallest DCT scale >= size
-            rgb = to_rgb(img)
+            img.load()
+            rgb = to_rgb(upright(img))
             if rgb.size != (size, size):
                 rgb = rgb.resize((size, size), Image.BILINEAR)
             return np.array(rgb, dtype=np.uint8)  # a writable copy, owned by the array

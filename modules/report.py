@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from modules.config import UserError
+from modules.dataset import load_rgb
 from modules.model_files import load_model
 from modules.prediction import predict
 
@@ -128,8 +129,6 @@ def plot_predictions(model_path: Path, samples: list[tuple[str, int]], class_nam
         return None
     import random
 
-    from PIL import Image
-
     chosen = random.Random(seed).sample(samples, min(n, len(samples)))
     predictions = predict(load_model(model_path), [path for path, _ in chosen])
     cols = min(4, len(chosen))
@@ -139,8 +138,7 @@ def plot_predictions(model_path: Path, samples: list[tuple[str, int]], class_nam
     for ax in axes.flat:
         ax.axis("off")
     for ax, (path, label), pred in zip(axes.flat, chosen, predictions):
-        with Image.open(path) as img:
-            ax.imshow(img.convert("RGB"))
+        ax.imshow(load_rgb(path))  # upright, any mode: as the model saw it
         truth = class_names[label]
         ax.set_title(f"{pred['label']} ({100 * pred['prob']:.0f}%)\ntrue: {truth}",
                      fontsize="small", color="green" if pred["label"] == truth else "red")

@@ -230,3 +230,22 @@ def test_folder_mistakes_a_new_user_makes_are_named(tmp_path, caplog):
         index = index_dataset(tmp_path / "tiny")
     assert 1 not in {y for _, y in index.test}
     assert "class 'dog' has no test images" in caplog.text
+
+
+def test_a_phone_photo_is_used_upright_on_every_path(tmp_path):
+    """A portrait photo stored sideways with EXIF orientation 6 (rotate 90 degrees clockwise
+    to view): the baseline's decode, the fast path's cache and the sample grid see it upright."""
+    from modules.fastdata import decode_resized
+    stored = np.zeros((20, 40, 3), dtype=np.uint8)   # 40 wide, 20 high: left red, right blue
+    stored[:, :20] = (255, 0, 0)
+    stored[:, 20:] = (0, 0, 255)
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    path = tmp_path / "portrait.jpg"
+    Image.fromarray(stored).save(path, exif=exif.tobytes(), quality=95)
+    img = load_rgb(path)
+    assert img.size == (20, 40)  # upright: 20 wide, 40 high, red on top
+    top, bottom = np.asarray(img)[5, 10], np.asarray(img)[35, 10]
+    assert top[0] > 200 > top[2] and bottom[2] > 200 > bottom[0]
+    cached = decode_resized(str(path), 32)
+    assert cached[4, 16, 0] > 200 > cached[4, 16, 2] and cached[28, 16, 2] > 200 > cached[28, 16, 0]
