@@ -520,12 +520,18 @@ class OptunaTuner:
             if self.resume and done > reused:
                 log.info("study %r: %d of its %d trials done, %d to run", self.study_name,
                          done, n_trials, max(0, to_run))
+        finished = lambda: sum(t.state.is_finished() for t in self.study.trials)  # noqa: E731
+        finished_before = finished()
         if to_run > 0:
             self.study.optimize(self.objective, n_trials=to_run,
                                 timeout=self.timeout_s,
                                 callbacks=[self._log_trial, self._copy_to_mirror],
                                 gc_after_trial=True)
         self.new_trials = len(self.study.trials) - before
+        ran = finished() - finished_before
+        if self.timeout_s is not None and ran < to_run:
+            log.info("study %r: the time budget (%.0f s) ended the search after %d of the %d "
+                     "trials asked for", self.study_name, self.timeout_s, ran, to_run)
         return self.summary()
 
     def _copy_to_mirror(self, study=None, trial=None) -> None:

@@ -123,8 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "halving, default), hyperband, median, or none (every trial trains "
                            "its whole budget: plain TPE)")
     tune.add_argument("--storage", metavar="URL",
-                      help="Optuna RDB storage (default: sqlite:///DIR/optuna.db); e.g. "
-                           "postgresql://user:pass@host/db to share a study across machines")
+                      help="a database whose study every run given it joins (default: a "
+                           "study of the run's own in sqlite:///DIR/optuna.db); e.g. "
+                           "postgresql+psycopg://user@host/db, the password in PGPASSWORD")
     train_ = p.add_argument_group("training (override the scenario defaults)")
     train_.add_argument("--model", choices=MODELS, default="squeezenet1_1")
     train_.add_argument("--weights", default="imagenet", metavar="none|imagenet|PATH",

@@ -612,3 +612,13 @@ def test_a_study_given_by_storage_is_joined_whatever_the_database(index, tmp_pat
     assert (first["n_trials"], second["n_trials"]) == (2, 4)
     with pytest.raises(UserError, match="refusing to delete the shared study"):
         tuner(index, tmp_path / "c", storage=storage, shared=True, overwrite=True).run()
+
+
+def test_a_search_the_time_budget_ended_says_so(index, tmp_path, monkeypatch, caplog):
+    def slow_fit(*args, **kwargs):
+        time.sleep(0.3)  # past the budget: no second trial starts
+        return fake_fit(*args, **kwargs)
+    monkeypatch.setattr(optuna_optimizer, "fit", slow_fit)
+    with caplog.at_level("INFO"):
+        assert tuner(index, tmp_path, n_trials=3, timeout_s=0.1).run()["n_complete"] == 1
+    assert "the time budget (0 s) ended the search after 1 of the 3 trials" in caplog.text
