@@ -37,7 +37,7 @@ from modules.models import weights_file
 from modules.monitor import SystemSampler
 from modules.profiler import TorchProfiler
 from modules.report import plot_comparison, results_table, table_markdown, write_report
-from modules.results import (checkpoint_file, compare_to_baseline, forget_refused_run,
+from modules.results import (CLOCK_SUFFIX, checkpoint_file, compare_to_baseline, forget_refused_run,
                              json_safe, keep_best_model, merge_results, previous_row, result_row,
                              run_folder, start_run, write_json)
 from modules.trainer import load_checkpoint, prepare, train
@@ -328,11 +328,11 @@ def load_data(args: RunOptions, output_dir: Path) -> DatasetIndex:
     return index
 
 
-def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: Path,
-                 device: torch.device, tuned: dict[str, Any]) -> dict[str, Any]:
-    """Tune (resolution, hpo), then train, test and describe one scenario."""
-    started, started_at = time.perf_counter(), time.time()
-    config = scenario_config(name, args, device)
+def tune_scenario(name: str, config: TrainConfig, args: RunOptions, index: DatasetIndex,
+                  output_dir: Path, device: torch.device, tuned: dict[str, Any]
+                  ) -> tuple[TrainConfig, dict[str, Any]]:
+    """A tuned scenario's measuring and search: the final run's configuration and what the
+    row records of them (the baseline: its configuration as it is)."""
     default_size = config.image_size  # the baseline's
     extra: dict[str, Any] = {}
     if name == "hpo" and args.image_size is None:
@@ -358,8 +358,42 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
         config, tuning = tune_hyperparameters(config, args, index, output_dir, device,
                                               tuned.get("trial"), default_size)
         extra.update(tuning)
-    tuning_s = time.perf_counter() - started
-    lineage(extra.get("warm_start"), started_at, tuning_s)
+    return config, extra
+
+
+def read_clock(path: Path) -> float:
+    """Seconds earlier sessions of this run spent tuning the scenario (their tuning_s), so
+    that a resumed row's time counts them; 0 when none was recorded. A session killed outside
+    Python (a lost Colab VM) records nothing: its tuning time is not counted."""
+    try:
+        return max(0.0, float(json.loads(path.read_text())["tuning_s"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0.0
+
+
+def write_clock(path: Path, tuning_s: float) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(json.dumps({"tuning_s": tuning_s}), path)
+    except OSError as exc:  # a clock that cannot be written costs only a resumed row's time
+        log.info("could not write %s (%s)", path, exc)
+
+
+def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: Path,
+                 device: torch.device, tuned: dict[str, Any]) -> dict[str, Any]:
+    """Tune (resolution, hpo), then train, test and describe one scenario."""
+    started, started_at = time.perf_counter(), time.time()
+    config = scenario_config(name, args, device)
+    default_size = config.image_size  # the baseline's
+    clock = checkpoint_file(output_dir, name, CLOCK_SUFFIX, args.run_id)
+    earlier_s = read_clock(clock) if args.resume and name != "baseline" else 0.0
+    try:
+        config, extra = tune_scenario(name, config, args, index, output_dir, device, tuned)
+    finally:  # Ctrl-C and errors too: --resume then adds this session's tuning to the next's
+        tuning_s = earlier_s + time.perf_counter() - started
+        if name != "baseline" and distributed.is_main():
+            write_clock(clock, tuning_s)
+    lineage(extra.get("warm_start"), started_at, tuning_s, earlier_s)
     if name != "baseline":
         config = fill_time(config, name, args, output_dir, index, tuned, tuning_s,
                            _epoch_seconds(name, config, extra), default_size)
@@ -604,14 +638,16 @@ def warm_start(config: TrainConfig, name: str, source: str, weights: Path | None
         "curve": [{"at": at, "val_acc": acc} for at, acc in curve]}
 
 
-def lineage(warm: dict[str, Any] | None, started_at: float, tuning_s: float) -> None:
+def lineage(warm: dict[str, Any] | None, started_at: float, tuning_s: float,
+            earlier_s: float = 0.0) -> None:
     """The start trial's curve as seconds since the scenario started (`started_at`, a
-    time.time()), in place: compare_to_baseline counts these epochs as the final model's first.
-    Epochs that ended before it started (a trial from an earlier session, reused) are left
-    out: their time is not in this scenario's. None is later than the tuning's end (the wall
-    clock may be set forward meanwhile)."""
+    time.time(), after `earlier_s` seconds of tuning in earlier sessions of the run), in
+    place: compare_to_baseline counts these epochs as the final model's first. Epochs that
+    ended before this session started (a trial from an earlier session, reused) are left
+    out: when they ended in the scenario's time is not known. None is later than the
+    tuning's end (the wall clock may be set forward meanwhile)."""
     if warm is not None:
-        warm["curve"] = [{"elapsed_s": min(tuning_s, p["at"] - started_at),
+        warm["curve"] = [{"elapsed_s": min(tuning_s, earlier_s + p["at"] - started_at),
                           "val_acc": p["val_acc"]}
                          for p in warm.get("curve", []) if p["at"] >= started_at]
 

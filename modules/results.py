@@ -31,6 +31,9 @@ RUN_FILE = "latest_run.json"  # in the output dir: the newest run's id, data and
 RUN_RECORD = "run.json"  # the same record, kept in each run's checkpoints folder
 
 
+CLOCK_SUFFIX = ".clock.json"  # checkpoint_file(..., CLOCK_SUFFIX): a scenario's tuning seconds
+
+
 def checkpoint_file(output_dir: Path, scenario: str, suffix: str = ".pt",
                     run_id: str | None = None) -> Path:
     """Where a scenario of run `run_id` keeps what --resume continues from: its training
@@ -58,9 +61,11 @@ def _record_path(output_dir: Path, run_id: str) -> Path:
 
 
 def _has_progress(output_dir: Path, run_id: str) -> bool:
-    """Whether a run left anything to continue: a checkpoint, a journal, weights or rows."""
+    """Whether a run left anything to continue: a checkpoint, a journal, weights or rows (a
+    tuning clock alone is not: a scenario refused at its start leaves one)."""
     folder = run_folder(output_dir, "checkpoints", run_id)
-    return any(p.name != RUN_RECORD for p in folder.glob("*")) or any(
+    return any(p.name != RUN_RECORD and not p.name.endswith(CLOCK_SUFFIX)
+               for p in folder.glob("*")) or any(
         r.get("run_id") == run_id for r in earlier_rows(Path(output_dir) / "results.json"))
 
 

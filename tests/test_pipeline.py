@@ -737,3 +737,25 @@ def test_an_earlier_runs_rows_count_only_for_the_same_setup(tmp_path):
     path.write_text(json.dumps(others))
     match = scenario.same_setup(pipeline.parse_args(["--quick"]), index, cpu)
     assert previous_row(path, "baseline", "d", match=match) is None
+
+
+def test_a_resumed_scenario_counts_the_tuning_of_earlier_sessions(small, tmp_path,
+                                                                  monkeypatch):
+    """Ctrl-C after the search, then --resume: the row's tuning time (and so its time against
+    the baseline and --match-time's budget) includes the interrupted session's search."""
+    out = tmp_path / "out"
+    argv = ("--data-dir", str(small), "--scenarios", "hpo", "--image-size", "32", "--epochs", "2",
+            "--weights", "none", "--no-progress", "--no-autotune", "--output-dir", str(out),
+            "--n-trials", "2")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    with monkeypatch.context() as patch:
+        patch.setattr(scenario, "train", interrupted)
+        assert run_main(*argv) != 0
+    (clock,) = run_path(out).glob("hpo.clock.json")
+    first = json.loads(clock.read_text())["tuning_s"]
+    assert first > 0
+    assert run_main(*argv, "--resume") == 0
+    row = json.loads((out / "results.json").read_text())[-1]
+    assert row["tuning_s"] >= first and row["total_s"] >= row["tuning_s"] + row["wall_s"] - 1e-6
