@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -374,7 +375,7 @@ def read_clock(path: Path) -> float:
 def write_clock(path: Path, tuning_s: float) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(json.dumps({"tuning_s": tuning_s}), path)
+        write_json(path, {"tuning_s": tuning_s})
     except OSError as exc:  # a clock that cannot be written costs only a resumed row's time
         log.info("could not write %s (%s)", path, exc)
 
@@ -757,15 +758,18 @@ def same_setup(args: RunOptions, index: DatasetIndex, device: torch.device
     images and split, not only a folder of the same name), model, kind of device and baseline
     (its size and epochs): a --quick run's rows are no baseline, and no picked size, for a
     full run, nor a CPU run's for a GPU run."""
-    def match(row: dict[str, Any]) -> bool:  # called only when there are earlier rows
-        base = scenario_config("baseline", args, device)
+    @functools.cache  # once, and only when there are earlier rows to match
+    def this_run() -> tuple[TrainConfig, str]:
+        return scenario_config("baseline", args, device), index.fingerprint()
+
+    def match(row: dict[str, Any]) -> bool:
+        base, fingerprint = this_run()
         settings = row.get("settings") or {}
         if (row.get("model"), row.get("n_val"), row.get("n_test"),
                 str(settings.get("device", "")).split(":")[0]) != \
                 (base.model, len(index.val), len(index.test), device.type):
             return False
-        data = row.get("data_fingerprint")
-        if data is not None and data != index.fingerprint():
+        if row.get("data_fingerprint", fingerprint) != fingerprint:
             return False  # another folder of the same name
         if row.get("scenario") == "baseline":
             return (settings.get("image_size"), settings.get("epochs")) == \

@@ -418,7 +418,8 @@ def index_dataset(root: Path, name: str | None = None, *, seed: int = 0, check: 
                          train=to_samples(scanned["train"]), val=to_samples(scanned["val"]),
                          test=to_samples(scanned["test"]), skipped=skipped)
     for split, what in (("val", "validation"), ("test", "test")):
-        missing = [c for i, c in enumerate(classes) if not any(y == i for _, y in getattr(index, split))]
+        present = {label for _, label in getattr(index, split)}
+        missing = [c for i, c in enumerate(classes) if i not in present]
         if missing:  # a class of one or two images: the seeded split left it out
             log.warning("%s %s %s no %s images (too few images to split): %s %s accuracy is "
                         "not measured", "class" if len(missing) == 1 else "classes",

@@ -207,7 +207,7 @@ def keep_best_model(result: TrainResult, config: TrainConfig, index: DatasetInde
     test accuracy (whichever run saved it, on the same data); a model file that cannot be read,
     or one trained on other data under the same folder name, is kept aside."""
     path = output_dir / f"{index.name}_model.pt"
-    fingerprint = row.get("data_fingerprint") or index.fingerprint()
+    fingerprint = row["data_fingerprint"]
     if path.exists():
         stamp = time.strftime('%Y%m%d-%H%M%S')
         try:
