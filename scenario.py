@@ -63,6 +63,7 @@ N_TRIALS = 20
 # A tuned scenario's final run fills this share of the baseline's total time with epochs, up to
 # MAX_EPOCH_FACTOR times its own (fill_time).
 TIME_SHARE, MAX_EPOCH_FACTOR = 0.8, 3
+WARMUP_EPOCHS = 1  # of a final run that continues a trial's weights (warm_start)
 AUTOTUNE_CACHE = "autotune_cache.json"  # in the output dir: choices by machine, reused by later runs
 QUICK_SYNTHETIC_PER_CLASS = (QUICK_PER_CLASS["train"] + QUICK_PER_CLASS["val"],
                              QUICK_PER_CLASS["test"])
@@ -626,15 +627,17 @@ def warm_start(config: TrainConfig, name: str, source: str, weights: Path | None
     """The final run starts from the weights its chosen trial ended with, so the epochs the
     tuning trained on the chosen configuration count towards the model rather than being
     trained again (from scratch, the first epochs of a run are the slowest to leave chance).
-    Its learning-rate schedule starts afresh. `curve`: (time.time(), validation accuracy) at
-    the end of each of that trial's epochs, when it was trained in this scenario (lineage)."""
+    Its learning-rate schedule starts afresh, after WARMUP_EPOCHS of linear warm-up (a fresh
+    optimizer at the peak rate first undoes much of what the trial learned). `curve`:
+    (time.time(), validation accuracy) at the end of each of that trial's epochs, when it was
+    trained in this scenario (lineage)."""
     if weights is None:
         log.info("%s: no weights kept from %s: the final run starts from the beginning",
                  name, source)
         return config, None
     log.info("%s: the final run starts from the weights %s ended with (%d epochs in)", name,
              source, epochs)
-    return dataclasses.replace(config, weights=str(weights)), {
+    return dataclasses.replace(config, weights=str(weights), warmup_epochs=WARMUP_EPOCHS), {
         "from": source, "trial_epochs": epochs, "weights": str(weights),
         "curve": [{"at": at, "val_acc": acc} for at, acc in curve]}
 
@@ -706,9 +709,10 @@ def tune_hyperparameters(config: TrainConfig, args: RunOptions, index: DatasetIn
     chosen = dataclasses.replace(config, **params)
     trained_anew, warm = True, None
     if started is not None:
-        # The start weights too: the run continues from its checkpoint, which started there.
-        before = dataclasses.replace(config, **{k: started[k] for k in (*OptunaTuner.SEARCHED,
-                                                                       "weights") if k in started})
+        # The start weights and their warm-up too: the run continues from its checkpoint,
+        # which started there.
+        before = dataclasses.replace(config, **{k: started[k] for k in (
+            *OptunaTuner.SEARCHED, "weights", "warmup_epochs") if k in started})
         if not grow or all(getattr(before, k) == getattr(chosen, k) for k in OptunaTuner.SEARCHED):
             if grow:
                 log.info("hpo: the choice did not change: the final run is not trained again")

@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 CHECKPOINT_FORMAT = 1
 # Settings a checkpoint must share with the run that resumes it.
 RESUME_KEYS = ("model", "image_size", "batch_size", "grad_accum_steps", "optimizer", "scheduler",
-               "epochs", "lr", "seed")
+               "warmup_epochs", "epochs", "lr", "seed")
 
 
 @dataclass
@@ -109,9 +109,11 @@ def check_resumable(ckpt: dict[str, Any], config: TrainConfig, path: Path) -> No
     if ckpt.get("format") != CHECKPOINT_FORMAT:
         raise UserError(f"checkpoint {str(path)!r} has an unknown format; delete it to start over.")
     saved = ckpt["config"]
-    changed = [k for k in RESUME_KEYS if saved.get(k) != getattr(config, k)]
+    # a key the checkpoint's version did not have was at its default then
+    saved = {k: saved.get(k, TrainConfig.__dataclass_fields__[k].default) for k in RESUME_KEYS}
+    changed = [k for k in RESUME_KEYS if saved[k] != getattr(config, k)]
     if changed:
-        diffs = ", ".join(f"{k} {saved.get(k)!r} -> {getattr(config, k)!r}" for k in changed)
+        diffs = ", ".join(f"{k} {saved[k]!r} -> {getattr(config, k)!r}" for k in changed)
         raise UserError(f"cannot resume from {str(path)!r}: settings changed ({diffs}); run "
                         "without --resume to start over.")
 

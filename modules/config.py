@@ -61,6 +61,7 @@ class TrainConfig:
     momentum: float = 0.9              # SGD only
     optimizer: str = "adam"
     scheduler: str = "cosine"          # stepped once per optimizer step
+    warmup_epochs: float = 0.0         # linear ramp of the lr before cosine/constant (onecycle has its own)
     max_grad_norm: float | None = None  # clip the global L2 norm of gradients; None = no clipping
     early_stopping_patience: int | None = None  # epochs without a better val accuracy; None = off
     max_nonfinite_steps: int = 5       # consecutive NaN/inf losses tolerated before giving up
@@ -105,6 +106,9 @@ class TrainConfig:
         _positive_int("grad_accum_steps", self.grad_accum_steps, high=1 << 16)
         _positive_int("max_nonfinite_steps", self.max_nonfinite_steps, high=1 << 20)
         _positive_float("lr", self.lr)
+        if not (isinstance(self.warmup_epochs, (int, float)) and not isinstance(self.warmup_epochs, bool)
+                and math.isfinite(self.warmup_epochs) and self.warmup_epochs >= 0):
+            raise UserError(f"warmup_epochs must be a finite number >= 0, but got {self.warmup_epochs=}.")
         if not (isinstance(self.weight_decay, (int, float)) and math.isfinite(self.weight_decay)
                 and self.weight_decay >= 0):
             raise UserError(f"weight_decay must be a finite number >= 0, but got {self.weight_decay=}.")

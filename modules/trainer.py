@@ -111,9 +111,23 @@ def _check_fused(cls, options: dict[str, Any], params: list[torch.Tensor],
                             "forloop.") from None
 
 
-def make_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, total_steps: int):
-    """A per-optimizer-step schedule over the whole run."""
-    total_steps = max(1, total_steps)
+def make_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, steps_per_epoch: int):
+    """A per-optimizer-step schedule over the whole run. With warmup_epochs, cosine and constant
+    first ramp the learning rate up linearly: a run that continues trained weights with a fresh
+    optimizer otherwise takes its first steps at the peak rate, before Adam's moments have
+    settled, and undoes much of what those weights had learned."""
+    total_steps = max(1, steps_per_epoch * config.epochs)
+    warmup = min(total_steps - 1, round(config.warmup_epochs * steps_per_epoch))
+    if warmup > 0 and config.scheduler != "onecycle":
+        cosine = config.scheduler == "cosine"
+
+        def factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / (warmup + 1)
+            if not cosine:
+                return 1.0
+            return 0.5 * (1 + math.cos(math.pi * (step - warmup) / (total_steps - warmup)))
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     if config.scheduler == "cosine":
         return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
     if config.scheduler == "onecycle":
@@ -146,7 +160,7 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
         raise UserError("the training split is empty; add images or lower --batch-size.")
     optimizer = make_optimizer(model, config, device)
     scheduler = make_scheduler(optimizer, config, math.ceil(len(train_loader) /
-                                                            config.grad_accum_steps) * config.epochs)
+                                                            config.grad_accum_steps))
     # GradScaler only matters for fp16, whose narrow range underflows small gradients.
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     saver = CheckpointSaver(checkpoint_path, config)

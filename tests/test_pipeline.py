@@ -219,6 +219,9 @@ def test_quick_run_does_all_three_scenarios_on_synthetic_data(tmp_path, monkeypa
     for name in ("resolution", "hpo"):
         weights = Path(rows[name]["warm_start"]["weights"])
         assert weights.parent == run_path(out) and rows[name]["settings"]["weights"] == str(weights)
+        # continued weights, a fresh optimizer: the rate ramps up over its first epoch
+        assert rows[name]["settings"]["warmup_epochs"] == 1
+    assert rows["baseline"]["settings"]["warmup_epochs"] == 0
     # the start trial's epochs, in seconds since its scenario started, for time to accuracy
     picked = next(t for t in trials if t["image_size"] == size)
     curve = rows["resolution"]["warm_start"]["curve"]

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from modules.config import TrainConfig, UserError
 from modules.dataset import EpochSampler
 from modules.trainer import (METRIC_BATCHES, TIMING_WARMUP_STEPS, DivergedError, autocast_dtype,
-                             load_checkpoint, set_seed, train)
+                             load_checkpoint, make_scheduler, set_seed, train)
 
 BASE = TrainConfig(model="resnet18", weights="none", image_size=16, epochs=3, batch_size=8,
                    lr=0.05, optimizer="sgd", scheduler="none", device="cpu", progress=False,
@@ -175,6 +175,48 @@ def test_schedules_step_per_optimizer_step(scheduler):
     assert lrs[-1] < 0.02 * config.lr  # both anneal to ~0 by the last optimizer step
     if scheduler == "onecycle":
         assert lrs[0] > 0.001  # warmed up towards the peak during epoch 1
+
+
+@pytest.mark.parametrize("scheduler", ["cosine", "none"])
+def test_a_warm_up_ramps_the_rate_before_the_schedule(scheduler):
+    """One epoch of 10 steps ramps the rate linearly to its peak, then cosine anneals it over
+    the remaining steps (constant stays at the peak); onecycle keeps its own ramp."""
+    config = dataclasses.replace(BASE, epochs=3, scheduler=scheduler, warmup_epochs=1.0, lr=0.1)
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=config.lr)
+    scheduler_ = make_scheduler(optimizer, config, steps_per_epoch=10)
+    lrs = []
+    for _ in range(30):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler_.step()
+    assert lrs[:10] == pytest.approx([0.1 * (i + 1) / 11 for i in range(10)])
+    assert lrs[10] == pytest.approx(0.1)
+    if scheduler == "cosine":
+        assert lrs[15] == pytest.approx(0.1 * 0.5 * (1 + math.cos(math.pi * 5 / 20)))
+        assert lrs[-1] < 0.002 and all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
+    else:
+        assert lrs[10:] == pytest.approx([0.1] * 20)
+    plain = make_scheduler(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1),
+                           dataclasses.replace(config, warmup_epochs=0.0), steps_per_epoch=10)
+    assert plain.get_last_lr() == [0.1]
+    onecycle = make_scheduler(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1),
+                              dataclasses.replace(config, scheduler="onecycle"), 10)
+    assert isinstance(onecycle, torch.optim.lr_scheduler.OneCycleLR)
+    with pytest.raises(UserError, match="warmup_epochs"):
+        dataclasses.replace(config, warmup_epochs=-1)
+
+
+def test_a_checkpoint_from_before_the_warm_up_setting_resumes(tmp_path):
+    config = dataclasses.replace(BASE, epochs=2)
+    fit(config, checkpoint_path=tmp_path / "ckpt.pt")
+    ckpt = load_checkpoint(tmp_path / "ckpt.pt")
+    del ckpt["config"]["warmup_epochs"]  # written by a version without it
+    ckpt["finished"] = False
+    torch.save(ckpt, tmp_path / "ckpt.pt")
+    assert fit(config, checkpoint_path=tmp_path / "ckpt.pt", resume=True).resumed_from_epoch == 2
+    with pytest.raises(UserError, match=r"warmup_epochs 0.0 -> 1"):
+        fit(dataclasses.replace(config, warmup_epochs=1), checkpoint_path=tmp_path / "ckpt.pt",
+            resume=True)
 
 
 def test_resume_continues_and_matches_an_uninterrupted_run(tmp_path):
