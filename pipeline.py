@@ -26,7 +26,9 @@ import torch
 
 from modules.config import (CPU_ALLOCATORS, DROPOUT_IMPLS, MAX_IMAGE_SIZE, MIN_IMAGE_SIZE, MODELS,
                             SCHEDULERS, UserError)
+from modules.device import autocast_dtype
 from modules.files import write_error
+from modules.models import check_weights_file
 from optuna_optimizer import PRUNERS
 # The library API the notebook and README call through this module.
 from scenario import (MAX_EPOCH_FACTOR, N_TRIALS, QUICK_N_TRIALS, SCENARIOS,  # noqa: F401
@@ -175,8 +177,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# options that only one scenario reads
+UNUSED_WITHOUT = {"resolutions": "resolution", "n_trials": "hpo", "time_budget": "hpo",
+                  "pruner": "hpo", "storage": "hpo", "worker_seed": "hpo"}
+
+
 def parse_args(argv: list[str] | None = None) -> RunOptions:
-    args = RunOptions(**vars(build_parser().parse_args(argv)))
+    parser = build_parser()
+    args = RunOptions(**vars(parser.parse_args(argv)))
     if args.data_dir is not None and not Path(args.data_dir).expanduser().is_dir():
         raise UserError(f"--data-dir {args.data_dir!r} does not exist or is not a folder.")
     if not args.output_dir.strip():
@@ -193,9 +201,15 @@ def parse_args(argv: list[str] | None = None) -> RunOptions:
         if not Path(args.weights).is_file():
             raise UserError(f"--weights must be none, imagenet or an existing file, but got "
                             f"{args.weights!r}.")
+        check_weights_file(args.model, Path(args.weights))
+    for dest, needs in UNUSED_WITHOUT.items():  # a mistake worth a line, not a refusal
+        if needs not in args.scenarios and getattr(args, dest) != parser.get_default(dest):
+            log.warning("--%s does nothing here: only the %s scenario uses it, and --scenarios "
+                        "is %s", dest.replace("_", "-"), needs, ",".join(args.scenarios))
     device = resolve_device(args.device)  # --device cuda without a GPU fails here
     for name in args.scenarios:  # so does any value TrainConfig refuses, before any work
         config = scenario_config(name, args, device)
+        autocast_dtype(config.amp, device)  # --amp fp16 on a CPU
         for size in (args.resolutions or []) if name == "resolution" else []:
             try:
                 dataclasses.replace(config, image_size=size)

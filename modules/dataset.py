@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, features
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from torchvision import transforms as T
 
@@ -28,8 +28,9 @@ log = logging.getLogger(__name__)
 
 # Kaggle's dataset, pinned to a version so a cached copy resolves without the network.
 INTEL_HANDLE = "puneet6060/intel-image-classification/versions/2"
-IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm",
-              ".pbm", ".jfif"}
+IMAGE_EXTS = {".jpg", ".jpeg", ".jpe", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm",
+              ".pgm", ".pbm", ".jfif"} | ({".avif"} if features.check("avif") else set())
+OUTSIDE_CLASSES = "images outside a class folder"
 VAL_FRACTION = 0.1  # share of each train class held out for validation when no val/ split exists
 # ... raised for a small training set, up to MAX_VAL_FRACTION, so that validation holds about
 # MIN_VAL_IMAGES: fewer cannot separate candidates (500 images: +-2.2 points at 50% accuracy).
@@ -128,6 +129,8 @@ class DatasetIndex:
     val: list[Sample]
     test: list[Sample]
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (path, reason)
+    # files not read, by what they are: an extension (".heic") or "outside a class folder"
+    ignored: dict[str, int] = field(default_factory=dict)
 
     @property
     def skipped_files(self) -> int:
@@ -150,7 +153,8 @@ class DatasetIndex:
     def summary(self) -> str:
         return (f"{self.name}: {len(self.classes)} classes, {len(self.train)} train / "
                 f"{len(self.val)} val / {len(self.test)} test images ({self.layout} layout)"
-                + (f", {self.skipped_files} skipped" if self.skipped else ""))
+                + (f", {self.skipped_files} skipped" if self.skipped else "")
+                + (f", {sum(self.ignored.values())} other files ignored" if self.ignored else ""))
 
 
 # ----------------------------------------------------------------------------- sources
@@ -256,9 +260,10 @@ def _class_dirs(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith((".", "__")))
 
 
-def _image_files(folder: Path, seen: dict[str, Path] | None = None) -> tuple[list[Path], int]:
-    """Candidate image files below a class folder (hidden and non-image files are ignored) and
-    how many were left out as already listed.
+def _image_files(folder: Path, seen: dict[str, Path] | None = None,
+                 ignored: dict[str, int] | None = None) -> tuple[list[Path], int]:
+    """Candidate image files below a class folder (hidden files are ignored; other files are
+    counted in `ignored` by extension) and how many were left out as already listed.
 
     Links are followed (data folders are often linked in), but a real directory is entered
     once and a link back to the folder or above it not at all: a loop would list images
@@ -295,6 +300,9 @@ def _image_files(folder: Path, seen: dict[str, Path] | None = None) -> tuple[lis
                 else:
                     seen[target] = Path(entry.path)
                     found.append(Path(entry.path))
+            elif ignored is not None:
+                kind = Path(entry.name).suffix.lower() or "no extension"
+                ignored[kind] = ignored.get(kind, 0) + 1
         stack.extend(reversed(subdirs))  # depth first, in name order, as os.walk lists them
     return found, repeats
 
@@ -322,15 +330,20 @@ def check_image(path: Path) -> str | None:
 
 
 def _scan_split(folder: Path, split: str, check: bool, seen: dict[str, Path] | None = None,
-                numbered_below: int | None = None
+                numbered_below: int | None = None, ignored: dict[str, int] | None = None
                 ) -> tuple[dict[str, list[Path]], list[tuple[str, str]]]:
     classes = _class_dirs(folder)
     if not classes:
         raise UserError(f"the {split} folder {str(folder)!r} has no class folders.")
+    if ignored is not None:  # images beside the class folders have no class
+        loose = sum(1 for p in folder.iterdir() if not p.name.startswith(".") and p.is_file()
+                    and p.suffix.lower() in IMAGE_EXTS)
+        if loose:
+            ignored[OUTSIDE_CLASSES] = ignored.get(OUTSIDE_CLASSES, 0) + loose
     # A folder name that is not UTF-8 (zips made on Windows) is named with escapes, so that
     # charts and logs can print it: b"caf\xe9" is the class 'caf\\xe9'.
     listed = {c.name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace"):
-              _image_files(c, seen) for c in classes}
+              _image_files(c, seen, ignored) for c in classes}
     per_class = {name: files for name, (files, _) in listed.items()}
     if numbered_below is not None:
         per_class = {name: [p for p in files if p.stem.isdigit() and int(p.stem) < numbered_below]
@@ -386,10 +399,10 @@ def index_dataset(root: Path, name: str | None = None, *, seed: int = 0, check: 
     if not root.is_dir():
         raise UserError(f"data folder {str(root)!r} does not exist.")
     layout, folders = find_splits(root)
-    scanned, skipped, seen = {}, [], {}
+    scanned, skipped, seen, ignored = {}, [], {}, {}
     for split, folder in folders.items():
         scanned[split], bad = _scan_split(folder, split, check, seen,
-                                          (numbered_below or {}).get(split))
+                                          (numbered_below or {}).get(split), ignored)
         skipped += bad
     if layout == "class folders":
         rest, scanned["test"] = _seeded_split(scanned.pop("all"), 0.2, seed)
@@ -416,7 +429,7 @@ def index_dataset(root: Path, name: str | None = None, *, seed: int = 0, check: 
     to_samples = lambda per: [(str(p), classes.index(c)) for c in classes for p in per[c]]  # noqa: E731
     index = DatasetIndex(name=name or root.name, root=root, layout=layout, classes=classes,
                          train=to_samples(scanned["train"]), val=to_samples(scanned["val"]),
-                         test=to_samples(scanned["test"]), skipped=skipped)
+                         test=to_samples(scanned["test"]), skipped=skipped, ignored=ignored)
     for split, what in (("val", "validation"), ("test", "test")):
         present = {label for _, label in getattr(index, split)}
         missing = [c for i, c in enumerate(classes) if i not in present]
@@ -426,6 +439,15 @@ def index_dataset(root: Path, name: str | None = None, *, seed: int = 0, check: 
                         ", ".join(map(repr, missing[:5])) + (" ..." if len(missing) > 5 else ""),
                         "has" if len(missing) == 1 else "have", what,
                         "its" if len(missing) == 1 else "their", what)
+    if ignored.get(OUTSIDE_CLASSES):
+        log.warning("ignored %d image(s) beside the class folders, in no class; move them into "
+                    "their class's folder to use them.", ignored[OUTSIDE_CLASSES])
+    kinds = sorted(((k, n) for k, n in ignored.items() if k != OUTSIDE_CLASSES),
+                   key=lambda kv: -kv[1])
+    if kinds:
+        log.warning("ignored %d file(s) of formats this does not read (%s%s); it reads %s.",
+                    sum(n for _, n in kinds), ", ".join(f"{k}: {n}" for k, n in kinds[:4]),
+                    ", ..." if len(kinds) > 4 else "", " ".join(sorted(IMAGE_EXTS)))
     if skipped:
         examples = "; ".join(f"{Path(p).name}: {r}" for p, r in skipped[:3])
         log.warning("skipped %d undecodable image file(s) (%s%s); counted in skipped_files.",

@@ -168,7 +168,9 @@ def _load_imagenet(model: nn.Module, name: str) -> None:
     log.info("loaded ImageNet weights for %s", name)
 
 
-def _load_file(model: nn.Module, path: Path) -> None:
+def _fitting_tensors(model: nn.Module, path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a weights file that fit `model`; a file that is not PyTorch's, or of
+    which nothing fits, is refused in one line."""
     state = read_torch_file(path, "weights file")
     if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
         state = state["state_dict"]  # a file written by modules.utility.save_model
@@ -180,5 +182,15 @@ def _load_file(model: nn.Module, path: Path) -> None:
     if not usable:
         raise UserError(f"--weights: no tensor in {str(path)!r} fits this model; is it another "
                         "architecture?")
+    return usable
+
+
+def check_weights_file(name: str, path: Path) -> None:
+    """Refuses a --weights file this model cannot use before a run starts."""
+    _fitting_tensors(getattr(torchvision.models, name)(weights=None), path)
+
+
+def _load_file(model: nn.Module, path: Path) -> None:
+    usable = _fitting_tensors(model, path)
     model.load_state_dict(usable, strict=False)
-    log.info("loaded %d of %d tensors from %s", len(usable), len(own), path)
+    log.info("loaded %d of %d tensors from %s", len(usable), len(model.state_dict()), path)

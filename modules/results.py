@@ -101,19 +101,26 @@ def forget_refused_run(output_dir: Path, run_id: str) -> None:
         write_json(Path(output_dir) / RUN_FILE, earlier)
 
 
-def start_run(output_dir: Path, index: DatasetIndex, *, resume: bool, command: str) -> str:
+def start_run(output_dir: Path, index: DatasetIndex, *, resume: bool, command: str,
+              seed: int | None = None) -> str:
     """This run's id: with resume the newest run's, which must be on the same data; else a
-    new one (the UTC time), recorded as the newest. Earlier runs' files stay."""
+    new one (the UTC time), recorded as the newest. Earlier runs' files stay. `seed`: the
+    --seed the data was split with, recorded so that a refused resume can name it."""
     latest = latest_run(output_dir)
     fingerprint = index.fingerprint()
     if resume and latest is not None:
         if latest.get("data_fingerprint") != fingerprint:
+            before, now = latest.get("seed"), seed
+            seeds = before is not None and now is not None and before != now
             raise UserError(
                 f"cannot resume: the newest run in {output_dir} ({latest['run_id']}) trained on "
-                f"{latest.get('dataset')!r} ({latest.get('n_images')} images), this one is on "
-                f"{index.name!r} ({index.n_images()} images): other images, the same images in "
-                "another folder, or another --seed's split; drop --resume to start a new run "
-                "beside it (nothing is deleted).")
+                f"{latest.get('dataset')!r} ({latest.get('n_images')} images"
+                + (f", split with --seed {before}" if seeds else "") + f"), this one is on "
+                f"{index.name!r} ({index.n_images()} images"
+                + (f", --seed {now}" if seeds else "") + "): "
+                + (f"pass --seed {before} to continue it, or " if seeds else
+                   "other images, the same images in another folder, or another --seed's split; ")
+                + "drop --resume to start a new run beside it (nothing is deleted).")
         log.info("resuming run %s (%s)", latest["run_id"], latest.get("command") or "")
         return latest["run_id"]
     if resume:
@@ -127,7 +134,7 @@ def start_run(output_dir: Path, index: DatasetIndex, *, resume: bool, command: s
         run_id = f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{suffix}"
     if distributed.is_main():
         record = {"run_id": run_id, "dataset": index.name, "data_fingerprint": fingerprint,
-                  "n_images": index.n_images(),
+                  "n_images": index.n_images(), "seed": seed,
                   "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                   "command": command}
         write_json(_record_path(output_dir, run_id), record)  # makes the run's folder
@@ -181,7 +188,8 @@ def result_row(name: str, config: TrainConfig, result: TrainResult, test: dict[s
         "peak_mem_mb": peak_mb, "gpu_mem_peak_mb": system.get("gpu_mem_peak_mb"),
         "energy_j": system.get("energy_j"),
         "wall_s": result.wall_s, "time_to_best_s": result.time_to_best_s,
-        "skipped_files": index.skipped_files, "nonfinite_steps": result.nonfinite_steps,
+        "skipped_files": index.skipped_files, "ignored_files": sum(index.ignored.values()),
+        "nonfinite_steps": result.nonfinite_steps,
         "stopped_early": result.stopped_early, "resumed_from_epoch": result.resumed_from_epoch,
         "settings": {**config.to_dict(), **result.settings, "data_path": data_path},
         "history": result.history,

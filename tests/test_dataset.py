@@ -80,7 +80,8 @@ def test_bad_files_are_skipped_counted_and_named(folder, caplog):
     assert index.skipped_files == 4
     assert any("grey.png" in p for p, _ in index.train + index.val)
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "skipped 4" in warnings[0].getMessage()
+    assert len(warnings) == 2 and "skipped 4" in warnings[1].getMessage()
+    assert index.ignored == {".db": 1, ".txt": 1}  # counted apart: not images that failed
 
 
 @pytest.mark.parametrize("breakage, message", [
@@ -230,6 +231,26 @@ def test_folder_mistakes_a_new_user_makes_are_named(tmp_path, caplog):
         index = index_dataset(tmp_path / "tiny")
     assert 1 not in {y for _, y in index.test}
     assert "class 'dog' has no test images" in caplog.text
+
+
+def test_files_that_are_not_read_are_counted_and_named(tmp_path, caplog):
+    """A .jpe is a JPEG and is read; an iPhone's .heic, a notes file and images dropped beside
+    the class folders are not, and the user is told how many and why, not left to wonder."""
+    root = make_folder(tmp_path / "data", "train/test", n_train=6, n_test=3)
+    write_image(root / "train" / "red" / "extra.jpe", COLOURS["red"], fmt="JPEG")
+    (root / "train" / "red" / "IMG_0001.heic").write_bytes(b"\0" * 64)
+    (root / "train" / "red" / "IMG_0002.HEIC").write_bytes(b"\0" * 64)
+    (root / "test" / "blue" / "notes.txt").write_text("labels checked")
+    for i in range(2):
+        write_image(root / "train" / f"loose{i}.jpg", COLOURS["green"], seed=i)
+    with caplog.at_level(logging.WARNING):
+        index = index_dataset(root)
+    assert any(p.endswith("extra.jpe") for p, _ in index.train + index.val)
+    assert index.ignored == {".heic": 2, ".txt": 1, "images outside a class folder": 2}
+    assert "5 other files ignored" in index.summary()
+    assert "ignored 2 image(s) beside the class folders" in caplog.text
+    assert "ignored 3 file(s) of formats this does not read (.heic: 2, .txt: 1); it reads" \
+        in caplog.text
 
 
 def test_a_phone_photo_is_used_upright_on_every_path(tmp_path):

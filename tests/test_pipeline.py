@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
 import shutil
@@ -38,6 +39,7 @@ def run_main(*argv: str) -> int:
 def small(tmp_path):
     data = make_folder(tmp_path / "colours", n_train=16, n_test=6)
     (data / "train" / "red" / "broken.jpg").write_bytes(b"")
+    (data / "train" / "red" / "Thumbs.db").write_bytes(b"\0")
     return data
 
 
@@ -50,7 +52,8 @@ def test_baseline_end_to_end_on_a_folder(small, tmp_path, capsys):
     assert [r["scenario"] for r in rows] == ["baseline"]
     row = rows[0]
     assert ROW_FIELDS <= set(row)
-    assert row["skipped_files"] == 1 and row["best_resolution"] == 32 and row["epochs"] == 3
+    assert row["skipped_files"] == 1 and row["ignored_files"] == 1
+    assert row["best_resolution"] == 32 and row["epochs"] == 3
     assert row["gpu_util_pct"] is None and 0 < row["cpu_util_pct"] <= 100
     assert row["settings"]["batch_size"] == 8 and row["settings"]["amp"] == "off"
     assert 0 <= row["test_acc"] <= 1 and len(row["history"]) == 3
@@ -125,6 +128,37 @@ def test_bad_options_end_in_one_line(argv, message, capsys, tmp_path):
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and message in err and "\n" not in err
     assert not (tmp_path / "o").exists()  # refused before any work
+
+
+def test_mistakes_found_in_files_and_devices_are_refused_before_a_run_starts(tmp_path, capsys):
+    """A --weights file that is not PyTorch's or fits nothing, and fp16 on a CPU, used to be
+    found once the run had started: each try left a run folder behind."""
+    notes = tmp_path / "weights.txt"
+    notes.write_text("not weights")
+    other = tmp_path / "other.pt"
+    torch.save({"encoder.w": torch.zeros(3)}, other)
+    cases = [(["--weights", str(notes)], "is not a readable PyTorch file"),
+             (["--weights", str(other)], "no tensor in"),
+             (["--amp", "fp16", "--device", "cpu"], "--amp fp16 needs a CUDA GPU")]
+    for argv, message in cases:
+        assert run_main(*argv, "--output-dir", str(tmp_path / "o")) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and message in err and "\n" not in err
+        assert not (tmp_path / "o").exists()
+
+
+def test_options_no_scenario_reads_are_named(caplog):
+    with caplog.at_level(logging.WARNING):
+        pipeline.parse_args(["--scenarios", "baseline", "--n-trials", "8", "--pruner", "none",
+                             "--resolutions", "32,48"])
+    said = [r.getMessage() for r in caplog.records]
+    assert "--n-trials does nothing here: only the hpo scenario uses it, and --scenarios is " \
+        "baseline" in said
+    assert any(m.startswith("--pruner does nothing") for m in said)
+    assert any(m.startswith("--resolutions does nothing") for m in said) and len(said) == 3
+    caplog.clear()
+    pipeline.parse_args(["--scenarios", "baseline,resolution", "--resolutions", "32,48"])
+    assert not caplog.records
 
 
 def test_user_errors_in_a_real_process_have_no_traceback(tmp_path):

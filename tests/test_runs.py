@@ -62,6 +62,20 @@ def test_resume_on_other_data_is_refused_in_one_line(tmp_path, capsys):
     assert [r["dataset"] for r in rows(out)] == ["synthetic"]  # nothing was touched
 
 
+def test_resume_with_another_seed_names_the_seed_to_pass(tmp_path, capsys):
+    """Another --seed splits the same images otherwise: the two counts are equal, so the
+    refusal says which seed the run was split with."""
+    data = make_folder(tmp_path / "d", n_train=8, n_test=3, layout="class folders")
+    out = tmp_path / "out"
+    assert pipeline.main(["--data-dir", str(data), "--output-dir", str(out), *RUN]) == 0
+    capsys.readouterr()
+    assert pipeline.main(["--data-dir", str(data), "--output-dir", str(out), "--resume",
+                          "--seed", "7", *RUN]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "split with --seed 42" in err and "--seed 7)" in err
+    assert "pass --seed 42 to continue it, or drop --resume" in err
+
+
 def _keep(out: Path, test_acc: float, scenario: str, data: str = "same data",
           classes=("a", "b")) -> dict:
     model = build_model("squeezenet1_1", len(classes), "none")
