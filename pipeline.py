@@ -209,7 +209,8 @@ def parse_args(argv: list[str] | None = None) -> RunOptions:
     device = resolve_device(args.device)  # --device cuda without a GPU fails here
     for name in args.scenarios:  # so does any value TrainConfig refuses, before any work
         config = scenario_config(name, args, device)
-        autocast_dtype(config.amp, device)  # --amp fp16 on a CPU
+        if config.amp == "fp16":
+            autocast_dtype(config.amp, device)  # refuses it on a CPU
         for size in (args.resolutions or []) if name == "resolution" else []:
             try:
                 dataclasses.replace(config, image_size=size)

@@ -218,8 +218,10 @@ class ResolutionTuner:
                 log.info("resolution tuning: the data changed since %s; training every size",
                          self.journal)
                 return {}
-            return {e["config"]: ResolutionTrial(**e["trial"]) for e in saved["trials"]}
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+            # keys written before a setting existed read as its default
+            return {_config_key(TrainConfig(**json.loads(e["config"]))): ResolutionTrial(**e["trial"])
+                    for e in saved["trials"]}
+        except (OSError, ValueError, KeyError, TypeError, UserError) as exc:
             log.info("resolution tuning: cannot reuse %s (%s); training every size",
                      self.journal, exc)
             return {}

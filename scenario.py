@@ -63,7 +63,7 @@ N_TRIALS = 20
 # A tuned scenario's final run fills this share of the baseline's total time with epochs, up to
 # MAX_EPOCH_FACTOR times its own (fill_time).
 TIME_SHARE, MAX_EPOCH_FACTOR = 0.8, 3
-WARMUP_EPOCHS = 1  # of a final run that continues a trial's weights (warm_start)
+WARMUP_EPOCHS = 1.0  # of a final run that continues a trial's weights (warm_start)
 AUTOTUNE_CACHE = "autotune_cache.json"  # in the output dir: choices by machine, reused by later runs
 QUICK_SYNTHETIC_PER_CLASS = (QUICK_PER_CLASS["train"] + QUICK_PER_CLASS["val"],
                              QUICK_PER_CLASS["test"])
@@ -550,15 +550,20 @@ def fill_time(config: TrainConfig, name: str, args: RunOptions, output_dir: Path
     what the default's do: the resolution tuner compared the sizes at equal compute, and a
     smaller size given only the default's epochs ended lower than the default where it had led
     at equal compute (docs/tuning.md). Kept as they are with --epochs, --no-match-time, and on
-    --resume of a final run that has started (its checkpoint fixes them)."""
-    if args.epochs is not None or not args.match_time:
-        return config
+    --resume of a final run that has started (its checkpoint fixes them, and its warm-up: 0
+    from a version without one)."""
     ckpt = checkpoint_file(output_dir, name, run_id=getattr(args, "run_id", None))
     if args.resume and ckpt.exists():
         try:
-            return dataclasses.replace(config, epochs=int(load_checkpoint(ckpt)["config"]["epochs"]))
+            saved = load_checkpoint(ckpt)["config"]
+            config = dataclasses.replace(config, warmup_epochs=saved.get("warmup_epochs", 0.0))
+            if args.epochs is not None or not args.match_time:
+                return config
+            return dataclasses.replace(config, epochs=int(saved["epochs"]))
         except (OSError, KeyError, TypeError, ValueError, RuntimeError, UserError):
             return config  # the trainer says what is wrong with it
+    if args.epochs is not None or not args.match_time:
+        return config
     own = epochs_at_size(config.epochs, config.image_size, default_size)
     if own != config.epochs:
         log.info("%s: %d epochs at %d px, not %d: they cost what %d do at the default %d px",
@@ -637,7 +642,8 @@ def warm_start(config: TrainConfig, name: str, source: str, weights: Path | None
         return config, None
     log.info("%s: the final run starts from the weights %s ended with (%d epochs in)", name,
              source, epochs)
-    return dataclasses.replace(config, weights=str(weights), warmup_epochs=WARMUP_EPOCHS), {
+    warmup = 0.0 if config.scheduler == "onecycle" else WARMUP_EPOCHS  # it ramps up already
+    return dataclasses.replace(config, weights=str(weights), warmup_epochs=warmup), {
         "from": source, "trial_epochs": epochs, "weights": str(weights),
         "curve": [{"at": at, "val_acc": acc} for at, acc in curve]}
 

@@ -65,7 +65,7 @@ LOADER_HEADROOM = 1.1
 _RESULTS: dict[str, tuple[TrainConfig, dict[str, Any]]] = {}
 # Fields that change what a run learns but not how fast a step runs.
 _NOT_SPEED = ("weights", "epochs", "lr", "weight_decay", "momentum", "scheduler",
-              "early_stopping_patience", "max_nonfinite_steps", "seed", "progress")
+              "warmup_epochs", "early_stopping_patience", "max_nonfinite_steps", "seed", "progress")
 
 
 class ComputeProbe:

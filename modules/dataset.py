@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 # Kaggle's dataset, pinned to a version so a cached copy resolves without the network.
 INTEL_HANDLE = "puneet6060/intel-image-classification/versions/2"
 IMAGE_EXTS = {".jpg", ".jpeg", ".jpe", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm",
-              ".pgm", ".pbm", ".jfif"} | ({".avif"} if features.check("avif") else set())
+              ".pgm", ".pbm", ".jfif"} | ({".avif"} if "avif" in features.modules and
+                                         features.check_module("avif") else set())
 OUTSIDE_CLASSES = "images outside a class folder"
 VAL_FRACTION = 0.1  # share of each train class held out for validation when no val/ split exists
 # ... raised for a small training set, up to MAX_VAL_FRACTION, so that validation holds about

@@ -111,7 +111,9 @@ def start_run(output_dir: Path, index: DatasetIndex, *, resume: bool, command: s
     if resume and latest is not None:
         if latest.get("data_fingerprint") != fingerprint:
             before, now = latest.get("seed"), seed
-            seeds = before is not None and now is not None and before != now
+            # the same images split otherwise: only then is the seed the difference
+            seeds = before is not None and now is not None and before != now and \
+                (latest.get("dataset"), latest.get("n_images")) == (index.name, index.n_images())
             raise UserError(
                 f"cannot resume: the newest run in {output_dir} ({latest['run_id']}) trained on "
                 f"{latest.get('dataset')!r} ({latest.get('n_images')} images"

@@ -117,7 +117,8 @@ def make_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, steps_
     optimizer otherwise takes its first steps at the peak rate, before Adam's moments have
     settled, and undoes much of what those weights had learned."""
     total_steps = max(1, steps_per_epoch * config.epochs)
-    warmup = min(total_steps - 1, round(config.warmup_epochs * steps_per_epoch))
+    # at most half the run, so that a short one still anneals
+    warmup = min(total_steps // 2, round(config.warmup_epochs * steps_per_epoch))
     if warmup > 0 and config.scheduler != "onecycle":
         cosine = config.scheduler == "cosine"
 

@@ -147,6 +147,20 @@ def test_mistakes_found_in_files_and_devices_are_refused_before_a_run_starts(tmp
         assert not (tmp_path / "o").exists()
 
 
+def test_good_files_and_the_notebooks_defaults_pass_the_early_checks(tmp_path, caplog):
+    """The checks before a run refuse only mistakes: this tool's own 2-class model file is a
+    usable --weights for any class count, and the notebook's defaults warn of nothing."""
+    from modules.models import build_model
+    saved = tmp_path / "two_classes.pt"
+    torch.save(build_model("squeezenet1_1", 2, "none").state_dict(), saved)
+    with caplog.at_level(logging.WARNING):
+        assert pipeline.parse_args(["--weights", str(saved)]).weights == str(saved)
+        pipeline.options(scenarios=["baseline"], pruner="asha", n_trials=None, time_budget=None,
+                         resolutions="", storage="", worker_seed=None, amp="fp16" if
+                         torch.cuda.is_available() else "")
+    assert not caplog.records
+
+
 def test_options_no_scenario_reads_are_named(caplog):
     with caplog.at_level(logging.WARNING):
         pipeline.parse_args(["--scenarios", "baseline", "--n-trials", "8", "--pruner", "none",
@@ -604,6 +618,26 @@ def test_a_smaller_size_trains_the_epochs_that_cost_what_the_defaults_do(tmp_pat
     assert fill(tuning_s=0.0) == 54                # 80 epochs fit: capped at 3x its 18
     assert fill(scenario.TrainConfig(epochs=10, image_size=96, device="cpu")) == 10  # larger
     assert fill(args={"epochs": 10}) == 10 and fill(args={"match_time": False}) == 10
+
+
+def test_a_resumed_final_run_keeps_its_checkpoints_epochs_and_warm_up(tmp_path):
+    """A final run started by a version without the warm-up resumes without one (the
+    checkpoint would refuse another), one started with it keeps it; --epochs aside."""
+    index = type("Index", (), {"name": "d"})()
+    config = scenario.TrainConfig(epochs=10, device="cpu", warmup_epochs=1.0)
+    ckpt = scenario.checkpoint_file(tmp_path, "resolution", run_id="r1")
+    ckpt.parent.mkdir(parents=True)
+    older = {k: v for k, v in dataclasses.replace(config, epochs=21).to_dict().items()
+             if k != "warmup_epochs"}
+    torch.save({"config": older}, ckpt)
+
+    def fill(**args):
+        return scenario.fill_time(config, "resolution", _ns(resume=True, run_id="r1", **args),
+                                  tmp_path, index, {"baseline_total_s": 100.0}, 10.0, 1.0)
+    assert (fill().epochs, fill().warmup_epochs) == (21, 0.0)
+    assert (fill(epochs=10).epochs, fill(epochs=10).warmup_epochs) == (10, 0.0)
+    torch.save({"config": {**older, "warmup_epochs": 1.0}}, ckpt)
+    assert fill().warmup_epochs == 1.0
 
 
 def test_the_search_trains_trials_a_third_of_the_final_runs_compute():

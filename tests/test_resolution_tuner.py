@@ -102,6 +102,16 @@ def test_a_resumed_tuning_trains_only_the_sizes_its_journal_does_not_hold(tmp_pa
     assert resumed.trials[0] == first.trials[0]  # the journaled result, as it was
     assert len(json.loads(journal.read_text())["trials"]) == 2
 
+    # written by a version without a setting this one has (at its default): still reused
+    trained.clear()
+    saved = json.loads(journal.read_text())
+    for entry in saved["trials"]:
+        entry["config"] = json.dumps({k: v for k, v in json.loads(entry["config"]).items()
+                                      if k != "warmup_epochs"}, sort_keys=True)
+    journal.write_text(json.dumps(saved))
+    ResolutionTuner(index, BASE, [24, 32], journal=journal, resume=True).run()
+    assert trained == []
+
     # progress bars change nothing measured: still reused
     trained.clear()
     quiet = BASE.__class__(**{**BASE.to_dict(), "progress": not BASE.progress})

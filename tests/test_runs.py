@@ -74,6 +74,11 @@ def test_resume_with_another_seed_names_the_seed_to_pass(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "split with --seed 42" in err and "--seed 7)" in err
     assert "pass --seed 42 to continue it, or drop --resume" in err
+    (data / "red" / "extra.jpg").write_bytes((data / "red" / "0.jpg").read_bytes())
+    assert pipeline.main(["--data-dir", str(data), "--output-dir", str(out), "--resume",
+                          "--seed", "7", *RUN]) == 2  # other images too: the seed is not enough
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--seed" not in err.split("):")[0] and "pass --seed" not in err
 
 
 def _keep(out: Path, test_acc: float, scenario: str, data: str = "same data",

@@ -196,6 +196,16 @@ def test_a_warm_up_ramps_the_rate_before_the_schedule(scheduler):
         assert lrs[-1] < 0.002 and all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
     else:
         assert lrs[10:] == pytest.approx([0.1] * 20)
+    # a one-epoch run ramps up over half of it and still anneals
+    one = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    short = make_scheduler(one, dataclasses.replace(config, epochs=1), steps_per_epoch=10)
+    lrs = []
+    for _ in range(10):
+        lrs.append(one.param_groups[0]["lr"])
+        one.step()
+        short.step()
+    assert lrs[4] == pytest.approx(0.1 * 5 / 6) and lrs[5] == pytest.approx(0.1)
+    assert lrs[-1] < (0.05 if scheduler == "cosine" else 0.11)
     plain = make_scheduler(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1),
                            dataclasses.replace(config, warmup_epochs=0.0), steps_per_epoch=10)
     assert plain.get_last_lr() == [0.1]
