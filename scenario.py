@@ -26,6 +26,7 @@ import torch
 
 from modules import distributed
 from modules.autotune import MEASURE_SHARE, ComputeProbe, autotune, machine_key
+from modules.checkpoints import saved_config
 from modules.config import DISPLAY_ONLY, TrainConfig, UserError, first_line
 from modules.dataset import (DatasetIndex, data_path_of, index_dataset, load_rgb, make_loader,
                              resolve_source, subset, train_transform)
@@ -555,8 +556,8 @@ def fill_time(config: TrainConfig, name: str, args: RunOptions, output_dir: Path
     ckpt = checkpoint_file(output_dir, name, run_id=getattr(args, "run_id", None))
     if args.resume and ckpt.exists():
         try:
-            saved = load_checkpoint(ckpt)["config"]
-            config = dataclasses.replace(config, warmup_epochs=saved.get("warmup_epochs", 0.0))
+            saved = saved_config(load_checkpoint(ckpt))
+            config = dataclasses.replace(config, warmup_epochs=saved["warmup_epochs"])
             if args.epochs is not None or not args.match_time:
                 return config
             return dataclasses.replace(config, epochs=int(saved["epochs"]))
@@ -715,10 +716,10 @@ def tune_hyperparameters(config: TrainConfig, args: RunOptions, index: DatasetIn
     chosen = dataclasses.replace(config, **params)
     trained_anew, warm = True, None
     if started is not None:
-        # The start weights and their warm-up too: the run continues from its checkpoint,
-        # which started there.
-        before = dataclasses.replace(config, **{k: started[k] for k in (
-            *OptunaTuner.SEARCHED, "weights", "warmup_epochs") if k in started})
+        # The start weights too: the run continues from its checkpoint, which started there
+        # (and its warm-up: fill_time).
+        before = dataclasses.replace(config, **{k: started[k] for k in (*OptunaTuner.SEARCHED,
+                                                                       "weights") if k in started})
         if not grow or all(getattr(before, k) == getattr(chosen, k) for k in OptunaTuner.SEARCHED):
             if grow:
                 log.info("hpo: the choice did not change: the final run is not trained again")

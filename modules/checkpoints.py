@@ -3,6 +3,7 @@ and read back by a resume (CheckpointSaver), with every random stream, so a resu
 continues exactly as the uninterrupted one would."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 from dataclasses import dataclass, field
@@ -105,12 +106,16 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     return read_torch_file(path, "checkpoint")
 
 
+def saved_config(ckpt: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's config, a setting its version did not have at the default it had then."""
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    return {**defaults, **ckpt["config"]}
+
+
 def check_resumable(ckpt: dict[str, Any], config: TrainConfig, path: Path) -> None:
     if ckpt.get("format") != CHECKPOINT_FORMAT:
         raise UserError(f"checkpoint {str(path)!r} has an unknown format; delete it to start over.")
-    saved = ckpt["config"]
-    # a key the checkpoint's version did not have was at its default then
-    saved = {k: saved.get(k, TrainConfig.__dataclass_fields__[k].default) for k in RESUME_KEYS}
+    saved = saved_config(ckpt)
     changed = [k for k in RESUME_KEYS if saved[k] != getattr(config, k)]
     if changed:
         diffs = ", ".join(f"{k} {saved[k]!r} -> {getattr(config, k)!r}" for k in changed)

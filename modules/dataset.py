@@ -88,9 +88,12 @@ def _stretch_to_8bit(img: Image.Image) -> Image.Image:
     return Image.fromarray(out)
 
 
-def load_rgb(path) -> Image.Image:
-    """Decode one image file fully into RGB (raises on truncated or undecodable files)."""
+def load_rgb(path, draft: int | None = None) -> Image.Image:
+    """Decode one image file fully into upright RGB (raises on truncated or undecodable
+    files). draft: a JPEG decodes at the smallest DCT scale that is at least this size."""
     with Image.open(path) as img:
+        if draft is not None:
+            img.draft("RGB", (draft, draft))
         img.load()
         return to_rgb(upright(img))
 
@@ -261,8 +264,8 @@ def _class_dirs(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith((".", "__")))
 
 
-def _image_files(folder: Path, seen: dict[str, Path] | None = None,
-                 ignored: dict[str, int] | None = None) -> tuple[list[Path], int]:
+def _image_files(folder: Path, seen: dict[str, Path], ignored: dict[str, int]
+                 ) -> tuple[list[Path], int]:
     """Candidate image files below a class folder (hidden files are ignored; other files are
     counted in `ignored` by extension) and how many were left out as already listed.
 
@@ -270,7 +273,6 @@ def _image_files(folder: Path, seen: dict[str, Path] | None = None,
     once and a link back to the folder or above it not at all: a loop would list images
     without end, into every split. A file reached twice, here or through `seen` (real path ->
     the path first listed, shared across a dataset's folders), is listed once."""
-    seen = {} if seen is None else seen
     root = os.path.realpath(folder)
     entered, found, repeats = {root}, [], 0
     stack = [(str(folder), root)]
@@ -301,7 +303,7 @@ def _image_files(folder: Path, seen: dict[str, Path] | None = None,
                 else:
                     seen[target] = Path(entry.path)
                     found.append(Path(entry.path))
-            elif ignored is not None:
+            else:
                 kind = Path(entry.name).suffix.lower() or "no extension"
                 ignored[kind] = ignored.get(kind, 0) + 1
         stack.extend(reversed(subdirs))  # depth first, in name order, as os.walk lists them
@@ -330,17 +332,17 @@ def check_image(path: Path) -> str | None:
         return f"undecodable ({type(exc).__name__})"
 
 
-def _scan_split(folder: Path, split: str, check: bool, seen: dict[str, Path] | None = None,
-                numbered_below: int | None = None, ignored: dict[str, int] | None = None
+def _scan_split(folder: Path, split: str, check: bool, seen: dict[str, Path],
+                ignored: dict[str, int], numbered_below: int | None = None
                 ) -> tuple[dict[str, list[Path]], list[tuple[str, str]]]:
     classes = _class_dirs(folder)
     if not classes:
         raise UserError(f"the {split} folder {str(folder)!r} has no class folders.")
-    if ignored is not None:  # images beside the class folders have no class
-        loose = sum(1 for p in folder.iterdir() if not p.name.startswith(".") and p.is_file()
-                    and p.suffix.lower() in IMAGE_EXTS)
-        if loose:
-            ignored[OUTSIDE_CLASSES] = ignored.get(OUTSIDE_CLASSES, 0) + loose
+    # images beside the class folders have no class
+    loose = sum(1 for p in folder.iterdir() if not p.name.startswith(".") and p.is_file()
+                and p.suffix.lower() in IMAGE_EXTS)
+    if loose:
+        ignored[OUTSIDE_CLASSES] = ignored.get(OUTSIDE_CLASSES, 0) + loose
     # A folder name that is not UTF-8 (zips made on Windows) is named with escapes, so that
     # charts and logs can print it: b"caf\xe9" is the class 'caf\\xe9'.
     listed = {c.name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace"):
@@ -402,8 +404,8 @@ def index_dataset(root: Path, name: str | None = None, *, seed: int = 0, check: 
     layout, folders = find_splits(root)
     scanned, skipped, seen, ignored = {}, [], {}, {}
     for split, folder in folders.items():
-        scanned[split], bad = _scan_split(folder, split, check, seen,
-                                          (numbered_below or {}).get(split), ignored)
+        scanned[split], bad = _scan_split(folder, split, check, seen, ignored,
+                                          (numbered_below or {}).get(split))
         skipped += bad
     if layout == "class folders":
         rest, scanned["test"] = _seeded_split(scanned.pop("all"), 0.2, seed)

@@ -23,7 +23,7 @@ from PIL import Image
 
 from modules import distributed
 from modules.config import IMAGENET_MEAN, IMAGENET_STD, TrainConfig, UserError
-from modules.dataset import Sample, drops_last, eval_sampler, to_rgb, train_sampler, upright
+from modules.dataset import Sample, drops_last, eval_sampler, load_rgb, train_sampler
 from modules.device import resolve_device
 from modules.oom import MEMORY_MARGIN, OutOfMemoryError, is_out_of_memory, release
 
@@ -59,13 +59,10 @@ MEANS_CHUNK = 256  # images converted to float at a time while their means are t
 def decode_resized(path: str, size: int) -> np.ndarray:
     """One image as a size x size x 3 uint8 array, resized like dataset.eval_transform."""
     try:
-        with Image.open(path) as img:
-            img.draft("RGB", (size, size))  # JPEG: decode at the smallest DCT scale >= size
-            img.load()
-            rgb = to_rgb(upright(img))
-            if rgb.size != (size, size):
-                rgb = rgb.resize((size, size), Image.BILINEAR)
-            return np.array(rgb, dtype=np.uint8)  # a writable copy, owned by the array
+        rgb = load_rgb(path, draft=size)
+        if rgb.size != (size, size):
+            rgb = rgb.resize((size, size), Image.BILINEAR)
+        return np.array(rgb, dtype=np.uint8)  # a writable copy, owned by the array
     except Exception as exc:
         raise UserError(f"image {path!r} became unreadable while caching ({type(exc).__name__}); "
                         "re-run to re-index the folder.") from None
