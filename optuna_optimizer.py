@@ -522,17 +522,36 @@ class OptunaTuner:
                          done, n_trials, max(0, to_run))
         finished = lambda: sum(t.state.is_finished() for t in self.study.trials)  # noqa: E731
         finished_before = finished()
-        if to_run > 0:
-            self.study.optimize(self.objective, n_trials=to_run,
-                                timeout=self.timeout_s,
+        left = self.time_left()
+        if to_run > 0 and left is not None and left <= 0:
+            log.info("study %r: its time budget (%.0f s) was spent by the trials already run: "
+                     "none added", self.study_name, self.timeout_s)
+        elif to_run > 0:
+            self.study.optimize(self.objective, n_trials=to_run, timeout=left,
                                 callbacks=[self._log_trial, self._copy_to_mirror],
                                 gc_after_trial=True)
         self.new_trials = len(self.study.trials) - before
         ran = finished() - finished_before
-        if self.timeout_s is not None and ran < to_run:
+        if self.timeout_s is not None and 0 < ran < to_run:
             log.info("study %r: the time budget (%.0f s) ended the search after %d of the %d "
                      "trials asked for", self.study_name, self.timeout_s, ran, to_run)
         return self.summary()
+
+    def search_seconds(self) -> float:
+        """Seconds the study's finished trials trained, over every session (a default trial
+        taken from another scenario trained there: not counted)."""
+        return sum((t.datetime_complete - t.datetime_start).total_seconds()
+                   for t in self._require_study().trials
+                   if t.state.is_finished() and t.datetime_start and t.datetime_complete
+                   and not t.user_attrs.get("reused_from"))
+
+    def time_left(self) -> float | None:
+        """What is left of timeout_s, the search's time in all: a resumed search spends what
+        its earlier sessions left. On a shared study each worker's budget is its own session's,
+        since the study's trials are every worker's."""
+        if self.timeout_s is None or self.shared:
+            return self.timeout_s
+        return self.timeout_s - self.search_seconds()
 
     def _copy_to_mirror(self, study=None, trial=None) -> None:
         if self.mirror is not None:
@@ -555,7 +574,8 @@ class OptunaTuner:
                 "chosen_params": params, "keeps_default": params is None, "choice": reason,
                 "chosen_epoch_s": self.epoch_seconds(params),
                 "n_trials": len(states), "n_pruned": states.count(optuna.trial.TrialState.PRUNED),
-                "n_complete": complete, "study_name": self.study_name,
+                "n_complete": complete, "time_budget_s": self.timeout_s,
+                "search_s": round(self.search_seconds(), 1), "study_name": self.study_name,
                 "storage": _without_password(self.storage_url)}
 
     def _keep_study_batch_sizes(self) -> None:

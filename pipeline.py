@@ -117,9 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--resolutions", type=_int_list, metavar="LIST",
                       help="ResolutionTuner candidates, e.g. 144,160,176,192 (default: by device)")
     tune.add_argument("--n-trials", type=_bounded(int, 1, 100_000),
-                      help=f"Optuna trials ({N_TRIALS}; {QUICK_N_TRIALS} with --quick)")
+                      help=f"Optuna trials ({N_TRIALS}; {QUICK_N_TRIALS} with --quick; "
+                           "without it or --time-budget the search also stops at the baseline's "
+                           "total time)")
     tune.add_argument("--time-budget", type=_bounded(float, 0.0, strict=True), metavar="SECONDS",
-                      help="stop starting new Optuna trials after this long")
+                      help="stop starting new Optuna trials once the search's trials have "
+                           "trained this long in all, resumed sessions included (default: the "
+                           "baseline's total time, unless --n-trials is given)")
     tune.add_argument("--pruner", choices=PRUNERS, default="asha",
                       help="how the search stops trials that fall behind: asha (successive "
                            "halving, default), hyperband, median, or none (every trial trains "

@@ -65,6 +65,10 @@ N_TRIALS = 20
 # MAX_EPOCH_FACTOR times its own (fill_time).
 TIME_SHARE, MAX_EPOCH_FACTOR = 0.8, 3
 WARMUP_EPOCHS = 1.0  # of a final run that continues a trial's weights (warm_start)
+# Without --n-trials or --time-budget the search stops starting trials once they have trained
+# this share of the baseline's total time: on a CPU its 20 trials took 3-4x the baseline for the
+# model the first seven had already chosen (docs/tuning.md). A faster device fits more of them.
+SEARCH_SHARE = 1.0
 AUTOTUNE_CACHE = "autotune_cache.json"  # in the output dir: choices by machine, reused by later runs
 QUICK_SYNTHETIC_PER_CLASS = (QUICK_PER_CLASS["train"] + QUICK_PER_CLASS["val"],
                              QUICK_PER_CLASS["test"])
@@ -168,8 +172,10 @@ USER_KNOBS = {"amp": "amp", "channels_last": "channels_last", "compile": "compil
 
 
 def autotune_scenario(config: TrainConfig, args: RunOptions, index: DatasetIndex,
-                      planned_steps: int, saved: Path) -> tuple[TrainConfig, dict[str, Any] | None]:
+                      planned_steps: int, saved: Path, time_capped: tuple[int, float] | None = None
+                      ) -> tuple[TrainConfig, dict[str, Any] | None]:
     """The measured speed settings for an optimized scenario (options the user gave stay).
+    time_capped: (steps, seconds) of the planned steps that a time budget bounds (autotune).
 
     The choice is kept in `saved`; --resume takes it from there instead of measuring again, so
     a resumed run continues with the settings it started with (a fresh measurement can differ
@@ -178,12 +184,14 @@ def autotune_scenario(config: TrainConfig, args: RunOptions, index: DatasetIndex
         return config, None
     # Under torchrun every rank must train with the same settings: rank 0 measures (on its
     # own, the others idle meanwhile) and hands its choice to the others.
-    return distributed.from_main(_measure_settings(config, args, index, planned_steps, saved)
+    return distributed.from_main(_measure_settings(config, args, index, planned_steps, saved,
+                                                   time_capped)
                                  if distributed.is_main() else None)
 
 
 def _measure_settings(config: TrainConfig, args: RunOptions, index: DatasetIndex,
-                      planned_steps: int, saved: Path) -> tuple[TrainConfig, dict[str, Any]]:
+                      planned_steps: int, saved: Path, time_capped: tuple[int, float] | None
+                      ) -> tuple[TrainConfig, dict[str, Any]]:
     fixed = frozenset(knob for option, knob in USER_KNOBS.items()
                       if getattr(args, option, None) not in (None, False))
     start = config
@@ -214,7 +222,8 @@ def _measure_settings(config: TrainConfig, args: RunOptions, index: DatasetIndex
                                     prefetch_factor=None), train=True)
     tuned, findings = autotune(config, len(index.classes), planned_steps=planned_steps,
                              fixed=fixed, loader_factory=factory, budget_share=MEASURE_SHARE,
-                             cache_path=Path(args.output_dir).expanduser() / AUTOTUNE_CACHE)
+                             cache_path=Path(args.output_dir).expanduser() / AUTOTUNE_CACHE,
+                             time_capped=time_capped)
     if launcher_threads:
         findings["knobs"]["cpu_threads"]["reason"] = ("one share of the cores per process, as "
                                                      "torchrun set it (OMP_NUM_THREADS)")
@@ -271,6 +280,19 @@ def tuned_resolutions(args: RunOptions, device: torch.device, default: int) -> l
 def trial_count(args: RunOptions) -> int:
     """The Optuna trials a run searches: --n-trials, else the preset's."""
     return args.n_trials or (QUICK_N_TRIALS if args.quick else N_TRIALS)
+
+
+def search_budget(args: RunOptions, baseline_s: float | None) -> tuple[float | None, str]:
+    """The seconds the search's trials may train in all (None: no bound), and why: the
+    user's --time-budget; else, when the user set no --n-trials and searches no shared
+    --storage (where every worker runs its --n-trials), SEARCH_SHARE of the baseline's total
+    time, when known."""
+    if args.time_budget is not None:
+        return args.time_budget, "--time-budget"
+    if args.n_trials is not None or args.storage is not None or not baseline_s:
+        return None, ""
+    return SEARCH_SHARE * baseline_s, (f"{SEARCH_SHARE:g}x the baseline's {baseline_s:.0f} s; "
+                                       "--n-trials N or --time-budget S sets it")
 
 
 def tuning_runs(name: str, args: RunOptions, config: TrainConfig, device: torch.device) -> int:
@@ -338,19 +360,23 @@ def tune_scenario(name: str, config: TrainConfig, args: RunOptions, index: Datas
     row records of them (the baseline: its configuration as it is)."""
     default_size = config.image_size  # the baseline's
     extra: dict[str, Any] = {}
-    if name == "hpo" and args.image_size is None:
-        size = tuned.get("image_size") or distributed.from_main(
-            _previous_resolution(output_dir, args, index, device))
-        config = dataclasses.replace(config, image_size=size or config.image_size)
+    budget: tuple[float | None, str] = (None, "")
+    if name == "hpo":
+        budget = search_budget(args, baseline_seconds(args, output_dir, index, tuned, device))
+        if args.image_size is None:
+            size = tuned.get("image_size") or distributed.from_main(
+                _previous_resolution(output_dir, args, index, device))
+            config = dataclasses.replace(config, image_size=size or config.image_size)
     if name != "baseline":
         # The measuring budget is a share of the least the scenario trains (the tuners may stop
-        # trials early), so that it stays within that share of what it does train.
-        steps = planned_steps(config, len(index.train)) + round(
-            planned_steps(config, len(index.train), epochs=1) *
-            least_tuning_epochs(name, args, config, index, device, default_size))
-        config, findings = autotune_scenario(config, args, index, steps,
-                                           checkpoint_file(output_dir, name, ".autotune.json",
-                                                           args.run_id))
+        # trials early, and the search's time budget end it), so that it stays within that
+        # share of what it does train.
+        tuning = round(planned_steps(config, len(index.train), epochs=1) *
+                       least_tuning_epochs(name, args, config, index, device, default_size))
+        config, findings = autotune_scenario(
+            config, args, index, planned_steps(config, len(index.train)) + tuning,
+            checkpoint_file(output_dir, name, ".autotune.json", args.run_id),
+            None if budget[0] is None else (tuning, budget[0]))
         if findings is not None:
             extra["autotune"] = findings
     if name == "resolution":
@@ -359,7 +385,7 @@ def tune_scenario(name: str, config: TrainConfig, args: RunOptions, index: Datas
         extra.update(tuning)
     elif name == "hpo":
         config, tuning = tune_hyperparameters(config, args, index, output_dir, device,
-                                              tuned.get("trial"), default_size)
+                                              tuned.get("trial"), default_size, budget)
         extra.update(tuning)
     return config, extra
 
@@ -531,7 +557,11 @@ def estimate(args: RunOptions, index: DatasetIndex) -> dict[str, Any]:
             continue
         runs = tuning_runs(name, args, config, device)
         decode = (runs if name == "resolution" else 1) * (n_train + n_eval) * decode_s
-        tuning = runs * short_budget(config) * epoch_s + decode
+        tuning = runs * short_budget(config) * epoch_s
+        if name == "hpo":  # the search's time budget, as search_budget sets it
+            bound = search_budget(args, scenarios.get("baseline"))[0]
+            tuning = tuning if bound is None else min(tuning, bound)
+        tuning += decode
         final = config.epochs * epoch_s
         if args.match_time and args.epochs is None and "baseline" in scenarios:
             final = min(max(final, TIME_SHARE * scenarios["baseline"] - tuning),
@@ -569,11 +599,7 @@ def fill_time(config: TrainConfig, name: str, args: RunOptions, output_dir: Path
     if own != config.epochs:
         log.info("%s: %d epochs at %d px, not %d: they cost what %d do at the default %d px",
                  name, own, config.image_size, config.epochs, config.epochs, default_size)
-    baseline_s = tuned.get("baseline_total_s")
-    if baseline_s is None:
-        row = previous_row(output_dir / "results.json", "baseline", index.name,
-                           match=same_setup(args, index, torch.device(config.device)))
-        baseline_s = (row or {}).get("total_s") or (row or {}).get("wall_s")
+    baseline_s = baseline_seconds(args, output_dir, index, tuned, torch.device(config.device))
     if not baseline_s or not epoch_s:
         return dataclasses.replace(config, epochs=own)
     left = TIME_SHARE * baseline_s - tuning_s
@@ -584,6 +610,18 @@ def fill_time(config: TrainConfig, name: str, args: RunOptions, output_dir: Path
                  "--no-match-time keeps the count)", name, epochs, own,
                  100 * TIME_SHARE, baseline_s, tuning_s, epoch_s)
     return dataclasses.replace(config, epochs=epochs)
+
+
+def baseline_seconds(args: RunOptions, output_dir: Path, index: DatasetIndex,
+                     tuned: dict[str, Any], device: torch.device) -> float | None:
+    """The baseline's total seconds: this run's, else the newest of an earlier run in the
+    output dir with this run's setup (same_setup); None when there is none."""
+    baseline_s = tuned.get("baseline_total_s")
+    if baseline_s is None:
+        row = previous_row(output_dir / "results.json", "baseline", index.name,
+                           match=same_setup(args, index, device))
+        baseline_s = (row or {}).get("total_s") or (row or {}).get("wall_s")
+    return baseline_s or None
 
 
 def _epoch_seconds(name: str, config: TrainConfig, extra: dict[str, Any]) -> float | None:
@@ -665,12 +703,14 @@ def lineage(warm: dict[str, Any] | None, started_at: float, tuning_s: float,
 
 def tune_hyperparameters(config: TrainConfig, args: RunOptions, index: DatasetIndex,
                          output_dir: Path, device: torch.device,
-                         earlier: EarlierTrial | None = None, default_size: int | None = None
+                         earlier: EarlierTrial | None = None, default_size: int | None = None,
+                         budget: tuple[float | None, str] = (None, "")
                          ) -> tuple[TrainConfig, dict[str, Any]]:
     """The search, then the final run's configuration: the search's winner only when it beat
     the default configuration (its first trial) on validation, else the default. `earlier`:
     a trial already trained (the resolution scenario's), the default trial when it matches.
-    default_size: the baseline's size (search_epochs)."""
+    default_size: the baseline's size (search_epochs). budget: (seconds its trials may train
+    in all, why), from search_budget."""
     if not distributed.is_main():
         # Under torchrun rank 0 runs the study; every trial trains data-parallel on all ranks.
         follow_trials(index)
@@ -680,15 +720,16 @@ def tune_hyperparameters(config: TrainConfig, args: RunOptions, index: DatasetIn
     stopping = {"asha": "successive halving over epochs", "hyperband": "Hyperband over epochs",
                 "median": "median stopping over epochs", "none": "no trial stopped early"}
     log.info("== hyperparameter search: %d trials of %d epochs at %d px (the default "
-             "configuration first), %s", n_trials, trial_epochs, config.image_size,
-             stopping.get(args.pruner, args.pruner))
+             "configuration first), %s%s", n_trials, trial_epochs, config.image_size,
+             stopping.get(args.pruner, args.pruner), "" if budget[0] is None else
+             f"; no trial started after {budget[0]:.0f} s of trials ({budget[1]})")
     # Batch sizes are searched only up to what the GPU holds at this resolution.
     largest = max_batch_size(config, len(index.classes), device, upto=max(BATCH_SIZES))
     # A study of its own for each run in the output dir's SQLite file; on a shared --storage
     # one study per dataset that every worker joins, each sampling from its own seed.
     shared = args.storage is not None
     tuner = OptunaTuner(index, config, output_dir=output_dir, n_trials=n_trials,
-                        timeout_s=args.time_budget, storage=args.storage, resume=args.resume,
+                        timeout_s=budget[0], storage=args.storage, resume=args.resume,
                         epochs=trial_epochs, max_batch_size=largest, local_dir=args.local_dir,
                         pruner=args.pruner,
                         study_name=f"hpo-{index.name}" + ("" if shared else f"-{args.run_id}"),

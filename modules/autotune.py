@@ -458,11 +458,15 @@ def tune_workers(make_loader: Callable[[int], Any], compute_img_s: float,
 def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None = None,
              fixed: frozenset[str] = frozenset(), tune_batch: bool = True,
              loader_factory: Callable[[TrainConfig], Callable[[int], Any]] | None = None,
-             budget_share: float | None = None, cache_path: str | Path | None = None
+             budget_share: float | None = None, cache_path: str | Path | None = None,
+             time_capped: tuple[int, float] | None = None
              ) -> tuple[TrainConfig, dict[str, Any]]:
     """The fastest measured settings for `config` on its device, and why.
 
     planned_steps: optimizer steps the run will take (compile must pay back within them).
+    time_capped: (steps, seconds): that many of the planned steps belong to a part of the run
+    bounded in time (a search with a time budget), so they count only as far as the seconds
+    reach at the measured speed.
     fixed: knob names the user set explicitly; they are kept and not measured.
     loader_factory: for the streaming data path, config -> (num_workers -> loader).
     budget_share: all measuring stays within this share of the planned steps' time (estimated
@@ -523,16 +527,23 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
     phases["first_probe"] = time.perf_counter() - mark
     current.update(probe=first, img_s=warm.get("img_s"))
     del first  # `current` holds the best probe so far, and only that one
-    min_s = measuring_time(planned_steps, config.effective_batch_size, warm.get("img_s"),
-                           sum(len(c) for k, c in plan if k not in fixed))
+    def planned_at(img_s: float | None) -> int | None:
+        if planned_steps is None or time_capped is None or not img_s:
+            return planned_steps
+        steps, seconds = time_capped
+        reach = int(seconds * img_s / config.effective_batch_size)
+        return planned_steps - steps + min(steps, reach)
+
+    min_s = measuring_time(planned_at(warm.get("img_s")), config.effective_batch_size,
+                           warm.get("img_s"), sum(len(c) for k, c in plan if k not in fixed))
     def budget_at(img_s: float) -> float:
-        return budget_share * planned_steps * config.effective_batch_size / img_s
+        return budget_share * planned_at(img_s) * config.effective_batch_size / img_s
 
     budget_s = None
     if budget_share is not None and planned_steps and warm.get("img_s"):
         budget_s = budget_at(warm["img_s"])
         log.info("autotune: measuring budget %.0f s (%.0f%% of the planned %d steps)", budget_s,
-                 100 * budget_share, planned_steps)
+                 100 * budget_share, planned_at(warm["img_s"]))
     fastest = warm.get("img_s") or 0.0
 
     def budget_left() -> float | None:
@@ -578,8 +589,8 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
         knobs["compile"] = _set_by_user(config, "compile")
     else:
         mark = time.perf_counter()
-        config, knobs["compile"] = _tune_compile(config, num_classes, current, planned_steps,
-                                                 budget_left())
+        config, knobs["compile"] = _tune_compile(config, num_classes, current,
+                                                 planned_at(current["img_s"]), budget_left())
         phases["compile"] = time.perf_counter() - mark
         log.info("autotune: compile = %s (%s)", _label(config.compile), knobs["compile"]["reason"])
     compute_img_s = current["img_s"]

@@ -330,6 +330,20 @@ def test_the_budget_shrinks_to_the_fastest_rate_measured(monkeypatch):
     assert report["budget_s"] == pytest.approx(4.0, rel=0.05)
 
 
+def test_steps_a_time_budget_bounds_count_only_as_far_as_its_seconds_reach(monkeypatch):
+    """A search with a time budget trains at most its seconds, however many trials it was
+    asked for: at 1,000 img/s and batch 4, 9,000 of 10,000 planned steps bounded to 6 s are
+    1,500 steps, so 10% of 2,500 steps is 1 s, where 10,000 would have given 4 s."""
+    _fake_speeds(monkeypatch, lambda config: 1000.0)
+    config, report = at.autotune(_config(), 3, planned_steps=10_000, budget_share=0.1,
+                                 time_capped=(9_000, 6.0))
+    assert report["budget_s"] == pytest.approx(1.0, rel=0.05)
+    at._RESULTS.clear()  # measure again, not reuse the choice made for the same settings
+    _, within = at.autotune(_config(), 3, planned_steps=10_000, budget_share=0.1,
+                            time_capped=(9_000, 1e6))
+    assert within["budget_s"] == pytest.approx(4.0, rel=0.05)  # the steps end first
+
+
 def test_amp_starts_at_what_auto_means_on_the_device(monkeypatch):
     """An unmeasured knob keeps its first candidate: on a GPU "auto" must stay mixed precision."""
     assert at.amp_candidates(torch.device("cpu"), "auto") == ["off", "bf16"]

@@ -622,3 +622,33 @@ def test_a_search_the_time_budget_ended_says_so(index, tmp_path, monkeypatch, ca
     with caplog.at_level("INFO"):
         assert tuner(index, tmp_path, n_trials=3, timeout_s=0.1).run()["n_complete"] == 1
     assert "the time budget (0 s) ended the search after 1 of the 3 trials" in caplog.text
+
+
+def test_the_time_budget_is_the_searchs_in_all_over_resumed_sessions(index, tmp_path,
+                                                                       monkeypatch, caplog):
+    """A resumed search spends only what its earlier sessions left of the budget: a session
+    ended by Ctrl-C must not start the whole budget again."""
+    def slow_fit(*args, **kwargs):
+        time.sleep(0.3)
+        return fake_fit(*args, **kwargs)
+    monkeypatch.setattr(optuna_optimizer, "fit", slow_fit)
+    first = tuner(index, tmp_path, n_trials=2).run()
+    assert first["n_trials"] == 2 and first["search_s"] >= 0.6 and first["time_budget_s"] is None
+    with caplog.at_level("INFO"):
+        spent = tuner(index, tmp_path, n_trials=4, timeout_s=0.5, resume=True)
+        assert spent.run()["n_trials"] == 2 and spent.time_left() < 0
+    assert "its time budget (0 s) was spent by the trials already run: none added" in caplog.text
+    # With room left it runs on, and stops starting trials once the room is spent.
+    more = tuner(index, tmp_path, n_trials=6, timeout_s=first["search_s"] + 0.1, resume=True)
+    grown = more.run()
+    assert grown["n_trials"] == 3 and grown["time_budget_s"] == first["search_s"] + 0.1
+    assert grown["search_s"] >= 0.9
+
+
+def test_a_shared_studys_time_budget_is_this_sessions(index, tmp_path):
+    """On a shared study the trials are every worker's: each worker's budget is its own."""
+    storage = f"sqlite:///{tmp_path / 'shared.db'}"
+    tuner(index, tmp_path / "a", storage=storage, shared=True).run()
+    joined = tuner(index, tmp_path / "b", storage=storage, shared=True, timeout_s=30.0)
+    joined.run()
+    assert joined.time_left() == 30.0

@@ -751,6 +751,59 @@ def test_schedule_momentum_cudnn_and_pruner_options_reach_the_run(tmp_path, monk
     assert seen["pruner"] == "hyperband"
 
 
+def test_the_search_stops_at_the_baselines_time_unless_the_user_bounds_it():
+    """Without --n-trials or --time-budget the search's trials train at most SEARCH_SHARE of
+    the baseline's total time; the user's bound wins, and a shared study's workers each run
+    their --n-trials."""
+    budget = scenario.search_budget
+    assert budget(pipeline.parse_args([]), 200.0)[0] == scenario.SEARCH_SHARE * 200.0
+    assert "the baseline's 200 s" in budget(pipeline.parse_args([]), 200.0)[1]
+    assert budget(pipeline.parse_args([]), None) == (None, "")  # no baseline to measure by
+    assert budget(pipeline.parse_args(["--n-trials", "30"]), 200.0) == (None, "")
+    assert budget(pipeline.parse_args(["--time-budget", "50"]), 200.0) == (50.0, "--time-budget")
+    assert budget(pipeline.parse_args(["--n-trials", "30", "--time-budget", "50"]), 200.0)[0] == 50
+    shared = pipeline.parse_args(["--storage", "sqlite:///x.db"])
+    assert budget(shared, 200.0) == (None, "")
+
+
+def test_the_hpo_scenario_bounds_its_search_and_measuring_by_the_baselines_time(tmp_path,
+                                                                                 monkeypatch):
+    """The baseline's total time of the same run reaches the search as its time budget, and
+    the autotuner, whose measuring share counts the search's steps only as far as it reaches."""
+    seen = {}
+
+    class Recorded(Exception):
+        pass
+
+    class Tuner(scenario.OptunaTuner):
+        def __init__(self, *_, **kwargs):
+            seen.update(kwargs)
+            raise Recorded
+
+    def measured(config, args, index, steps, saved, time_capped=None):
+        seen["time_capped"] = time_capped
+        return config, None
+    monkeypatch.setattr(scenario, "OptunaTuner", Tuner)
+    monkeypatch.setattr(scenario, "autotune_scenario", measured)
+    data = make_folder(tmp_path / "d")
+    args = pipeline.parse_args(["--data-dir", str(data), "--output-dir", str(tmp_path / "o")])
+    index = pipeline.load_data(args, tmp_path)
+    config = pipeline.scenario_config("hpo", args, torch.device("cpu"))
+    with pytest.raises(Recorded):
+        scenario.tune_scenario("hpo", config, args, index, tmp_path / "o", torch.device("cpu"),
+                               {"baseline_total_s": 90.0})
+    assert seen["timeout_s"] == scenario.SEARCH_SHARE * 90.0
+    steps, seconds = seen["time_capped"]
+    assert seconds == seen["timeout_s"] and steps > 0
+    seen.clear()
+    args = pipeline.parse_args(["--data-dir", str(data), "--output-dir", str(tmp_path / "o"),
+                                "--n-trials", "3"])
+    with pytest.raises(Recorded):
+        scenario.tune_scenario("hpo", config, args, index, tmp_path / "o", torch.device("cpu"),
+                               {"baseline_total_s": 90.0})
+    assert seen["timeout_s"] is None and seen["time_capped"] is None
+
+
 def test_run_options_hold_every_command_line_option_and_nothing_else():
     dests = {a.dest for a in pipeline.build_parser()._actions if a.dest != "help"}
     fields = {f.name for f in dataclasses.fields(scenario.RunOptions)}
