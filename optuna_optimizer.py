@@ -538,11 +538,13 @@ class OptunaTuner:
         return self.summary()
 
     def search_seconds(self) -> float:
-        """Seconds the study's finished trials trained, over every session (a default trial
-        taken from another scenario trained there: not counted)."""
+        """Seconds the study's completed and pruned trials trained, over every session. Not
+        counted: a default trial taken from another scenario (it trained there), and failed
+        trials, whose end a lost session's heartbeat records only when the next one starts."""
+        done = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
         return sum((t.datetime_complete - t.datetime_start).total_seconds()
                    for t in self._require_study().trials
-                   if t.state.is_finished() and t.datetime_start and t.datetime_complete
+                   if t.state in done and t.datetime_start and t.datetime_complete
                    and not t.user_attrs.get("reused_from"))
 
     def time_left(self) -> float | None:

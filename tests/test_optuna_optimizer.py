@@ -200,6 +200,8 @@ def test_trial_of_a_killed_process_is_retried(index, tmp_path, monkeypatch):
     assert failed.state == optuna.trial.TrialState.FAIL
     assert len(retried) == 1 and retried[0].state == optuna.trial.TrialState.COMPLETE
     assert retried[0].params["lr"] == failed.params["lr"]
+    # The dead trial "ran" until this session failed it: not time the search's budget spent.
+    assert t.search_seconds() < 1.0
 
 
 @pytest.mark.filterwarnings("ignore:Heartbeat of storage")  # our study.ask() plays the dead run
