@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from modules import distributed
 from modules.config import (CPU_ALLOCATORS, DROPOUT_IMPLS, MAX_IMAGE_SIZE, MIN_IMAGE_SIZE, MODELS,
                             SCHEDULERS, UserError)
 from modules.device import autocast_dtype
@@ -207,7 +208,8 @@ def parse_args(argv: list[str] | None = None) -> RunOptions:
                             f"{args.weights!r}.")
         check_weights_file(args.model, Path(args.weights))
     for dest, needs in UNUSED_WITHOUT.items():  # a mistake worth a line, not a refusal
-        if needs not in args.scenarios and getattr(args, dest) != parser.get_default(dest):
+        if needs not in args.scenarios and getattr(args, dest) != parser.get_default(dest) \
+                and distributed.launched_main():  # once, not once per torchrun process
             log.warning("--%s does nothing here: only the %s scenario uses it, and --scenarios "
                         "is %s", dest.replace("_", "-"), needs, ",".join(args.scenarios))
     device = resolve_device(args.device)  # --device cuda without a GPU fails here

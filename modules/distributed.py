@@ -28,6 +28,12 @@ def is_main() -> bool:
     return rank() == 0
 
 
+def launched_main() -> bool:
+    """Whether torchrun launched this process as rank 0 (or no torchrun did), before the
+    process group is joined: for what is said once per run, such as a warning about options."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def init_from_env(device_type: str) -> torch.device | None:
     """Join the process group torchrun describes (gloo on CPU, NCCL on GPU); returns this
     process's device, or None when not launched by torchrun with more than one process."""

@@ -175,6 +175,18 @@ def test_options_no_scenario_reads_are_named(caplog):
     assert not caplog.records
 
 
+def test_options_no_scenario_reads_are_named_once_under_torchrun(caplog, monkeypatch):
+    """torchrun starts a process per rank, each parsing the same options: rank 0 says it."""
+    monkeypatch.setenv("RANK", "1")
+    with caplog.at_level(logging.WARNING):
+        pipeline.parse_args(["--scenarios", "baseline", "--n-trials", "8"])
+    assert not caplog.records
+    monkeypatch.setenv("RANK", "0")
+    with caplog.at_level(logging.WARNING):
+        pipeline.parse_args(["--scenarios", "baseline", "--n-trials", "8"])
+    assert len(caplog.records) == 1
+
+
 def test_user_errors_in_a_real_process_have_no_traceback(tmp_path):
     empty = tmp_path / "empty"
     (empty / "train" / "a").mkdir(parents=True)
