@@ -66,8 +66,9 @@ N_TRIALS = 20
 TIME_SHARE, MAX_EPOCH_FACTOR = 0.8, 3
 WARMUP_EPOCHS = 1.0  # of a final run that continues a trial's weights (warm_start)
 # Without --n-trials or --time-budget the search stops starting trials once they have trained
-# this share of the baseline's total time: on a CPU its 20 trials took 3-4x the baseline for the
-# model the first seven had already chosen (docs/tuning.md). A faster device fits more of them.
+# this share of the baseline's total time: on a CPU the preset's trials cost several times the
+# baseline for the choice the first few had already made (docs/tuning.md), and a faster device
+# fits more trials in the same share.
 SEARCH_SHARE = 1.0
 AUTOTUNE_CACHE = "autotune_cache.json"  # in the output dir: choices by machine, reused by later runs
 QUICK_SYNTHETIC_PER_CLASS = (QUICK_PER_CLASS["train"] + QUICK_PER_CLASS["val"],
