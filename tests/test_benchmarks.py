@@ -223,6 +223,31 @@ def test_search_comparisons_print_their_verdicts(tmp_path, capsys):
     assert not (tmp_path / "bench" / "fidelity" / "optuna.db").exists()  # no study there
 
 
+def test_pretrain_on_another_set_trains_the_start_weights_once(tmp_path, capsys):
+    """--pretrain-on: the stand-in for ImageNet weights is trained on the other set, passed to
+    every run as --weights and reused by the next benchmark into the same output dir; the set
+    under test itself, or a --weights of the user's beside it, is refused in one line."""
+    from conftest import make_folder
+    bench = _benchmark_module("scenarios")
+    data = make_folder(tmp_path / "data", n_train=6, n_test=2)
+    other = make_folder(tmp_path / "other", n_train=6, n_test=2)
+    argv = ["--dataset", str(data), "--device", "cpu", "--output-dir", str(tmp_path / "bench"),
+            "--search-only", "--compare-search", "--search-trials", "1", "--pretrain-on",
+            str(other), "--", "--epochs", "2", "--image-size", "32"]
+    assert bench.main(argv) == 0
+    out = capsys.readouterr().out
+    kept = list((tmp_path / "bench" / "pretrain" / "other-squeezenet1_1").glob("*_model.pt"))
+    assert len(kept) == 1
+    assert f"start weights: trained here on {other} ({kept[0]})" in out
+    first = kept[0].stat().st_mtime_ns
+    assert bench.main(argv) == 0  # reused, not trained again
+    assert kept[0].stat().st_mtime_ns == first
+    with pytest.raises(SystemExit, match="pretrain on another set than --dataset"):
+        bench.main(["--dataset", str(tmp_path / "elsewhere" / "other")] + argv[2:])
+    with pytest.raises(SystemExit, match="give one or the other"):
+        bench.main(argv + ["--weights", "none"])
+
+
 def test_the_search_verdict_needs_a_best_clear_of_chance():
     """A plain TPE whose every trial is still at chance has no best to reach: its "best" is
     the luckiest noise (synthetic seed 1's 4-epoch trials, 20.0% against 16.7% on 360)."""
