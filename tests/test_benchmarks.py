@@ -235,10 +235,11 @@ def test_pretrain_on_another_set_trains_the_start_weights_once(tmp_path, capsys)
             "--search-only", "--compare-search", "--search-trials", "1", "--pretrain-on",
             str(other), "--", "--epochs", "2", "--image-size", "32"]
     assert bench.main(argv) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
     kept = list((tmp_path / "bench" / "pretrain" / "other-squeezenet1_1").glob("*_model.pt"))
     assert len(kept) == 1
-    assert f"start weights: trained here on {other} ({kept[0]})" in out
+    assert f"start weights: trained here on {other} ({kept[0]})" in captured.out
+    assert f"tensors from {kept[0]}" in captured.err  # the search's trials started from them
     first = kept[0].stat().st_mtime_ns
     assert bench.main(argv) == 0  # reused, not trained again
     assert kept[0].stat().st_mtime_ns == first
