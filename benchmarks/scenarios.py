@@ -132,6 +132,17 @@ def rows_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def figure(value: float, limit: float, decimals: int, sign: str = "") -> str:
+    """`value` to `decimals`, or to more where that rounding would print the limit itself, so
+    that the figure beside "met" or "MISSED" says which side of the limit it is on (0.502x is
+    not 0.50x)."""
+    for d in range(decimals, decimals + 3):
+        text = f"{value:{sign}.{d}f}"
+        if float(text) != limit:
+            break
+    return text
+
+
 def targets(rows: list[dict]) -> list[str]:
     """Issue 16's targets, each met or missed, with the figure."""
     by = {r["scenario"]: r for r in rows}
@@ -143,22 +154,22 @@ def targets(rows: list[dict]) -> list[str]:
         r = by["resolution"]
         diff = 100 * (r["test_acc"] - base["test_acc"])
         out.append(f"{'met' if diff >= 0 else 'MISSED'}: resolution at least as accurate as the "
-                   f"baseline ({diff:+.1f} points)")
+                   f"baseline ({figure(diff, 0, 1, '+')} points)")
         reached = r.get("time_to_baseline_acc_s")
         ratio = None if reached is None else reached / base["total_s"]
         out.append(f"{'met' if ratio is not None and ratio <= 0.5 else 'MISSED'}: resolution "
                    f"reaches the baseline's val accuracy in <= 0.5x its time "
-                   f"({'never' if ratio is None else f'{ratio:.2f}x'})")
+                   f"({'never' if ratio is None else figure(ratio, 0.5, 2) + 'x'})")
     if "hpo" in by:
         diff = 100 * (by["hpo"]["test_acc"] - base["test_acc"])
         out.append(f"{'met' if diff >= 3 else 'MISSED'}: hpo at least 3 points above the "
-                   f"baseline ({diff:+.1f} points)")
+                   f"baseline ({figure(diff, 3, 1, '+')} points)")
     for r in rows:
         measuring = (r.get("autotune") or {}).get("seconds")
         if measuring is not None:
             share = measuring / r["total_s"]
             out.append(f"{'met' if share < 0.1 else 'MISSED'}: {r['scenario']} measuring under "
-                       f"10% of its wall time ({100 * share:.1f}%)")
+                       f"10% of its wall time ({figure(100 * share, 10, 1)}%)")
     n_test = base.get("n_test")
     if n_test:
         se = 100 * accuracy_se(base["test_acc"], n_test)

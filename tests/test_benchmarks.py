@@ -249,6 +249,22 @@ def test_pretrain_on_another_set_trains_the_start_weights_once(tmp_path, capsys)
         bench.main(argv + ["--weights", "none"])
 
 
+def test_a_target_figure_never_prints_the_limit_it_missed():
+    """0.502x of the baseline's time is MISSED against 0.5x: printed as 0.50x it read as met."""
+    bench = _benchmark_module("scenarios")
+    base = {"scenario": "baseline", "test_acc": 0.50, "total_s": 100.0, "n_test": 1200}
+    res = {"scenario": "resolution", "test_acc": 0.4996, "total_s": 90.0,
+           "time_to_baseline_acc_s": 50.2, "autotune": {"seconds": 8.996}}
+    hpo = {"scenario": "hpo", "test_acc": 0.52996, "total_s": 90.0}
+    lines = bench.targets([base, res, hpo])
+    assert "MISSED: resolution at least as accurate as the baseline (-0.04 points)" in lines
+    assert any(line.startswith("MISSED: resolution reaches") and line.endswith("(0.502x)")
+               for line in lines)
+    assert "MISSED: hpo at least 3 points above the baseline (+2.996 points)" in lines
+    assert "met: resolution measuring under 10% of its wall time (9.996%)" in lines
+    assert bench.figure(0.34, 0.5, 2) == "0.34" and bench.figure(3.2, 3, 1, "+") == "+3.2"
+
+
 def test_the_search_verdict_needs_a_best_clear_of_chance():
     """A plain TPE whose every trial is still at chance has no best to reach: its "best" is
     the luckiest noise (synthetic seed 1's 4-epoch trials, 20.0% against 16.7% on 360)."""
