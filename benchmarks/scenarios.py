@@ -138,7 +138,7 @@ def figure(value: float, limit: float, decimals: int, sign: str = "") -> str:
     not 0.50x)."""
     for d in range(decimals, decimals + 3):
         text = f"{value:{sign}.{d}f}"
-        if float(text) != limit:
+        if float(text) != limit or value == limit:
             break
     return text
 

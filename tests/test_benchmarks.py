@@ -263,6 +263,7 @@ def test_a_target_figure_never_prints_the_limit_it_missed():
     assert "MISSED: hpo at least 3 points above the baseline (+2.996 points)" in lines
     assert "met: resolution measuring under 10% of its wall time (9.996%)" in lines
     assert bench.figure(0.34, 0.5, 2) == "0.34" and bench.figure(3.2, 3, 1, "+") == "+3.2"
+    assert bench.figure(0.5, 0.5, 2) == "0.50"  # on the limit itself: met, as printed
 
 
 def test_the_search_verdict_needs_a_best_clear_of_chance():
