@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 # reached it); hyperband runs such brackets (with trials this short, one); median stops a trial
 # below the median of earlier ones at the same epoch. The first rung is late: from scratch,
 # learning curves cross in the first epochs (a lower learning rate leaves the starting plateau
-# later, then overtakes).
+# later, then overtakes). Before it, a trial that has itself left chance can be stopped at
+# epochs 1, 3, 9 ... (early_rungs): from pretrained weights every curve leaves it at once.
 # none: every trial trains its whole budget (plain TPE, for comparison).
 PRUNERS = ("asha", "hyperband", "median", "none")
 REDUCTION_FACTOR = 3
@@ -106,18 +107,34 @@ def first_rung(epochs: int) -> int:
     return max(1, math.ceil(2 * epochs / 3))
 
 
+def early_rungs(epochs: int) -> list[int]:
+    """The epochs before the first rung at which a trial that has itself left chance can be
+    stopped already: 1, 3, 9 ... (successive halving's own spacing). From pretrained weights
+    every curve leaves chance in the first epoch, and waiting for two thirds of each trial
+    stopped the poor ones a quarter of their epochs early at most (docs/tuning.md)."""
+    late, rungs, r = first_rung(epochs), [], 1
+    while r < late:
+        rungs.append(r)
+        r *= REDUCTION_FACTOR
+    return rungs
+
+
 class _BeyondNoise(optuna.pruners.BasePruner):
     """`pruner`, whose stop holds only when the trial is clearly behind: some trial at the same
     epoch beats it by more than one standard error of the difference on the validation set,
     and some trial has left chance (two standard errors above 1 / classes) at that epoch.
     Before that, ranking prunes by noise: from scratch, good configurations can sit at chance
     for an epoch or two, and with few trials at a rung successive halving keeps only the top
-    one, however close the next."""
+    one, however close the next.
+
+    At the `early` epochs, before `pruner`'s first rung, the same rule (outside the top third
+    of the trials at that epoch, and clearly behind) stops a trial only once it has itself left
+    chance: a trial still at chance may be one that leaves it late and then leads."""
 
     def __init__(self, pruner: optuna.pruners.BasePruner, n_val: int, num_classes: int,
-                 epochs: int):
+                 epochs: int, early: list[int] | tuple[int, ...] = ()):
         self.pruner, self.n_val, self.num_classes = pruner, n_val, num_classes
-        self.epochs = epochs
+        self.epochs, self.early = epochs, tuple(early)
 
     def prune(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> bool:
         step = trial.last_step
@@ -126,15 +143,21 @@ class _BeyondNoise(optuna.pruners.BasePruner):
         # trial has left chance, can be asked that late.)
         if step is None or step >= self.epochs:
             return False
-        leader = max(t.intermediate_values[step] for t in study.get_trials(deepcopy=False)
-                     if step in t.intermediate_values)
+        here = [t.intermediate_values[step] for t in study.get_trials(deepcopy=False)
+                if step in t.intermediate_values]
+        leader, value = max(here), trial.intermediate_values[step]
+        if step in self.early:
+            if not informative(value, self.n_val, self.num_classes):
+                return False
+            # successive halving's promotion rule: in the top third of the trials at the rung
+            top = sorted(here, reverse=True)[max(0, len(here) // REDUCTION_FACTOR - 1)]
+            return value < top and beats(leader, value, self.n_val)
         # clearly_ahead, in two parts: successive halving is not asked before some trial has
         # left chance, and is asked even when the stop will not hold (it records the rung as
         # it answers).
         if not informative(leader, self.n_val, self.num_classes):
             return False
-        return self.pruner.prune(study, trial) and \
-            beats(leader, trial.intermediate_values[step], self.n_val)
+        return self.pruner.prune(study, trial) and beats(leader, value, self.n_val)
 
 
 def storage_error(url: str, exc: Exception) -> UserError:
@@ -420,7 +443,7 @@ class OptunaTuner:
             return epochs
         if pruner == "median":  # it judges from the epoch after its warm-up
             return min(epochs, MEDIAN_WARMUP + 1)
-        return first_rung(epochs)
+        return (early_rungs(epochs) or [first_rung(epochs)])[0]
 
     def _make_pruner(self) -> optuna.pruners.BasePruner:
         if self.pruner == "median":
@@ -434,7 +457,8 @@ class OptunaTuner:
         else:
             pruner = optuna.pruners.SuccessiveHalvingPruner(min_resource=self.first_rung(),
                                                             reduction_factor=REDUCTION_FACTOR)
-        return _BeyondNoise(pruner, len(self.index.val), len(self.index.classes), self.epochs)
+        return _BeyondNoise(pruner, len(self.index.val), len(self.index.classes), self.epochs,
+                            () if self.pruner == "median" else early_rungs(self.epochs))
 
     def _log_trial(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
         value = "-" if trial.value is None else f"{trial.value:.4f}"
