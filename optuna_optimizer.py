@@ -111,7 +111,7 @@ def early_rungs(epochs: int) -> list[int]:
     """The epochs before the first rung at which a trial that has itself left chance can be
     stopped already: 1, 3, 9 ... (successive halving's own spacing). From pretrained weights
     every curve leaves chance in the first epoch, and waiting for two thirds of each trial
-    stopped the poor ones a quarter of their epochs early at most (docs/tuning.md)."""
+    stopped the poor ones only in their last third (docs/tuning.md)."""
     late, rungs, r = first_rung(epochs), [], 1
     while r < late:
         rungs.append(r)
