@@ -443,7 +443,7 @@ class OptunaTuner:
             return epochs
         if pruner == "median":  # it judges from the epoch after its warm-up
             return min(epochs, MEDIAN_WARMUP + 1)
-        return (early_rungs(epochs) or [first_rung(epochs)])[0]
+        return 1  # a trial clear of chance after its first epoch (early_rungs; or first_rung 1)
 
     def _make_pruner(self) -> optuna.pruners.BasePruner:
         if self.pruner == "median":

@@ -515,7 +515,7 @@ def test_a_trial_that_has_left_chance_can_be_stopped_before_the_first_rung(index
                                                                            monkeypatch):
     """From pretrained weights every curve leaves chance in the first epoch: a trial clearly
     behind there is stopped after epoch 1, not 3 (replayed on five studies from stand-in
-    weights, 0.44-0.62x of plain TPE's epochs where the first rung alone gave 0.78-0.86x, the
+    weights, 0.44-0.84x of plain TPE's epochs where the first rung alone gave 0.78-0.86x, the
     best trial never stopped). Three classes, 1,000 validation images: chance 33%. A trial
     still at chance after epoch 1 waits for the first rung, as from scratch: it may leave
     chance late and lead. So does one within the noise of the leader."""
