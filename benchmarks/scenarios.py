@@ -80,26 +80,28 @@ def data_folder(name: str, root: Path) -> list[str]:
 PRETRAIN_SIZE, PRETRAIN_EPOCHS = 64, 12
 
 
-def check_pretrain(name: str, dataset: str, pipeline_args: list[str]) -> None:
-    """--pretrain-on's one-line refusals, before any data is made or trained."""
+def pretrain_model(name: str, dataset: str, pipeline_args: list[str]) -> str:
+    """The model --pretrain-on trains (the pipeline's, as its options after -- choose it),
+    after its one-line refusals, before any data is made or trained."""
     if Path(name).name == Path(dataset).name:
         raise SystemExit(f"--pretrain-on {name}: pretrain on another set than --dataset, or "
                          "the scenarios are tested on images their start weights were trained on")
-    if any(a == "--weights" or a.startswith("--weights=") for a in pipeline_args):
+    parser = pipeline.build_parser()
+    parser.set_defaults(weights=None)  # given or not, whatever its value
+    try:
+        options = parser.parse_args(pipeline_args)
+    except pipeline.UserError as exc:  # the pipeline's own one line, as pipeline.main gives it
+        raise SystemExit(f"error: {exc}") from None
+    if options.weights is not None:
         raise SystemExit("--pretrain-on sets the pipeline's --weights: give one or the other")
+    return options.model
 
 
-def pretrained_weights(name: str, pipeline_args: list[str], out: Path, device: str) -> Path:
+def pretrained_weights(name: str, model: str, out: Path, device: str) -> Path:
     """Weights trained here on all of another offline set: the benchmark's stand-in for
     ImageNet weights, which cannot be fetched offline, so that the scenarios can be measured
     starting as a user's do, from weights whose curves leave chance in the first epoch. The
     baseline's setup trains them once; they are kept in OUT/pretrain and reused."""
-    model = "squeezenet1_1"  # the pipeline's, unless its options after -- name another
-    for i, a in enumerate(pipeline_args):
-        if a == "--model" and i + 1 < len(pipeline_args):
-            model = pipeline_args[i + 1]
-        elif a.startswith("--model="):
-            model = a.split("=", 1)[1]
     folder = out / "pretrain" / f"{Path(name).name}-{model}"
     kept = sorted(folder.glob("*_model.pt"))
     if not kept:
@@ -363,11 +365,11 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     if args.pretrain_on:
-        check_pretrain(args.pretrain_on, args.dataset, args.pipeline_args)
+        model = pretrain_model(args.pretrain_on, args.dataset, args.pipeline_args)
     data = data_folder(args.dataset, out / "data")  # first: an unknown set stops here
     start = []
     if args.pretrain_on:
-        weights = pretrained_weights(args.pretrain_on, args.pipeline_args, out, args.device)
+        weights = pretrained_weights(args.pretrain_on, model, out, args.device)
         args.pipeline_args = args.pipeline_args + ["--weights", str(weights)]
         start = [f"start weights: trained here on {args.pretrain_on} ({weights})"]
     started = time.perf_counter()

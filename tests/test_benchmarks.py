@@ -247,6 +247,10 @@ def test_pretrain_on_another_set_trains_the_start_weights_once(tmp_path, capsys)
         bench.main(["--dataset", str(tmp_path / "elsewhere" / "other")] + argv[2:])
     with pytest.raises(SystemExit, match="give one or the other"):
         bench.main(argv + ["--weights", "none"])
+    with pytest.raises(SystemExit, match="give one or the other"):
+        bench.main(argv + ["--weig=none"])  # as the pipeline's own parser reads it
+    with pytest.raises(SystemExit, match="^error: argument --epochs"):  # one line, no traceback
+        bench.main(argv + ["--epochs", "zero"])
 
 
 def test_a_target_figure_never_prints_the_limit_it_missed():
