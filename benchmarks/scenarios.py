@@ -17,6 +17,8 @@ user's runs start from, which cannot be fetched offline.
   python benchmarks/scenarios.py --dataset digits --quick --json others/bench_digits.json
   pip install --no-deps animal-mnist==0.4   # its data only; its loader would pull TensorFlow
   python benchmarks/scenarios.py --dataset animals --quick
+  pip install --no-deps elpv-dataset==1.0.0.post1   # solar cells at 300x300: size decides detail
+  python benchmarks/scenarios.py --dataset elpv --quick
   python benchmarks/scenarios.py --dataset digits --quick --pretrain-on animals
 """
 from __future__ import annotations
