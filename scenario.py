@@ -54,8 +54,12 @@ log = logging.getLogger("scenario")
 SCENARIOS = ("baseline", "resolution", "hpo")
 # --quick: images per class and split, and epochs; small enough for minutes on a 2-core CPU.
 # Validation and test are large enough to tell candidates apart: 360 validation images give a
-# standard error of about 2.6 points at 50% accuracy, 1,200 test images about 1.4.
+# standard error of about 2.6 points at 50% accuracy, 1,200 test images about 1.4. With fewer
+# classes than the default workload's QUICK_EVAL_CLASSES they keep those totals, spread over the
+# classes there are (quick_per_class): two classes would otherwise validate on 120 images
+# (+-4.6 points), too few to tell sizes or trials apart.
 QUICK_PER_CLASS = {"train": 200, "val": 60, "test": 200}
+QUICK_EVAL_CLASSES = 6
 QUICK_EPOCHS = 12
 QUICK_IMAGE_SIZE = {"cpu": 64, "cuda": 150}   # pixels; CPU time grows with the square
 SYNTHETIC_PER_CLASS = (400, 100)              # train, test images per class when generated
@@ -336,6 +340,13 @@ def epochs_at_size(epochs: int, size: int, default_size: int | None) -> int:
     return epochs
 
 
+def quick_per_class(n_classes: int) -> dict[str, int]:
+    """--quick's images per class and split for a set of n_classes: QUICK_PER_CLASS, with
+    validation and test raised to what it gives QUICK_EVAL_CLASSES classes in all."""
+    return {split: n if split == "train" else max(n, -(-n * QUICK_EVAL_CLASSES // n_classes))
+            for split, n in QUICK_PER_CLASS.items()}
+
+
 def load_data(args: RunOptions, output_dir: Path) -> DatasetIndex:
     per_class = QUICK_SYNTHETIC_PER_CLASS if args.quick else SYNTHETIC_PER_CLASS
     # The generated set is local with --local-dir (an output dir on Google Drive would serve
@@ -349,7 +360,7 @@ def load_data(args: RunOptions, output_dir: Path) -> DatasetIndex:
     index = index_dataset(root, name, seed=args.seed, numbered_below=dict(
         zip(("train", "test"), per_class)) if generated else None)
     if args.quick:
-        index = subset(index, QUICK_PER_CLASS)
+        index = subset(index, quick_per_class(len(index.classes)))
     log.info("data: %s", index.summary())
     return index
 

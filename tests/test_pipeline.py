@@ -221,6 +221,26 @@ def test_quick_is_the_small_cpu_preset():
     assert scenario.QUICK_SYNTHETIC_PER_CLASS == (260, 200)  # generated: train + val, test
 
 
+def test_quick_keeps_validation_and_test_large_enough_with_few_classes(tmp_path):
+    """Two classes get the six-class preset's 360 validation and 1,200 test images in all
+    (as many as the folder has), not 120 and 400: 120 validation images cannot tell 5 points."""
+    assert scenario.quick_per_class(2) == {"train": 200, "val": 180, "test": 600}
+    assert scenario.quick_per_class(4) == {"train": 200, "val": 90, "test": 300}
+    assert scenario.quick_per_class(6) == scenario.quick_per_class(10) == scenario.QUICK_PER_CLASS
+    from PIL import Image
+    for split, n in (("train", 400), ("test", 700)):
+        for label in ("ok", "cracked"):
+            folder = tmp_path / "data" / split / label
+            folder.mkdir(parents=True)
+            for i in range(n):
+                Image.new("L", (4, 4), i % 250).save(folder / f"{i}.png")
+    out = tmp_path / "out"
+    args = pipeline.parse_args(["--quick", "--data-dir", str(tmp_path / "data"), "--output-dir", str(out)])
+    index = scenario.load_data(args, out)
+    # validation: 25% of 400 held out of each class's train/ (a small set), all of it kept
+    assert (len(index.train), len(index.val), len(index.test)) == (400, 200, 1200)
+
+
 def test_quick_run_does_all_three_scenarios_on_synthetic_data(tmp_path, monkeypatch):
     """The whole --quick path on generated data: smaller and shorter than the preset
     (test_quick_is_the_small_cpu_preset) so that it takes seconds, every part still run."""
