@@ -22,7 +22,10 @@ def test_baseline_learns_handwritten_digits(tmp_path):
                           "--weights", "none", "--no-progress", "--output-dir", str(out)]) == 0
     row = json.loads((out / "results.json").read_text())[0]
     assert row["settings"]["model"] == "squeezenet1_1"
-    assert row["test_acc"] > 0.3  # ten classes: chance is 0.1 (measured here: 0.41)
+    # Ten classes, 200 test images: chance is 0.1 +- 0.02. Measured 0.295-0.65 over seeds 42, 1,
+    # 2, 3 with one and two threads on an AMD EPYC (0.295 with one thread, seed 42, as a 2-core
+    # CI's test worker has), 0.41 on a Xeon: the bound asks for learning, clear of chance.
+    assert row["test_acc"] > 0.2
 
 
 def _fake_elpv(root: Path, rows: list[tuple[str, float, str]]) -> Path:
