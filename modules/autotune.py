@@ -63,6 +63,8 @@ LOADER_HEADROOM = 1.1
 # Choices made in this process, by speed_key: a later scenario at the same size and batch
 # reuses them instead of measuring again.
 _RESULTS: dict[str, tuple[TrainConfig, dict[str, Any]]] = {}
+# The knobs raced one after another (the rest are decided after them, in their own way).
+_RACED = ("cpu_threads", "channels_last", "amp", "optimizer_impl", "dropout_impl", "cpu_allocator")
 # Fields that change what a run learns but not how fast a step runs.
 _NOT_SPEED = ("weights", "epochs", "lr", "weight_decay", "momentum", "scheduler",
               "warmup_epochs", "early_stopping_patience", "max_nonfinite_steps", "seed", "progress")
@@ -508,6 +510,16 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
         plan.append(("dropout_impl", ["native", "bytemask"]))
     if device.type == "cpu":  # last: whether freed memory is worth keeping depends on the others
         plan.append(("cpu_allocator", hostmem.candidates()))
+    # A knob measured for these settings at another size in this run starts at that choice:
+    # it is the one to beat, and the one kept when the budget runs out before its races (a
+    # short run at a smaller size often cannot afford them).
+    carried_px, carried = _measured_at_other_size(key)
+    carried = {k: carried[k] for k, cands in plan if k in carried and carried[k] in cands}
+    if carried:
+        plan = [(k, [carried[k]] + [c for c in cands if c != carried[k]]) if k in carried
+                else (k, cands) for k, cands in plan]
+        log.info("autotune: starting from the choices measured at %d px in this run (%s)",
+                 carried_px, ", ".join(f"{k} {_label(v)}" for k, v in carried.items()))
     # Every measured knob starts at its first candidate (the thread count in use; "auto" names
     # the same amp and kernels differently), so the probe a knob's choice leaves is its
     # successor's first candidate, raced again rather than built again. compile is decided
@@ -573,7 +585,8 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
         if budget_s is not None and budget_left() < race_s * (len(candidates) - 1):
             knobs[knob] = {"choice": getattr(config, knob), "img_s": {}, "reason": (
                 f"not measured: {max(0.0, budget_left()):.1f} s left of the measuring budget "
-                f"({budget_s:.1f} s), too little for its races")}
+                f"({budget_s:.1f} s), too little for its races"
+                + (f"; as measured at {carried_px} px in this run" if knob in carried else ""))}
             log.info("autotune: %s = %s (%s)", knob, _label(knobs[knob]["choice"]),
                      knobs[knob]["reason"])
             continue
@@ -648,6 +661,25 @@ def speed_key(config: TrainConfig, num_classes: int, fixed: frozenset[str] = fro
     speed = {k: v for k, v in config.to_dict().items() if k not in _NOT_SPEED}
     return json.dumps({"config": speed, "classes": num_classes, "fixed": sorted(fixed),
                        "tune_batch": tune_batch, "cached_data": cached_data}, sort_keys=True)
+
+
+def _measured_at_other_size(key: str) -> tuple[int | None, dict[str, Any]]:
+    """The knobs raced in this run for the settings of `key` at the nearest other input size:
+    (that size, {knob: choice}); (None, {}) when none were. Only raced choices count, not
+    those kept unmeasured, so no guess is passed on."""
+    want = json.loads(key)
+    size = want["config"].pop("image_size")
+    best: tuple[int, int, dict[str, Any]] | None = None
+    for other, (_, findings) in _RESULTS.items():
+        have = json.loads(other)
+        other_size = have["config"].pop("image_size")
+        if have != want or other_size == size:
+            continue
+        raced = {k: v["choice"] for k, v in findings["knobs"].items()
+                 if v.get("img_s") and k in _RACED}
+        if raced and (best is None or abs(other_size - size) < best[0]):
+            best = (abs(other_size - size), other_size, raced)
+    return (best[1], best[2]) if best else (None, {})
 
 
 def _with_run_fields(tuned: TrainConfig, start: TrainConfig) -> TrainConfig:

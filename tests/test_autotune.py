@@ -447,3 +447,27 @@ def test_the_compute_probe_times_the_step_that_trains_clipping_included():
     moved = torch.sqrt(sum(((p.detach() - b) ** 2).sum()
                            for p, b in zip(probe.model.parameters(), before)))
     assert 0 < moved <= 1.01e-6  # lr x the clipped gradient norm
+
+
+def test_a_knob_raced_at_another_size_in_the_run_is_where_the_next_size_starts(monkeypatch):
+    """The resolution scenario measures at the default size; a smaller size's short run then
+    has too little budget for the amp race. It starts from, and keeps, the choice raced at the
+    other size (bf16 here, twice as fast), not fp32; a choice kept unmeasured is passed on to
+    no one, and without a size measured before, the starting value stays."""
+    _fake_speeds(monkeypatch, lambda config: 2000.0 if config.amp == "bf16" else 1000.0)
+    alone, report = at.autotune(_config(image_size=20), 3, planned_steps=10, budget_share=0.1)
+    assert alone.amp == "off" and report["knobs"]["amp"]["reason"].startswith("not measured: ")
+    at._RESULTS.clear()
+
+    measured, report = at.autotune(_config(image_size=32), 3, planned_steps=10)
+    assert measured.amp == "bf16" and report["knobs"]["amp"]["img_s"]  # raced
+    small, report = at.autotune(_config(image_size=20), 3, planned_steps=10, budget_share=0.1)
+    amp = report["knobs"]["amp"]
+    assert small.amp == "bf16" and amp["choice"] == "bf16" and amp["img_s"] == {}
+    assert amp["reason"].startswith("not measured: ") and "as measured at 32 px in this run" in amp["reason"]
+    # 24 px is nearer 20 px than 32 px, but nothing was raced at 20 px: 32 px's choice is taken
+    _, report = at.autotune(_config(image_size=24), 3, planned_steps=10, budget_share=0.1)
+    assert "as measured at 32 px" in report["knobs"]["amp"]["reason"]
+    # another batch is other settings: nothing carried
+    other, _ = at.autotune(_config(image_size=20, batch_size=8), 3, planned_steps=10, budget_share=0.1)
+    assert other.amp == "off"
