@@ -68,7 +68,7 @@ def export_elpv(root, per_class=None, test_share=0.4, seed=0):
     Two classes, copied at their own size into train/ and test/: 'defective' (2/3 or 1: 821)
     and 'functional' (0), drawn to the same count of each cell type as the defective ones, so
     that the type (the most visible difference) tells nothing; the uncertain 1/3 is left out.
-    test_share of each class and type is the test split: 657 images at 0.4, where the pipeline's
+    test_share of each class and type is the test split: 658 images at 0.4, where the pipeline's
     20% of a folder of class folders would leave 328, too few to tell 3 points (one standard
     error is 1.4-2 points at 80-90%)."""
     try:

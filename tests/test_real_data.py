@@ -67,6 +67,13 @@ def test_elpv_export_balances_defective_against_functional_cells_of_each_type(tm
     assert all(by_name[n] > 0.5 for n in files("train", "defective") + files("test", "defective"))
     assert all(by_name[n] == 0 for n in files("train", "functional") + files("test", "functional"))
 
+    # per_class: fewer of each class, the types in the same shares (10 mono : 4 poly)
+    small = export_elpv(tmp_path / "small", per_class=7, test_share=0.4)
+    for label in ("defective", "functional"):
+        names = [p.name for p in (small / "train" / label).iterdir()] + \
+            [p.name for p in (small / "test" / label).iterdir()]
+        assert sorted(n.split("-")[0] for n in names) == ["mono"] * 5 + ["poly"] * 2
+
 
 def test_elpv_export_without_its_package_says_how_to_install_it(tmp_path, monkeypatch):
     from real_data import export_elpv
