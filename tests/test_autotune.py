@@ -450,8 +450,8 @@ def test_the_compute_probe_times_the_step_that_trains_clipping_included():
 
 
 def test_a_knob_raced_at_another_size_in_the_run_is_where_the_next_size_starts(monkeypatch):
-    """The resolution scenario measures at the default size; a smaller size's short run then
-    has too little budget for the amp race. It starts from, and keeps, the choice raced at the
+    """The resolution scenario measures at the default size; the hpo scenario's short trials
+    at a smaller picked size then leave too little budget for the amp race. It starts from, and keeps, the choice raced at the
     other size (bf16 here, twice as fast), not fp32; a choice kept unmeasured is passed on to
     no one, and without a size measured before, the starting value stays."""
     _fake_speeds(monkeypatch, lambda config: 2000.0 if config.amp == "bf16" else 1000.0)
