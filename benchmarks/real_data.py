@@ -84,13 +84,13 @@ def export_elpv(root, per_class=None, test_share=0.4, seed=0):
             groups.setdefault(("defective" if probability > 0.5 else "functional", kind), []).append(path)
     rng = random.Random(seed)
     root = Path(root)
+    all_defective = sum(len(paths) for (label, _), paths in groups.items() if label == "defective")
     for kind in sorted({kind for _, kind in groups}):
         defective = sorted(groups.get(("defective", kind), []))
         functional = sorted(groups.get(("functional", kind), []))
         n = min(len(defective), len(functional))
         if per_class is not None:  # the same share of each type as in the whole set
-            total = sum(len(paths) for (label, _), paths in groups.items() if label == "defective")
-            n = min(n, round(per_class * len(defective) / total))
+            n = min(n, round(per_class * len(defective) / all_defective))
         for label, paths in (("defective", defective), ("functional", functional)):
             chosen = rng.sample(paths, n)
             n_test = round(n * test_share)
