@@ -193,11 +193,14 @@ class OptunaTuner:
                  local_dir: str | Path | None = None, data_fingerprint: str | None = None,
                  overwrite: bool = False, weights_dir: str | Path | None = None,
                  earlier: EarlierTrial | None = None, study_count: bool = False,
-                 shared: bool = False):
+                 shared: bool = False, final_size: int | None = None):
         """n_trials: the study's size (on a shared --storage, this worker's trials); with
         study_count and resume, a study's own count (what it was asked for) wins over it.
         shared: other workers search the study too (the user gave --storage, whatever the
-        database): it is joined when it exists, and never deleted."""
+        database): it is joined when it exists, and never deleted. final_size: the size the
+        final run trains at, when the trials train at a smaller one (base.image_size, a
+        cheaper look): a kept default continues from the earlier trial at that size, and the
+        chosen trial's epoch seconds are scaled to it (final_epoch_seconds)."""
         if isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials < 1:
             raise UserError(f"n_trials must be an integer >= 1, but got n_trials={n_trials!r}.")
         if timeout_s is not None and (isinstance(timeout_s, bool)
@@ -231,6 +234,7 @@ class OptunaTuner:
         # The default trial's weights and the best trial's so far are kept here (weights_for).
         self.weights_dir = Path(weights_dir) if weights_dir else None
         self.earlier = earlier  # the default trial's result when it matches (_reused_default)
+        self.final_size = final_size or base.image_size
         self.seed = base.seed if seed is None else seed
         # SQLite by default: a file in the output folder outlives a crashed Colab session. With
         # local_dir the file lives there and is copied to the output folder after every trial:
@@ -387,18 +391,22 @@ class OptunaTuner:
         the epochs they trained, and which trial they are from. The default configuration
         continues from the earlier trial instead of its own when that trained what it learns
         (TrainConfig.learning_settings: the autotuner may pick other speed knobs at another
-        size) for more epochs and reached at least its validation accuracy: the final run
+        size) at the final run's size, and either the trials trained at a smaller one (the
+        earlier trial is the same start at the size the final run trains) or it trained for
+        more epochs and reached at least the default trial's validation accuracy: the final run
         continues from the most-trained weights of what it trains."""
         if params is not None:
             return (*self.weights_for(params), "the chosen trial")
         weights, epochs = self.weights_for(None)
         e, default = self.earlier, self._default_trial()
+        final = {**self.default_config().learning_settings(), "image_size": self.final_size}
         if e is not None and e.weights is not None and e.weights.exists() and \
-                len(e.val_curve) > epochs and \
-                {**e.config.learning_settings(), "epochs": self.epochs} == \
-                self.default_config().learning_settings() and \
-                (default is None or max(e.val_curve, default=0.0) >= (default.value or 0.0)):
-            return e.weights, len(e.val_curve), e.source
+                {**e.config.learning_settings(), "epochs": self.epochs} == final:
+            if self.final_size != self.base.image_size and len(e.val_curve) >= epochs:
+                return e.weights, len(e.val_curve), e.source
+            if len(e.val_curve) > epochs and \
+                    (default is None or max(e.val_curve, default=0.0) >= (default.value or 0.0)):
+                return e.weights, len(e.val_curve), e.source
         return weights, epochs, "the default trial"
 
     def curve_for(self, params: dict | None) -> list[tuple[float, float]]:
@@ -598,7 +606,8 @@ class OptunaTuner:
                 "default_reused_from": default.user_attrs.get("reused_from") if default else None,
                 "n_val": n_val, "trial_epochs": self.epochs,
                 "chosen_params": params, "keeps_default": params is None, "choice": reason,
-                "chosen_epoch_s": self.epoch_seconds(params),
+                "chosen_epoch_s": self.final_epoch_seconds(params),
+                "trial_size": self.base.image_size,
                 "n_trials": len(states), "n_pruned": states.count(optuna.trial.TrialState.PRUNED),
                 "n_complete": complete, "time_budget_s": self.timeout_s,
                 "search_s": round(self.search_seconds(), 1), "study_name": self.study_name,
@@ -639,7 +648,9 @@ class OptunaTuner:
                 f"cannot resume study {self.study_name!r} in {where}: its trials trained "
                 + ", ".join(f"{k}={recorded[k]}" for k in differ) + ", this run's would train "
                 + ", ".join(f"{k}={setup[k]}" for k in differ) + " (resume with the settings "
-                "it started with, or give this run its own study; nothing was deleted).")
+                "it started with" + (f", --search-size {recorded['image_size']} for its size"
+                                     if "image_size" in differ else "")
+                + ", or give this run its own study; nothing was deleted).")
         if saved is None:
             self.study.set_user_attr("trial_setup", setup)
 
@@ -659,6 +670,19 @@ class OptunaTuner:
             return None
         epochs, wall = trial.user_attrs.get("epochs_run"), trial.user_attrs.get("wall_s")
         return wall / epochs if epochs and wall else None
+
+    def final_epoch_seconds(self, params: dict | None) -> float | None:
+        """epoch_seconds(params) at the final run's size: scaled by what the earlier trial (the
+        default configuration at that size) took per epoch against the default trial here,
+        else by the ratio of pixels, when the trials trained at a smaller size."""
+        seconds = self.epoch_seconds(params)
+        if seconds is None or self.final_size == self.base.image_size:
+            return seconds
+        e, here = self.earlier, self.epoch_seconds(None)
+        if e is not None and e.config.image_size == self.final_size and e.val_curve and \
+                e.wall_s and here:
+            return seconds * (e.wall_s / len(e.val_curve)) / here
+        return seconds * (self.final_size / self.base.image_size) ** 2
 
     def choice(self) -> tuple[dict | None, str]:
         """(the parameters the final run should train, why); None keeps the default

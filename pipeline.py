@@ -32,8 +32,8 @@ from modules.files import write_error
 from modules.models import check_weights_file
 from optuna_optimizer import PRUNERS
 # The library API the notebook and README call through this module.
-from scenario import (MAX_EPOCH_FACTOR, N_TRIALS, QUICK_N_TRIALS, SCENARIOS,  # noqa: F401
-                      TIME_SHARE, RunOptions, estimate, load_data, prepare_output_dir,
+from scenario import (FIDELITY_FROM, FIDELITY_SCALE, MAX_EPOCH_FACTOR, N_TRIALS,  # noqa: F401
+                      QUICK_N_TRIALS, SCENARIOS, TIME_SHARE, RunOptions, estimate, load_data, prepare_output_dir,
                       resolve_device, run, run_folder, scenario_config)
 
 log = logging.getLogger("pipeline")
@@ -83,6 +83,19 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _search_size(text: str) -> int | str:
+    if text in ("auto", "full"):
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto, full or a size in pixels, got "
+                                         f"{text!r}") from None
+    if not 1 <= value <= MAX_IMAGE_SIZE:
+        raise argparse.ArgumentTypeError(f"must be auto, full or 1..{MAX_IMAGE_SIZE}, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="pipeline.py", description="Train an image classifier on this machine's "
                 "hardware and write results, plots, model and logs to --output-dir.")
@@ -129,6 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="how the search stops trials that fall behind: asha (successive "
                            "halving, default), hyperband, median, or none (every trial trains "
                            "its whole budget: plain TPE)")
+    tune.add_argument("--search-size", type=_search_size, default="auto", metavar="auto|full|N",
+                      help=f"the size the search's trials train at: auto (default) trains "
+                           f"them at {FIDELITY_SCALE:g}x the final run's size from "
+                           f"{FIDELITY_FROM} px up, a cheaper look that ranks configurations "
+                           "the same way; full at the final run's size; or N pixels")
     tune.add_argument("--storage", metavar="URL",
                       help="a database whose study every run given it joins (default: a "
                            "study of the run's own in sqlite:///DIR/optuna.db); e.g. "
@@ -184,7 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 # options that only one scenario reads
 UNUSED_WITHOUT = {"resolutions": "resolution", "n_trials": "hpo", "time_budget": "hpo",
-                  "pruner": "hpo", "storage": "hpo", "worker_seed": "hpo"}
+                  "pruner": "hpo", "storage": "hpo", "worker_seed": "hpo",
+                  "search_size": "hpo"}
 
 
 def parse_args(argv: list[str] | None = None) -> RunOptions:
@@ -222,6 +241,12 @@ def parse_args(argv: list[str] | None = None) -> RunOptions:
                 dataclasses.replace(config, image_size=size)
             except UserError as exc:
                 raise UserError(f"--resolutions: {size} px is refused ({str(exc).rstrip('.')}).") from None
+        if name == "hpo" and isinstance(args.search_size, int):
+            try:
+                dataclasses.replace(config, image_size=args.search_size)
+            except UserError as exc:
+                raise UserError(f"--search-size: {args.search_size} px is refused "
+                                f"({str(exc).rstrip('.')}).") from None
     return args
 
 

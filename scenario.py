@@ -74,6 +74,11 @@ WARMUP_EPOCHS = 1.0  # of a final run that continues a trial's weights (warm_sta
 # baseline for the choice the first few had already made (docs/tuning.md), and a faster device
 # fits more trials in the same share.
 SEARCH_SHARE = 1.0
+# From this size up the search's trials train at FIDELITY_SCALE of it (to a multiple of 16), a
+# cheaper first look: 112 px ranked the search's configurations as 150 px did, for about half
+# the trial seconds (docs/tuning.md). Below it the lower size is one the resolution tuner often
+# picks for itself, and the saving is small against losing the reused default trial.
+FIDELITY_FROM, FIDELITY_SCALE = 144, 0.75
 AUTOTUNE_CACHE = "autotune_cache.json"  # in the output dir: choices by machine, reused by later runs
 QUICK_SYNTHETIC_PER_CLASS = (QUICK_PER_CLASS["train"] + QUICK_PER_CLASS["val"],
                              QUICK_PER_CLASS["test"])
@@ -101,6 +106,7 @@ class RunOptions:
     time_budget: float | None
     pruner: str
     storage: str | None
+    search_size: int | str
     model: str
     weights: str
     epochs: int | None
@@ -310,12 +316,30 @@ def tuning_runs(name: str, args: RunOptions, config: TrainConfig, device: torch.
 def least_tuning_epochs(name: str, args: RunOptions, config: TrainConfig, index: DatasetIndex,
                         device: torch.device, default_size: int | None = None) -> float:
     """The fewest epochs (at the scenario's size) its tuning can train: every trial that can
-    be stopped stopped where it first can be."""
+    be stopped stopped where it first can be; the search's, at a smaller size (search_size),
+    counted as the epochs at the scenario's size that cost what they do, by their pixels."""
     if name == "resolution":
         return ResolutionTuner(index, config, tuned_resolutions(args, device, config.image_size),
                                epochs=short_budget(config)).least_compute()
     budget = search_epochs(config, default_size)
-    return budget + (trial_count(args) - 1) * OptunaTuner.shortest_trial(args.pruner, budget)
+    epochs = budget + (trial_count(args) - 1) * OptunaTuner.shortest_trial(args.pruner, budget)
+    return epochs * (search_size(args, config.image_size) / config.image_size) ** 2
+
+
+def search_size(args: RunOptions, size: int) -> int:
+    """The size the search's trials train at, for a final run at `size`: --search-size N; the
+    size itself with --search-size full or below FIDELITY_FROM; else FIDELITY_SCALE of it, to
+    a multiple of 16 (a cheaper look that ranks configurations as the size itself does)."""
+    if isinstance(args.search_size, int):
+        return args.search_size
+    if args.search_size == "full" or size < FIDELITY_FROM:
+        return size
+    return lower_size(size)
+
+
+def lower_size(size: int) -> int:
+    """FIDELITY_SCALE of `size`, to a multiple of 16 (at least 16, at most `size`)."""
+    return min(size, max(16, round(size * FIDELITY_SCALE / 16) * 16))
 
 
 def short_budget(config: TrainConfig) -> int:
@@ -729,18 +753,23 @@ def tune_hyperparameters(config: TrainConfig, args: RunOptions, index: DatasetIn
         return distributed.from_main(None), {}
     n_trials = trial_count(args)
     trial_epochs = search_epochs(config, default_size)
+    trial_size = search_size(args, config.image_size)
     stopping = {"asha": "successive halving over epochs", "hyperband": "Hyperband over epochs",
                 "median": "median stopping over epochs", "none": "no trial stopped early"}
-    log.info("== hyperparameter search: %d trials of %d epochs at %d px (the default "
-             "configuration first), %s%s", n_trials, trial_epochs, config.image_size,
-             stopping.get(args.pruner, args.pruner), "" if budget[0] is None else
+    log.info("== hyperparameter search: %d trials of %d epochs at %d px%s (the default "
+             "configuration first), %s%s", n_trials, trial_epochs, trial_size,
+             "" if trial_size == config.image_size else
+             f", a cheaper look for the final run's {config.image_size} px (--search-size full "
+             "searches at that size)", stopping.get(args.pruner, args.pruner),
+             "" if budget[0] is None else
              f"; no trial started after {budget[0]:.0f} s of trials ({budget[1]})")
     # Batch sizes are searched only up to what the GPU holds at this resolution.
     largest = max_batch_size(config, len(index.classes), device, upto=max(BATCH_SIZES))
     # A study of its own for each run in the output dir's SQLite file; on a shared --storage
     # one study per dataset that every worker joins, each sampling from its own seed.
     shared = args.storage is not None
-    tuner = OptunaTuner(index, config, output_dir=output_dir, n_trials=n_trials,
+    tuner = OptunaTuner(index, dataclasses.replace(config, image_size=trial_size),
+                        output_dir=output_dir, n_trials=n_trials, final_size=config.image_size,
                         timeout_s=budget[0], storage=args.storage, resume=args.resume,
                         epochs=trial_epochs, max_batch_size=largest, local_dir=args.local_dir,
                         pruner=args.pruner,

@@ -296,7 +296,7 @@ def compare_fidelity(data: list[str], args, out: Path) -> list[str]:
     # Only the search space and the default configuration are used: no study file is written.
     tuner = OptunaTuner(index, config, output_dir=out, epochs=scenario.short_budget(config),
                         storage="sqlite:///:memory:")
-    low_size = args.fidelity_size or max(32, round(config.image_size * 0.75 / 16) * 16)
+    low_size = args.fidelity_size or scenario.lower_size(config.image_size)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     draw = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=ns.seed))
     configs = [tuner.default_config()] + [
@@ -356,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compare-fidelity", action="store_true",
                    help="does a lower input size rank the search's configurations the same way")
     p.add_argument("--fidelity-size", type=int,
-                   help="the lower size (default: 3/4 of the search's, to a multiple of 16)")
+                   help="the lower size (default: 3/4 of the search's, to a multiple of 16, "
+                        "as the search's --search-size auto)")
     p.add_argument("--fidelity-configs", type=int, default=8)
     p.add_argument("--pretrain-on", metavar="SET",
                    help="start every run from weights trained here on all of another set (a "

@@ -170,7 +170,8 @@ def test_a_study_whose_trials_trained_otherwise_is_refused(index, tmp_path, monk
     tuner(index, tmp_path, n_trials=1).run()
     for kwargs, message in (({"epochs": 3}, "epochs=2, this run's would train epochs=3"),
                             ({"base": dataclasses.replace(BASE, image_size=48)},
-                             "image_size=24, this run's would train image_size=48")):
+                             "image_size=24, this run's would train image_size=48 "
+                             r"\(.*--search-size 24 for its size")):
         base = kwargs.pop("base", BASE)
         with pytest.raises(UserError, match=f"trained {message}.*nothing was deleted"):
             OptunaTuner(index, base, output_dir=tmp_path / "hpo", batch_sizes=(8, 16),
@@ -470,6 +471,45 @@ def test_the_default_continues_from_a_longer_earlier_trial_of_the_same_settings(
     t = tuner(index, tmp_path / "other", n_trials=1, earlier=other)
     t.run()
     assert t.start_for(None)[2] == "the default trial"  # other settings: never
+
+
+def test_trials_at_a_smaller_size_than_the_final_run(index, tmp_path, monkeypatch):
+    """Trials train at a cheaper size (BASE's 24 px) for a final run at 32 px: the earlier
+    trial, at 32 px, is not the default trial, but a kept default continues from it (the same
+    start at the final run's size); the chosen trial's epoch seconds are scaled to 32 px by
+    what the default configuration took per epoch at each size, else by their pixels."""
+    monkeypatch.setattr(optuna_optimizer, "fit", lambda idx, config, on_epoch: SimpleNamespace(
+        **vars(fake_fit(idx, config, on_epoch)), model=torch.nn.Linear(1, 1)))
+    weights = tmp_path / "resolution-32px.weights.pt"
+    weights.write_bytes(b"weights")
+    probe = tuner(index, tmp_path / "probe")
+    earlier = optuna_optimizer.EarlierTrial(
+        config=dataclasses.replace(probe.default_config(), image_size=32), val_curve=[0.2, 0.4],
+        weights=weights, wall_s=3.0, samples_per_s=50.0, source="the 32 px trial")
+    t = tuner(index, tmp_path / "a", n_trials=1, earlier=earlier, final_size=32,
+              weights_dir=tmp_path / "a" / "w")
+    summary = t.run()
+    assert "reused_from" not in t.study.trials[0].user_attrs  # it trained at another size
+    assert summary["trial_size"] == 24 and t.study.user_attrs["trial_setup"]["image_size"] == 24
+    assert t.start_for(None) == (weights, 2, "the 32 px trial")
+    here = t.epoch_seconds(None)  # the default trial's, at 24 px
+    assert here == pytest.approx(0.01 / 2)
+    assert t.final_epoch_seconds(None) == pytest.approx(3.0 / 2)  # 1.5 s an epoch at 32 px
+    assert summary["chosen_epoch_s"] == pytest.approx(3.0 / 2)
+    # without the earlier trial: by pixels; trials at the final run's size: as measured
+    t = tuner(index, tmp_path / "b", n_trials=1, final_size=32, weights_dir=tmp_path / "b" / "w")
+    t.run()
+    assert t.final_epoch_seconds(None) == pytest.approx(here * (32 / 24) ** 2)
+    assert t.start_for(None)[2] == "the default trial"
+    t = tuner(index, tmp_path / "c", n_trials=1)
+    t.run()
+    assert t.final_epoch_seconds(None) == t.epoch_seconds(None)
+    # an earlier trial of other learning settings at 32 px is never the start
+    other = dataclasses.replace(earlier, config=dataclasses.replace(earlier.config, lr=0.05))
+    t = tuner(index, tmp_path / "d", n_trials=1, earlier=other, final_size=32,
+              weights_dir=tmp_path / "d" / "w")
+    t.run()
+    assert t.start_for(None)[2] == "the default trial"
 
 
 def test_asha_prunes_on_equal_epochs(index, tmp_path, monkeypatch):

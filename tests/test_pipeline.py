@@ -783,6 +783,46 @@ def test_schedule_momentum_cudnn_and_pruner_options_reach_the_run(tmp_path, monk
     assert seen["pruner"] == "hyperband"
 
 
+def test_the_search_looks_at_a_smaller_size_from_144_px_up(tmp_path, monkeypatch):
+    """From FIDELITY_FROM up the search's trials train at 3/4 of the final run's size, to a
+    multiple of 16 (auto); --search-size full keeps the final run's size, N sets it. The
+    final run trains at its own size, and the measuring budget counts the cheaper trials."""
+    size = lambda value, px: scenario.search_size(  # noqa: E731
+        pipeline.parse_args([] if value is None else ["--search-size", value]), px)
+    assert [size(None, px) for px in (64, 128, 144, 150, 160, 176, 192)] == \
+        [64, 128, 112, 112, 128, 128, 144]
+    assert size("full", 192) == 192 and size("96", 150) == 96 and size("auto", 150) == 112
+    for bad, said in (("half", "expected auto, full or a size"), ("0", "must be auto, full"),
+                      ("-5", "must be auto, full")):
+        with pytest.raises(pipeline.UserError, match=f"--search-size: {said}"):
+            pipeline.parse_args(["--search-size", bad])
+    with pytest.raises(pipeline.UserError, match="--search-size: 8 px is refused"):
+        pipeline.parse_args(["--search-size", "8"])
+    assert pipeline.options(search_size="full").search_size == "full"
+    data = make_folder(tmp_path / "d")
+    index = pipeline.load_data(pipeline.parse_args(["--data-dir", str(data)]), tmp_path)
+    cpu = torch.device("cpu")
+    runs = [(pipeline.parse_args([] if value is None else ["--search-size", value]), trials)
+            for value, trials in ((None, 112), ("full", 150))]
+    config = pipeline.scenario_config("hpo", runs[0][0], cpu)
+    assert config.image_size == 150
+    least = [scenario.least_tuning_epochs("hpo", args, config, index, cpu) for args, _ in runs]
+    assert least[0] == pytest.approx(least[1] * (112 / 150) ** 2)
+    seen = {}
+
+    class Recorded(Exception):
+        pass
+
+    def tuner(index, base, **kwargs):
+        seen.update(kwargs, base=base)
+        raise Recorded
+    monkeypatch.setattr(scenario, "OptunaTuner", tuner)
+    for args, trials in runs:
+        with pytest.raises(Recorded):
+            scenario.tune_hyperparameters(config, args, index, tmp_path, cpu)
+        assert (seen["base"].image_size, seen["final_size"]) == (trials, 150)
+
+
 def test_the_search_stops_at_the_baselines_time_unless_the_user_bounds_it():
     """Without --n-trials or --time-budget the search's trials train at most SEARCH_SHARE of
     the baseline's total time; the user's bound wins, and a shared study's workers each run
