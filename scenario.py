@@ -594,7 +594,8 @@ def estimate(args: RunOptions, index: DatasetIndex) -> dict[str, Any]:
         runs = tuning_runs(name, args, config, device)
         decode = (runs if name == "resolution" else 1) * (n_train + n_eval) * decode_s
         tuning = runs * short_budget(config) * epoch_s
-        if name == "hpo":  # the search's time budget, as search_budget sets it
+        if name == "hpo":  # its trials' size (search_size), and the time budget (search_budget)
+            tuning *= (search_size(args, config.image_size) / config.image_size) ** 2
             bound = search_budget(args, scenarios.get("baseline"))[0]
             tuning = tuning if bound is None else min(tuning, bound)
         tuning += decode

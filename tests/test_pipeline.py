@@ -757,6 +757,11 @@ def test_the_estimate_covers_every_scenario_and_match_times_fill(small, tmp_path
         assert plain["scenarios"][name] > 0
         assert 1.2 * plain["scenarios"][name] < filled["scenarios"][name] \
             <= 3 * plain["scenarios"][name]
+    # trials at 112 px for a 150 px final run (--search-size auto) cost less than at 150 px
+    at_150 = [*argv[:2], "--image-size", "150", *argv[4:], "--no-match-time", "--scenarios", "hpo"]
+    auto, full = (pipeline.estimate(pipeline.parse_args(at_150 + extra), index)["scenarios"]["hpo"]
+                  for extra in ([], ["--search-size", "full"]))
+    assert auto < full
 
 
 def test_schedule_momentum_cudnn_and_pruner_options_reach_the_run(tmp_path, monkeypatch):
