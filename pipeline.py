@@ -33,8 +33,8 @@ from modules.models import check_weights_file
 from optuna_optimizer import PRUNERS
 # The library API the notebook and README call through this module.
 from scenario import (FIDELITY_FROM, FIDELITY_SCALE, MAX_EPOCH_FACTOR, N_TRIALS,  # noqa: F401
-                      QUICK_N_TRIALS, SCENARIOS, TIME_SHARE, RunOptions, estimate, load_data, prepare_output_dir,
-                      resolve_device, run, run_folder, scenario_config)
+                      QUICK_N_TRIALS, SCENARIOS, TIME_SHARE, RunOptions, estimate, load_data,
+                      prepare_output_dir, resolve_device, run, run_folder, scenario_config)
 
 log = logging.getLogger("pipeline")
 

@@ -760,8 +760,8 @@ def tune_hyperparameters(config: TrainConfig, args: RunOptions, index: DatasetIn
     log.info("== hyperparameter search: %d trials of %d epochs at %d px%s (the default "
              "configuration first), %s%s", n_trials, trial_epochs, trial_size,
              "" if trial_size == config.image_size else
-             f", a cheaper look for the final run's {config.image_size} px (--search-size full "
-             "searches at that size)", stopping.get(args.pruner, args.pruner),
+             f" for a final run at {config.image_size} px (--search-size)",
+             stopping.get(args.pruner, args.pruner),
              "" if budget[0] is None else
              f"; no trial started after {budget[0]:.0f} s of trials ({budget[1]})")
     # Batch sizes are searched only up to what the GPU holds at this resolution.
