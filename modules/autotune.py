@@ -63,8 +63,6 @@ LOADER_HEADROOM = 1.1
 # Choices made in this process, by speed_key: a later scenario at the same size and batch
 # reuses them instead of measuring again.
 _RESULTS: dict[str, tuple[TrainConfig, dict[str, Any]]] = {}
-# The knobs raced one after another (the rest are decided after them, in their own way).
-_RACED = ("cpu_threads", "channels_last", "amp", "optimizer_impl", "dropout_impl", "cpu_allocator")
 # Fields that change what a run learns but not how fast a step runs.
 _NOT_SPEED = ("weights", "epochs", "lr", "weight_decay", "momentum", "scheduler",
               "warmup_epochs", "early_stopping_patience", "max_nonfinite_steps", "seed", "progress")
@@ -513,8 +511,7 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
     # A knob measured for these settings at another size in this run starts at that choice:
     # it is the one to beat, and the one kept when the budget runs out before its races (a
     # short run at a smaller size often cannot afford them).
-    carried_px, carried = _measured_at_other_size(key)
-    carried = {k: carried[k] for k, cands in plan if k in carried and carried[k] in cands}
+    carried_px, carried = _measured_at_other_size(key, plan)
     if carried:
         plan = [(k, [carried[k]] + [c for c in cands if c != carried[k]]) if k in carried
                 else (k, cands) for k, cands in plan]
@@ -663,10 +660,13 @@ def speed_key(config: TrainConfig, num_classes: int, fixed: frozenset[str] = fro
                        "tune_batch": tune_batch, "cached_data": cached_data}, sort_keys=True)
 
 
-def _measured_at_other_size(key: str) -> tuple[int | None, dict[str, Any]]:
-    """The knobs raced in this run for the settings of `key` at the nearest other input size:
-    (that size, {knob: choice}); (None, {}) when none were. Only raced choices count, not
-    those kept unmeasured, so no guess is passed on."""
+def _measured_at_other_size(key: str, plan: list[tuple[str, list[Any]]]
+                            ) -> tuple[int | None, dict[str, Any]]:
+    """The knobs of `plan` raced in this run for the settings of `key` at the nearest other
+    input size where any was: (that size, {knob: choice}); (None, {}) when none were. Only
+    raced choices among the plan's candidates count, not those kept unmeasured, so no guess
+    is passed on."""
+    candidates = dict(plan)
     want = json.loads(key)
     size = want["config"].pop("image_size")
     best: tuple[int, int, dict[str, Any]] | None = None
@@ -676,7 +676,7 @@ def _measured_at_other_size(key: str) -> tuple[int | None, dict[str, Any]]:
         if have != want or other_size == size:
             continue
         raced = {k: v["choice"] for k, v in findings["knobs"].items()
-                 if v.get("img_s") and k in _RACED}
+                 if v.get("img_s") and v["choice"] in candidates.get(k, ())}
         if raced and (best is None or abs(other_size - size) < best[0]):
             best = (abs(other_size - size), other_size, raced)
     return (best[1], best[2]) if best else (None, {})
