@@ -193,14 +193,17 @@ class OptunaTuner:
                  local_dir: str | Path | None = None, data_fingerprint: str | None = None,
                  overwrite: bool = False, weights_dir: str | Path | None = None,
                  earlier: EarlierTrial | None = None, study_count: bool = False,
-                 shared: bool = False, final_size: int | None = None):
+                 shared: bool = False, final_size: int | None = None,
+                 keep_study_size: bool = False):
         """n_trials: the study's size (on a shared --storage, this worker's trials); with
         study_count and resume, a study's own count (what it was asked for) wins over it.
         shared: other workers search the study too (the user gave --storage, whatever the
         database): it is joined when it exists, and never deleted. final_size: the size the
         final run trains at, when the trials train at a smaller one (base.image_size, a
         cheaper look): a kept default continues from the earlier trial at that size, and the
-        chosen trial's epoch seconds are scaled to it (final_epoch_seconds)."""
+        chosen trial's epoch seconds are scaled to it (final_epoch_seconds). keep_study_size:
+        the trials' size was not the user's choice, so a resumed or joined study whose trials
+        trained at another size (a version with another rule) goes on at that size."""
         if isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials < 1:
             raise UserError(f"n_trials must be an integer >= 1, but got n_trials={n_trials!r}.")
         if timeout_s is not None and (isinstance(timeout_s, bool)
@@ -226,6 +229,7 @@ class OptunaTuner:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.n_trials, self.timeout_s, self.resume = n_trials, timeout_s, resume
         self.study_count, self.shared = study_count, shared
+        self.keep_study_size = keep_study_size
         self.new_trials = 0  # trials the last run() added
         # Marks the trials this process trains: on a shared study others train beside it.
         self.worker = f"{socket.gethostname()}:{os.getpid()}:{time.time()}"
@@ -643,6 +647,12 @@ class OptunaTuner:
             if ran and ran != {self.epochs}:
                 recorded = {"epochs": sorted(ran)[0]}
         differ = [k for k, v in (recorded or {}).items() if setup.get(k) != v]
+        if differ == ["image_size"] and self.keep_study_size:
+            log.info("study %r: its trials trained at %d px: the rest train there too, not at "
+                     "%d px (--search-size N chooses)", self.study_name, recorded["image_size"],
+                     self.base.image_size)
+            self.base = dataclasses.replace(self.base, image_size=recorded["image_size"])
+            return
         if differ:
             raise UserError(
                 f"cannot resume study {self.study_name!r} in {where}: its trials trained "

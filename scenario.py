@@ -771,6 +771,7 @@ def tune_hyperparameters(config: TrainConfig, args: RunOptions, index: DatasetIn
     shared = args.storage is not None
     tuner = OptunaTuner(index, dataclasses.replace(config, image_size=trial_size),
                         output_dir=output_dir, n_trials=n_trials, final_size=config.image_size,
+                        keep_study_size=args.search_size == "auto",
                         timeout_s=budget[0], storage=args.storage, resume=args.resume,
                         epochs=trial_epochs, max_batch_size=largest, local_dir=args.local_dir,
                         pruner=args.pruner,

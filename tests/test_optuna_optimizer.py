@@ -177,6 +177,18 @@ def test_a_study_whose_trials_trained_otherwise_is_refused(index, tmp_path, monk
             OptunaTuner(index, base, output_dir=tmp_path / "hpo", batch_sizes=(8, 16),
                         n_trials=2, resume=True, **{"epochs": 2, **kwargs}).run()
     assert tuner(index, tmp_path, n_trials=2, resume=True).run()["n_complete"] == 2
+    # a size the user did not choose (--search-size auto): the study's own is kept
+    kept = OptunaTuner(index, dataclasses.replace(BASE, image_size=48), output_dir=tmp_path / "hpo",
+                       batch_sizes=(8, 16), n_trials=3, resume=True, epochs=2,
+                       keep_study_size=True)
+    trained = []
+    monkeypatch.setattr(optuna_optimizer, "fit", lambda idx, config, on_epoch:
+                        trained.append(config.image_size) or fake_fit(idx, config, on_epoch))
+    assert kept.run()["trial_size"] == 24 and trained == [24]
+    with pytest.raises(UserError, match="would train image_size=48, epochs=3"):  # not only size
+        OptunaTuner(index, dataclasses.replace(BASE, image_size=48), output_dir=tmp_path / "hpo",
+                    batch_sizes=(8, 16), n_trials=4, resume=True, epochs=3,
+                    keep_study_size=True).run()
     older = tuner(index, tmp_path / "older", n_trials=1)
     older.run()
     older.study.set_user_attr("trial_setup", None)  # as a study from before the record
