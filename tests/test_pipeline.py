@@ -826,6 +826,7 @@ def test_the_search_looks_at_a_smaller_size_from_144_px_up(tmp_path, monkeypatch
         with pytest.raises(Recorded):
             scenario.tune_hyperparameters(config, args, index, tmp_path, cpu)
         assert (seen["base"].image_size, seen["final_size"]) == (trials, 150)
+        assert seen["keep_study_size"] == (args.search_size == "auto")  # a resumed study's size
 
 
 def test_the_search_stops_at_the_baselines_time_unless_the_user_bounds_it():
