@@ -404,13 +404,14 @@ class OptunaTuner:
         weights, epochs = self.weights_for(None)
         e, default = self.earlier, self._default_trial()
         final = {**self.default_config().learning_settings(), "image_size": self.final_size}
-        if e is not None and e.weights is not None and e.weights.exists() and \
-                {**e.config.learning_settings(), "epochs": self.epochs} == final:
-            if self.final_size != self.base.image_size and len(e.val_curve) >= epochs:
-                return e.weights, len(e.val_curve), e.source
-            if len(e.val_curve) > epochs and \
-                    (default is None or max(e.val_curve, default=0.0) >= (default.value or 0.0)):
-                return e.weights, len(e.val_curve), e.source
+        if e is None or e.weights is None or not e.weights.exists() or \
+                {**e.config.learning_settings(), "epochs": self.epochs} != final:
+            return weights, epochs, "the default trial"
+        at_final_size = self.final_size != self.base.image_size and len(e.val_curve) >= epochs
+        longer = len(e.val_curve) > epochs and \
+            (default is None or max(e.val_curve, default=0.0) >= (default.value or 0.0))
+        if at_final_size or longer:
+            return e.weights, len(e.val_curve), e.source
         return weights, epochs, "the default trial"
 
     def curve_for(self, params: dict | None) -> list[tuple[float, float]]:

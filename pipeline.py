@@ -26,7 +26,7 @@ import torch
 
 from modules import distributed
 from modules.config import (CPU_ALLOCATORS, DROPOUT_IMPLS, MAX_IMAGE_SIZE, MIN_IMAGE_SIZE, MODELS,
-                            SCHEDULERS, UserError)
+                            SCHEDULERS, TrainConfig, UserError)
 from modules.device import autocast_dtype
 from modules.files import write_error
 from modules.models import check_weights_file
@@ -237,17 +237,18 @@ def parse_args(argv: list[str] | None = None) -> RunOptions:
         if config.amp == "fp16":
             autocast_dtype(config.amp, device)  # refuses it on a CPU
         for size in (args.resolutions or []) if name == "resolution" else []:
-            try:
-                dataclasses.replace(config, image_size=size)
-            except UserError as exc:
-                raise UserError(f"--resolutions: {size} px is refused ({str(exc).rstrip('.')}).") from None
+            _check_size("--resolutions", config, size)
         if name == "hpo" and isinstance(args.search_size, int):
-            try:
-                dataclasses.replace(config, image_size=args.search_size)
-            except UserError as exc:
-                raise UserError(f"--search-size: {args.search_size} px is refused "
-                                f"({str(exc).rstrip('.')}).") from None
+            _check_size("--search-size", config, args.search_size)
     return args
+
+
+def _check_size(option: str, config: TrainConfig, size: int) -> None:
+    """Refuse, in one line naming `option`, a size `config`'s model cannot train at."""
+    try:
+        dataclasses.replace(config, image_size=size)
+    except UserError as exc:
+        raise UserError(f"{option}: {size} px is refused ({str(exc).rstrip('.')}).") from None
 
 
 def options(**values: Any) -> RunOptions:

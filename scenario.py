@@ -323,7 +323,7 @@ def least_tuning_epochs(name: str, args: RunOptions, config: TrainConfig, index:
                                epochs=short_budget(config)).least_compute()
     budget = search_epochs(config, default_size)
     epochs = budget + (trial_count(args) - 1) * OptunaTuner.shortest_trial(args.pruner, budget)
-    return epochs * (search_size(args, config.image_size) / config.image_size) ** 2
+    return epochs * search_cost(args, config.image_size)
 
 
 def search_size(args: RunOptions, size: int) -> int:
@@ -335,6 +335,11 @@ def search_size(args: RunOptions, size: int) -> int:
     if args.search_size == "full" or size < FIDELITY_FROM:
         return size
     return lower_size(size)
+
+
+def search_cost(args: RunOptions, size: int) -> float:
+    """What a trial's epoch costs against an epoch at `size`, by the pixels of search_size."""
+    return (search_size(args, size) / size) ** 2
 
 
 def lower_size(size: int) -> int:
@@ -595,7 +600,7 @@ def estimate(args: RunOptions, index: DatasetIndex) -> dict[str, Any]:
         decode = (runs if name == "resolution" else 1) * (n_train + n_eval) * decode_s
         tuning = runs * short_budget(config) * epoch_s
         if name == "hpo":  # its trials' size (search_size), and the time budget (search_budget)
-            tuning *= (search_size(args, config.image_size) / config.image_size) ** 2
+            tuning *= search_cost(args, config.image_size)
             bound = search_budget(args, scenarios.get("baseline"))[0]
             tuning = tuning if bound is None else min(tuning, bound)
         tuning += decode
