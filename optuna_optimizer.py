@@ -514,7 +514,8 @@ class OptunaTuner:
         self.study.sampler = optuna.samplers.TPESampler(
             seed=(self.seed + len(self.study.trials)) % 2**32, constant_liar=True)
         data = self.study.user_attrs.get("data_fingerprint")
-        if self.data_fingerprint and data and data != self.data_fingerprint:
+        if self.data_fingerprint and data and data != self.data_fingerprint and \
+                not self.index.same_data(data):  # an older version's form of the same data
             raise UserError(f"study {self.study_name!r} in {where} searched other data (its "
                             f"images differ from this run's): give this run its own study.")
         if self.data_fingerprint and not data:

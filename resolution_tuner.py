@@ -79,7 +79,7 @@ class ResolutionTuner:
         data = self.index.fingerprint(("train", "val"))  # what a trial's result depends on
         # Under torchrun every rank trains each size with the others (data-parallel), so all
         # take rank 0's journal and pick.
-        done = distributed.from_main(self._journaled(data) if self.resume and
+        done = distributed.from_main(self._journaled() if self.resume and
                                      distributed.is_main() else {})
         entries = []
         for size in self.training_order():
@@ -207,14 +207,14 @@ class ResolutionTuner:
         (scenario.fill_time)."""
         return equal_compute_epochs(self.epochs, self.default_size, size)
 
-    def _journaled(self, data: str) -> dict[str, ResolutionTrial]:
+    def _journaled(self) -> dict[str, ResolutionTrial]:
         """{config key: trial} from the journal, for the same data; {} when there is none or it
         cannot be read (then every size is trained)."""
         if self.journal is None or not self.journal.exists():
             return {}
         try:
             saved = json.loads(self.journal.read_text())
-            if saved["data"] != data:
+            if not self.index.same_data(saved["data"], ("train", "val")):
                 log.info("resolution tuning: the data changed since %s; training every size",
                          self.journal)
                 return {}

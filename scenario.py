@@ -859,18 +859,23 @@ def same_setup(args: RunOptions, index: DatasetIndex, device: torch.device
     (its size and epochs): a --quick run's rows are no baseline, and no picked size, for a
     full run, nor a CPU run's for a GPU run."""
     @functools.cache  # once, and only when there are earlier rows to match
-    def this_run() -> tuple[TrainConfig, str]:
-        return scenario_config("baseline", args, device), index.fingerprint()
+    def baseline() -> TrainConfig:
+        return scenario_config("baseline", args, device)
+
+    @functools.cache  # the rows share a fingerprint or two
+    def same_data(recorded: str) -> bool:
+        return index.same_data(recorded)
 
     def match(row: dict[str, Any]) -> bool:
-        base, fingerprint = this_run()
+        base = baseline()
         settings = row.get("settings") or {}
         if (row.get("model"), row.get("n_val"), row.get("n_test"),
                 str(settings.get("device", "")).split(":")[0]) != \
                 (base.model, len(index.val), len(index.test), device.type):
             return False
-        if row.get("data_fingerprint", fingerprint) != fingerprint:
-            return False  # another folder of the same name
+        recorded = row.get("data_fingerprint")
+        if recorded is not None and not same_data(recorded):
+            return False  # other images in a folder of the same name
         if row.get("scenario") == "baseline":
             return (settings.get("image_size"), settings.get("epochs")) == \
                 (base.image_size, base.epochs)

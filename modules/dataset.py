@@ -7,6 +7,7 @@ import logging
 import os
 import re
 import warnings
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -144,13 +145,30 @@ class DatasetIndex:
         return len(self.train) + len(self.val) + len(self.test)
 
     def fingerprint(self, splits: tuple[str, ...] = ("train", "val", "test")) -> str:
-        """A digest of the splits' images and labels: what results and checkpoints depend on,
-        so a run resumes only on the same data."""
+        """A digest of the splits' images, named by their path inside the data folder, and
+        labels: what results, studies and checkpoints depend on, so that a run resumes only on
+        the same data, wherever the folder is (a copy, another machine's download, a relative
+        --data-dir)."""
+        start, prefix = os.path.abspath(self.root), os.path.join(self.root, "")
+
+        def inside(path: str) -> str:  # listed below the root as given: no relpath needed
+            rel = path[len(prefix):] if path.startswith(prefix) else os.path.relpath(path, start)
+            return rel.replace(os.sep, "/")
+        return self._digest(splits, inside)
+
+    def same_data(self, recorded: str | None,
+                  splits: tuple[str, ...] = ("train", "val", "test")) -> bool:
+        """Whether a recorded fingerprint is this data's: as fingerprint() makes it, or as
+        versions before it made it, from the paths as listed (this folder, where it is now)."""
+        return recorded is not None and recorded in (self.fingerprint(splits),
+                                                     self._digest(splits, str))
+
+    def _digest(self, splits: tuple[str, ...], name: Callable[[str], str]) -> str:
         digest = hashlib.sha1()
         for split in splits:
             for path, label in getattr(self, split):
                 # fsencode: a file name that is not UTF-8 (zips made on Windows) hashes too
-                digest.update(os.fsencode(f"{path}\t{label}\n"))
+                digest.update(os.fsencode(f"{name(path)}\t{label}\n"))
             digest.update(b"\0")
         return digest.hexdigest()
 

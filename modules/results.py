@@ -109,7 +109,7 @@ def start_run(output_dir: Path, index: DatasetIndex, *, resume: bool, command: s
     latest = latest_run(output_dir)
     fingerprint = index.fingerprint()
     if resume and latest is not None:
-        if latest.get("data_fingerprint") != fingerprint:
+        if not index.same_data(latest.get("data_fingerprint")):
             before, now = latest.get("seed"), seed
             # the same images split otherwise: only then is the seed the difference
             seeds = before is not None and now is not None and before != now and \
@@ -121,7 +121,7 @@ def start_run(output_dir: Path, index: DatasetIndex, *, resume: bool, command: s
                 f"{index.name!r} ({index.n_images()} images"
                 + (f", --seed {now}" if seeds else "") + "): "
                 + (f"pass --seed {before} to continue it, or " if seeds else
-                   "other images, the same images in another folder, or another --seed's split; ")
+                   "other images or another --seed's split; ")
                 + "drop --resume to start a new run beside it (nothing is deleted).")
         log.info("resuming run %s (%s)", latest["run_id"], latest.get("command") or "")
         return latest["run_id"]
@@ -229,7 +229,7 @@ def keep_best_model(result: TrainResult, config: TrainConfig, index: DatasetInde
             log.warning("%s; kept it as %s", str(exc).rstrip("."), aside)
             previous = {}
         else:
-            other = previous.get("data_fingerprint", fingerprint) != fingerprint or \
+            other = not index.same_data(previous.get("data_fingerprint", fingerprint)) or \
                 list(saved["class_names"]) != list(index.classes)
             if other:  # its test accuracy was on other images: not comparable
                 aside = path.with_name(f"{path.stem}.other-data-{stamp}.pt")

@@ -39,6 +39,31 @@ def test_seeded_split_is_reproducible_and_differs_by_seed(folder):
     assert a.val != c.val
 
 
+def test_the_fingerprint_is_the_images_and_split_not_where_the_folder_is(folder, tmp_path,
+                                                                          monkeypatch):
+    """A copy of the folder, another machine's download or a relative --data-dir is the same
+    data; another split, a moved or a removed image is not. A fingerprint an older version
+    recorded (from the paths as listed) is still this data's, at the folder's own place."""
+    import shutil
+    here = index_dataset(folder, seed=3)
+    copy = index_dataset(shutil.copytree(folder, tmp_path / "elsewhere" / "data"), seed=3)
+    monkeypatch.chdir(folder.parent)
+    relative = index_dataset(Path(folder.name), seed=3)
+    monkeypatch.chdir(folder)
+    dot = index_dataset(Path("."), seed=3)
+    assert here.fingerprint() == copy.fingerprint() == relative.fingerprint() == dot.fingerprint()
+    assert here.train[0][0] != copy.train[0][0]  # the paths differ, the data does not
+    older = here._digest(("train", "val", "test"), str)
+    assert here.same_data(older) and relative.same_data(here.fingerprint())
+    assert not copy.same_data(older) and not here.same_data(None)
+    assert here.fingerprint() != index_dataset(folder, seed=4).fingerprint()
+    assert here.fingerprint(("train", "val")) != here.fingerprint()
+    (folder / "train" / "red" / "0.jpg").rename(folder / "train" / "blue" / "moved.jpg")
+    assert here.fingerprint() != index_dataset(folder, seed=3).fingerprint()
+    (folder / "train" / "blue" / "moved.jpg").unlink()
+    assert here.fingerprint() != index_dataset(folder, seed=3).fingerprint()
+
+
 @pytest.mark.parametrize("mode", ["L", "P", "RGBA", "CMYK", "I;16", "1", "LA"])
 def test_any_image_mode_becomes_rgb(tmp_path, mode):
     fmt = {"CMYK": "JPEG"}.get(mode, "PNG")

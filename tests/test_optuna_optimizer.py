@@ -162,6 +162,18 @@ def test_a_study_of_other_data_is_refused(index, tmp_path, monkeypatch):
         tuner(index, tmp_path, data_fingerprint="b", resume=True, n_trials=1).run()
 
 
+def test_a_study_an_older_version_recorded_for_this_data_goes_on(index, tmp_path, monkeypatch):
+    """Before fingerprints named images by their place inside the data folder, they named the
+    paths as listed: such a study, of these images at this place, is resumed, not refused."""
+    monkeypatch.setattr(optuna_optimizer, "fit", fake_fit)
+    older = index._digest(("train", "val", "test"), str)
+    assert older != index.fingerprint()
+    tuner(index, tmp_path, data_fingerprint=older, n_trials=1).run()
+    t = tuner(index, tmp_path, data_fingerprint=index.fingerprint(), resume=True, n_trials=2)
+    t.run()
+    assert len(t.study.trials) == 2 and t.study.user_attrs["data_fingerprint"] == older
+
+
 def test_a_study_whose_trials_trained_otherwise_is_refused(index, tmp_path, monkeypatch):
     """Trials are compared with each other: a resumed study whose trials trained another size
     or other epochs is refused in one line, nothing deleted; so is one from before the study

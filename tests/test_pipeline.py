@@ -918,7 +918,8 @@ def test_an_earlier_runs_rows_count_only_for_the_same_setup(tmp_path):
     same images, not another folder of the same name."""
     from types import SimpleNamespace
     from modules.results import previous_row
-    index = SimpleNamespace(name="d", val=[0] * 30, test=[0] * 40, fingerprint=lambda: "fp")
+    index = SimpleNamespace(name="d", val=[0] * 30, test=[0] * 40,
+                            same_data=lambda recorded: recorded == "fp")
     cpu = torch.device("cpu")
 
     def row(scenario, size, epochs, device="cpu", n_val=30, model="squeezenet1_1", trials=None):

@@ -1,6 +1,7 @@
 """Several runs into one output folder: nothing of an earlier run is lost, and --resume
 continues only a run on the same data."""
 import json
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -10,6 +11,7 @@ import pipeline
 import scenario
 from conftest import make_folder, run_path
 from modules.config import TrainConfig
+from modules.dataset import index_dataset
 from modules.models import build_model
 from modules.results import keep_best_model
 from modules.utility import load_model
@@ -62,6 +64,26 @@ def test_resume_on_other_data_is_refused_in_one_line(tmp_path, capsys):
     assert [r["dataset"] for r in rows(out)] == ["synthetic"]  # nothing was touched
 
 
+def test_resume_from_a_copy_of_the_data_continues_the_run(tmp_path):
+    """The data folder copied elsewhere (to a faster disk, another machine) and given by a
+    path of another form is the same data: --resume continues the run and its best model.
+    So is a run recorded by an older version, whose fingerprint named the paths as listed."""
+    data = make_folder(tmp_path / "d", n_train=8, n_test=3)
+    out = tmp_path / "out"
+    assert pipeline.main(["--data-dir", str(data), "--output-dir", str(out), *RUN]) == 0
+    copy = Path(shutil.copytree(data, tmp_path / "fast disk" / "d"))
+    latest = json.loads((out / "latest_run.json").read_text())
+    assert pipeline.main(["--data-dir", str(copy), "--output-dir", str(out), "--resume",
+                          *RUN]) == 0
+    assert {r["run_id"] for r in rows(out)} == {latest["run_id"]}
+    assert not list(out.glob("d_model.other-data-*.pt"))
+    older = index_dataset(data, "d")._digest(("train", "val", "test"), str)
+    (out / "latest_run.json").write_text(json.dumps({**latest, "data_fingerprint": older}))
+    assert pipeline.main(["--data-dir", str(data), "--output-dir", str(out), "--resume",
+                          *RUN]) == 0
+    assert {r["run_id"] for r in rows(out)} == {latest["run_id"]}
+
+
 def test_resume_with_another_seed_names_the_seed_to_pass(tmp_path, capsys):
     """Another --seed splits the same images otherwise: the two counts are equal, so the
     refusal says which seed the run was split with."""
@@ -89,7 +111,8 @@ def _keep(out: Path, test_acc: float, scenario: str, data: str = "same data",
            "confusion_matrix": [[1, 0], [0, 1]]}
     keep_best_model(SimpleNamespace(model=model),
                     TrainConfig(model="squeezenet1_1", image_size=32),
-                    SimpleNamespace(name="d", classes=list(classes)), row, out)
+                    SimpleNamespace(name="d", classes=list(classes),
+                                    same_data=lambda recorded: recorded == data), row, out)
     return load_model(out / "d_model.pt").meta["extra"]
 
 
