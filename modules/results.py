@@ -79,12 +79,18 @@ def _records(output_dir: Path) -> list[dict[str, Any]]:
                   reverse=True)
 
 
-def latest_run(output_dir: Path) -> dict[str, Any] | None:
-    """The record of the newest run in output_dir (what --resume continues), or None. Each
-    run's record is also kept in its checkpoints folder, so a lost or damaged latest_run.json
-    loses nothing; a run refused before it made anything (an option checked once the run
-    runs) is skipped, so it does not hide the interrupted run before it."""
-    return next((r for r in _records(output_dir) if not r.get("refused")), None)
+def latest_run(output_dir: Path, continuable: bool = False) -> dict[str, Any] | None:
+    """The record of the newest run in output_dir, or None. Each run's record is also kept in
+    its checkpoints folder, so a lost or damaged latest_run.json loses nothing; a run refused
+    before it made anything (an option checked once the run runs) is skipped, so it does not
+    hide the interrupted run before it. continuable (what --resume continues): the newest run
+    that left something to continue, when one did; a run stopped before its first checkpoint
+    (Ctrl-C on a run started without --resume) would hide the one that has."""
+    runs = [r for r in _records(output_dir) if not r.get("refused")]
+    if continuable:
+        return next((r for r in runs if _has_progress(output_dir, r["run_id"])),
+                    runs[0] if runs else None)
+    return runs[0] if runs else None
 
 
 def forget_refused_run(output_dir: Path, run_id: str) -> None:
@@ -106,7 +112,8 @@ def start_run(output_dir: Path, index: DatasetIndex, *, resume: bool, command: s
     """This run's id: with resume the newest run's, which must be on the same data; else a
     new one (the UTC time), recorded as the newest. Earlier runs' files stay. `seed`: the
     --seed the data was split with, recorded so that a refused resume can name it."""
-    latest = latest_run(output_dir)
+    newest = latest_run(output_dir)
+    latest = latest_run(output_dir, continuable=True) if resume else newest
     fingerprint = index.fingerprint()
     if resume and latest is not None:
         if not index.same_data(latest.get("data_fingerprint")):
@@ -124,11 +131,15 @@ def start_run(output_dir: Path, index: DatasetIndex, *, resume: bool, command: s
                    "other images or another --seed's split; ")
                 + "drop --resume to start a new run beside it (nothing is deleted).")
         log.info("resuming run %s (%s)", latest["run_id"], latest.get("command") or "")
+        if latest["run_id"] != newest["run_id"]:
+            log.info("the newer run %s left nothing to continue", newest["run_id"])
+            if distributed.is_main():  # the run being continued is the newest again
+                write_json(output_dir / RUN_FILE, latest)
         return latest["run_id"]
     if resume:
         log.info("--resume: no earlier run in %s; starting a new one", output_dir)
     run_id = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    taken = {latest["run_id"]} if latest else set()
+    taken = {newest["run_id"]} if newest else set()
     taken |= {p.name for p in (output_dir / "checkpoints").glob("*") if p.is_dir()}
     suffix = 1
     while run_id in taken:  # two runs started within one second

@@ -406,6 +406,35 @@ def test_resume_finds_the_interrupted_run_past_a_mistake_and_a_lost_record(tmp_p
     assert latest_run(out)["run_id"] == "20261127-100000"
 
 
+def test_resume_continues_the_run_with_progress_past_a_newer_empty_one(tmp_path, caplog):
+    """Run A was interrupted with checkpoints; run B, started without --resume by mistake,
+    was stopped before its first checkpoint. --resume continues A (B left nothing to
+    continue) and latest_run.json names A again; with no run that has progress, the newest."""
+    from types import SimpleNamespace
+    from modules.results import RUN_FILE, latest_run, start_run
+    out = tmp_path / "out"
+    for run_id, started in (("20261127-100000", "2026-11-27T10:00:00Z"),
+                            ("20261127-110000", "2026-11-27T11:00:00Z")):
+        folder = out / "checkpoints" / run_id
+        folder.mkdir(parents=True)
+        record = json.dumps({"run_id": run_id, "started": started, "data_fingerprint": "fp"})
+        (folder / "run.json").write_text(record)
+        (out / RUN_FILE).write_text(record)
+    index = SimpleNamespace(name="d", n_images=lambda: 9, fingerprint=lambda: "fp",
+                            same_data=lambda recorded: recorded == "fp")
+    resume = dict(index=index, resume=True, command="python pipeline.py --resume")
+    assert start_run(out, **resume) == "20261127-110000"  # neither has progress: the newest
+    (out / "checkpoints" / "20261127-100000" / "baseline.pt").write_bytes(b"a checkpoint")
+    assert latest_run(out)["run_id"] == "20261127-110000"
+    with caplog.at_level("INFO"):
+        assert start_run(out, **resume) == "20261127-100000"
+    assert "the newer run 20261127-110000 left nothing to continue" in caplog.text
+    assert json.loads((out / RUN_FILE).read_text())["run_id"] == "20261127-100000"
+    assert start_run(out, **resume) == "20261127-100000"
+    assert start_run(out, index=index, resume=False, command="") not in (
+        "20261127-100000", "20261127-110000")
+
+
 def test_a_typo_after_an_interrupted_run_does_not_take_over_resume(tmp_path, capsys):
     data = make_folder(tmp_path / "d", n_train=4, n_test=2)
     out = tmp_path / "o"
