@@ -62,12 +62,26 @@ def _atomic_write(path: Path, write, mode: str) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as exc:
+        # torch.save's RuntimeError ("unexpected pos") carries the OSError it met in its
+        # chain; else the free space says, looked at before the partial file frees it.
+        cause = _os_error(exc)
+        full = cause is None and isinstance(exc, RuntimeError) and disk_full(path.parent)
         Path(tmp).unlink(missing_ok=True)  # the previous file, if any, is untouched
-        if isinstance(exc, (OSError, RuntimeError)) and \
-                (isinstance(exc, OSError) or disk_full(path.parent)):
-            raise write_error(path, exc) from None
+        if cause is not None or full:
+            raise write_error(path, cause or exc) from None
         raise
     _fsync_dir(path.parent)
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The OSError `exc` is or was raised from (torch.save wraps it in a RuntimeError)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, OSError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def _create_temp(path: Path) -> tuple[int, Path]:

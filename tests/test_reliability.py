@@ -484,6 +484,32 @@ def test_a_folder_the_run_cannot_write_is_one_line(tmp_path, monkeypatch, capsys
         pipeline.main(["--data-dir", str(data), "--output-dir", str(tmp_path / "o"), *RUN])
 
 
+def test_a_disk_filled_by_a_large_checkpoint_is_one_line(tmp_path, monkeypatch):
+    """torch.save wraps the full disk's OSError in a RuntimeError ("unexpected pos"); once its
+    partial file is removed the disk has room again, so the free space alone would not say."""
+    import errno
+
+    from modules import files
+    from modules.config import UserError
+    path = tmp_path / "baseline.pt"
+    files.atomic_torch_save({"epoch": 1}, path)
+
+    def full(payload, f):
+        f.write(b"part of a checkpoint")
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError:
+            # as torch.save raises it: the OSError only as the context
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . "  # noqa: B904
+                               "unexpected pos 704 vs 598")
+    monkeypatch.setattr(files.torch, "save", full)
+    monkeypatch.setattr(files, "disk_full", lambda folder: False)
+    with pytest.raises(UserError, match="^no space left on the device holding"):
+        files.atomic_torch_save({"epoch": 2}, path)
+    assert [p.name for p in tmp_path.iterdir()] == ["baseline.pt"]
+    assert files.read_torch_file(path, "checkpoint") == {"epoch": 1}
+
+
 def test_a_failed_write_names_the_option_of_the_folder_it_was_in(tmp_path):
     """A full --local-dir is not fixed by another --output-dir; a file outside both (a
     download cache) names neither."""
