@@ -452,6 +452,12 @@ def index_dataset(root: Path, name: str | None = None, *, seed: int = 0, check: 
                          train=to_samples(scanned["train"]), val=to_samples(scanned["val"]),
                          test=to_samples(scanned["test"]), skipped=skipped, ignored=ignored)
     for split, what in (("val", "validation"), ("test", "test")):
+        if not getattr(index, split):  # nothing to choose by or report: refused before training
+            need = "at least 3 images" if layout == "class folders" else \
+                "at least 2 training images, or add a val folder beside train"
+            raise UserError(f"too few images to set aside a {what} split: {index.n_images()} "
+                            f"usable images in {len(classes)} classes in {str(root)!r}; give "
+                            f"each class {need}.")
         present = {label for _, label in getattr(index, split)}
         missing = [c for i, c in enumerate(classes) if i not in present]
         if missing:  # a class of one or two images: the seeded split left it out

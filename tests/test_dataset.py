@@ -116,13 +116,20 @@ def test_bad_files_are_skipped_counted_and_named(folder, caplog):
     ("all bad", "class 'green' in the train split has no usable images (12 undecodable"),
     ("class mismatch", "only in test: yellow"),
     ("no test", "has train/ but no test/"),
+    ("one training image per class", "too few images to set aside a validation split: 15 "
+                                     "usable images in 3 classes"),
+    ("two images per class", "give each class at least 3 images."),
 ])
 def test_clear_errors(tmp_path, breakage, message):
     root = tmp_path / "d"
-    if breakage == "no classes":
+    if breakage == "one training image per class":  # before, it trained and then crashed
+        make_folder(root, n_train=1)
+    elif breakage == "two images per class":
+        make_folder(root, layout="class folders", n_train=2, n_test=0)
+    elif breakage == "no classes":
         (root / "train").mkdir(parents=True)
         (root / "test").mkdir()
-    elif breakage != "missing":
+    elif breakage not in ("missing", "one training image per class", "two images per class"):
         make_folder(root)
     if breakage == "empty class":
         for f in (root / "train" / "green").iterdir():
