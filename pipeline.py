@@ -303,19 +303,23 @@ def user_error(exc: BaseException) -> str | None:
 
 def quiet_user_errors() -> None:
     """In IPython (the notebook): a UserError, or a folder the run cannot write, prints as the
-    command line prints it, one line without a traceback; the cell still fails, so "Run all"
-    stops there."""
+    command line prints it, one line without a traceback, and the Stop button says how to
+    continue; the cell still fails, so "Run all" stops there."""
     try:
         shell = get_ipython()  # type: ignore[name-defined]  # noqa: F821  (IPython's builtin)
     except NameError:
         return
     def one_line(shell, etype, value, tb, tb_offset=None):
+        if isinstance(value, KeyboardInterrupt):
+            print("interrupted: the checkpoints are kept; tick RESUME (resume=True) and run the "
+                  "cells again to continue.", file=sys.stderr)
+            return
         said = user_error(value)
         if said is None:
             shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
         else:
             print(f"error: {said}", file=sys.stderr)
-    shell.set_custom_exc((UserError, OSError), one_line)
+    shell.set_custom_exc((UserError, OSError, KeyboardInterrupt), one_line)
 
 
 def main(argv: list[str] | None = None) -> int:

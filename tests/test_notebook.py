@@ -211,6 +211,50 @@ def test_a_mistake_in_the_parameters_is_one_line_without_a_traceback(tmp_path):
         ("SystemExit", "error: USE_DRIVE needs Google Colab (its Drive)")]
 
 
+def test_drive_folders_are_checked_before_anything_is_written(tmp_path, monkeypatch):
+    """The options cell, up to the options: in Colab, an OUTPUT_DIR or DATA_DIR on Drive with
+    Drive not mounted, or USE_DRIVE with an OUTPUT_DIR of the machine, would keep the outputs
+    where a disconnect loses them (or read an empty folder): one line, before any is made. A
+    relative DATA_DIR is where the notebook started, not inside the clone."""
+    cell = source(cells()[4])
+    checks = cell[:cell.index("args = pipeline.options(")]
+    mount = tmp_path / "drive"
+    (tmp_path / "start" / "uploaded").mkdir(parents=True)
+
+    def run(**params):
+        names = {"IN_COLAB": True, "USE_DRIVE": False, "OUTPUT_DIR": "others", "DATA_DIR": "",
+                 "DRIVE_MOUNT": str(mount), "START": tmp_path / "start", "Path": Path, **params}
+        exec(checks, names)
+        return names
+    for params, said in (
+            ({"OUTPUT_DIR": str(mount / "MyDrive" / "runs")}, "error: OUTPUT_DIR is on Google "
+                                                              "Drive"),
+            ({"DATA_DIR": str(mount / "MyDrive" / "data")}, "error: DATA_DIR is on Google Drive"),
+            ({"USE_DRIVE": True, "OUTPUT_DIR": "/content/results"},
+             "error: USE_DRIVE keeps the outputs on Drive, but OUTPUT_DIR '/content/results'")):
+        with pytest.raises(SystemExit, match=re.escape(said)):
+            run(**params)
+    assert not mount.exists()
+    assert run(DATA_DIR="uploaded")["DATA_DIR"] == str(tmp_path / "start" / "uploaded")
+    assert run(DATA_DIR="elsewhere")["DATA_DIR"] == "elsewhere"  # left to the run's own check
+    (mount / "MyDrive").mkdir(parents=True)  # mounted by the user: the folders are Drive's
+    assert run(OUTPUT_DIR=str(mount / "MyDrive" / "runs"))["OUTPUT_DIR"] == \
+        str(mount / "MyDrive" / "runs")
+
+
+def test_the_stop_button_says_how_to_continue(monkeypatch, capsys):
+    """Stop (a KeyboardInterrupt) in a run cell: one line naming RESUME, not a traceback."""
+    handlers = {}
+    shell = type("Shell", (), {"set_custom_exc": lambda self, kinds, handler:
+                               handlers.update(kinds=kinds, handler=handler)})()
+    monkeypatch.setattr(pipeline, "get_ipython", lambda: shell, raising=False)
+    pipeline.quiet_user_errors()
+    assert KeyboardInterrupt in handlers["kinds"]
+    handlers["handler"](shell, KeyboardInterrupt, KeyboardInterrupt(), None)
+    assert capsys.readouterr().err == ("interrupted: the checkpoints are kept; tick RESUME "
+                                       "(resume=True) and run the cells again to continue.\n")
+
+
 # ----------------------------------------------------------------------------- simulated Colab
 
 FAKE_COLAB = {
@@ -268,10 +312,11 @@ def test_simulated_colab_clones_mounts_drive_and_resumes_after_a_disconnect(tmp_
     shutil.copy2(NOTEBOOK, notebook)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake), os.environ.get("PYTHONPATH", "")]),
            "FAKE_DRIVE": str(drive), "HOME": str(home), "PIP_NO_INPUT": "1"}
-    # Epochs of about a second: the session is cut well before the last one.
-    data = make_folder(tmp_path / "colours", n_train=150, n_test=10)
+    # Epochs of about a second: the session is cut well before the last one. The data was
+    # uploaded beside the notebook and named relatively, as the Files panel shows it.
+    make_folder(content / "colours", n_train=150, n_test=10)
     params = {"REPO_URL": str(repo), "REPO_REF": "main", "USE_DRIVE": True,
-              "DRIVE_MOUNT": str(content / "drive"), "DATA_DIR": str(data), "QUICK": False,
+              "DRIVE_MOUNT": str(content / "drive"), "DATA_DIR": "colours", "QUICK": False,
               "EPOCHS": 6, "IMAGE_SIZE": 32, "WEIGHTS": "none",
               "RUN_RESOLUTION_TUNING": False, "RUN_OPTUNA_HP_TUNING": False,
               "OPEN_TENSORBOARD": False}
