@@ -23,6 +23,7 @@ import optuna
 from modules import distributed
 from modules.checkpoints import save_weights
 from modules.config import OPTIMIZERS, TrainConfig, UserError, first_line
+from modules.files import kept_file
 from modules.oom import is_out_of_memory, release
 from modules.report import figure
 from modules.selection import accuracy_se, beats, informative, tie_margin
@@ -372,18 +373,19 @@ class OptunaTuner:
             # weights are that worker's, which may be continuing from them.
             mine = self.weights_dir.resolve()
             for t in complete:
-                kept = t.user_attrs.get("weights")
-                if kept and not t.user_attrs.get("default") and Path(kept).resolve().parent == mine:
-                    Path(kept).unlink(missing_ok=True)
+                kept = kept_file(t.user_attrs.get("weights"), self.weights_dir)
+                if kept and not t.user_attrs.get("default") and kept.resolve().parent == mine:
+                    kept.unlink(missing_ok=True)
 
     def weights_for(self, params: dict | None) -> tuple[Path | None, int]:
         """(the weights the completed trial of `params` ended with (None: the default trial's),
         its epochs), or (None, 0) when none were kept here."""
         trial = self._trial_for(params)
-        path = trial.user_attrs.get("weights") if trial is not None else None
-        if not path or not Path(path).exists():
+        path = kept_file(trial.user_attrs.get("weights"), self.weights_dir) \
+            if trial is not None else None
+        if path is None:
             return None, 0
-        return Path(path), int(trial.user_attrs.get("epochs_run") or self.epochs)
+        return path, int(trial.user_attrs.get("epochs_run") or self.epochs)
 
     def _trial_for(self, params: dict | None) -> optuna.trial.FrozenTrial | None:
         """The completed trial of `params` (None: the default trial), or None."""

@@ -34,7 +34,8 @@ from modules.dataset import (DatasetIndex, data_path_of, index_dataset, load_rgb
 from modules.device import apply_process_settings, autocast_dtype, resolve_device
 from modules.evaluation import evaluate
 from modules.fastdata import cache_fits
-from modules.files import atomic_write_text, folder_lock, name_folder, run_log, share_file
+from modules.files import (atomic_write_text, folder_lock, kept_file, name_folder, run_log,
+                           share_file)
 from modules.hardware import max_batch_size
 from modules.models import weights_file
 from modules.monitor import SystemSampler
@@ -812,6 +813,10 @@ def tune_hyperparameters(config: TrainConfig, args: RunOptions, index: DatasetIn
         # (and its warm-up: fill_time).
         before = dataclasses.replace(config, **{k: started[k] for k in (*OptunaTuner.SEARCHED,
                                                                        "weights") if k in started})
+        kept = kept_file(weights_file(before.weights),
+                         run_folder(output_dir, "checkpoints", args.run_id))
+        if kept is not None:  # the output dir may have moved since the checkpoint was written
+            before = dataclasses.replace(before, weights=str(kept))
         if not grow or all(getattr(before, k) == getattr(chosen, k) for k in OptunaTuner.SEARCHED):
             if grow:
                 log.info("hpo: the choice did not change: the final run is not trained again")

@@ -98,6 +98,19 @@ def _create_temp(path: Path) -> tuple[int, Path]:
     raise FileExistsError(errno.EEXIST, "no unused temporary file name", str(path.parent))
 
 
+def kept_file(recorded: str | os.PathLike | None, folder: Path | None) -> Path | None:
+    """A file recorded by its path when it was written into `folder` (a run's checkpoints
+    folder), where it is now: the output dir may have moved since (Drive mounted elsewhere, a
+    relative --output-dir given from another directory). None when it is in neither place."""
+    if not recorded:
+        return None
+    path = Path(recorded)
+    if path.exists():
+        return path
+    moved = Path(folder) / path.name if folder is not None else None
+    return moved if moved is not None and moved.exists() else None
+
+
 def disk_full(folder: Path) -> bool:
     """Whether the filesystem holding `folder` is (nearly) out of space. torch.save reports a
     full disk as a RuntimeError ("file write failed") without the errno, hence the check."""

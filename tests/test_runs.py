@@ -84,6 +84,26 @@ def test_resume_from_a_copy_of_the_data_continues_the_run(tmp_path):
     assert {r["run_id"] for r in rows(out)} == {latest["run_id"]}
 
 
+def test_a_moved_output_folder_resumes_the_hpo_final_run_from_its_kept_weights(tmp_path,
+                                                                               capsys):
+    """The checkpoint and the study record the trial weights by their path then; the output
+    folder moved (Drive mounted elsewhere, a relative --output-dir from another directory)
+    finds them in the run's folder where it is now, finished or not yet started."""
+    data = make_folder(tmp_path / "d", n_train=8, n_test=3)
+    hpo = ["--data-dir", str(data), "--scenarios", "hpo", "--n-trials", "1", "--no-autotune",
+           *RUN[2:]]
+    assert pipeline.main([*hpo, "--output-dir", str(tmp_path / "out")]) == 0
+    moved = tmp_path / "moved"
+    (tmp_path / "out").rename(moved)
+    assert pipeline.main([*hpo, "--output-dir", str(moved), "--resume"]) == 0
+    run_path(moved).joinpath("hpo.pt").unlink()  # as if stopped before the final run
+    capsys.readouterr()
+    assert pipeline.main([*hpo, "--output-dir", str(moved), "--resume"]) == 0
+    assert "the final run starts from the weights the default trial ended with" in \
+        capsys.readouterr().err
+    assert [r["scenario"] for r in rows(moved)] == ["hpo"]
+
+
 def test_resume_with_another_seed_names_the_seed_to_pass(tmp_path, capsys):
     """Another --seed splits the same images otherwise: the two counts are equal, so the
     refusal says which seed the run was split with."""
