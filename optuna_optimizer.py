@@ -19,6 +19,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 import optuna
+import sqlalchemy
 
 from modules import distributed
 from modules.checkpoints import save_weights
@@ -255,7 +256,7 @@ class OptunaTuner:
                 log.info("restoring the study from %s to %s", db, local)
                 _copy_sqlite(db, local)
             db, self.mirror = local, (local, db)
-        self.storage_url = storage or f"sqlite:///{db.resolve()}"
+        self.storage_url = storage or sqlite_url(db)
         self.storage = self._storage()  # opened now, so a bad URL fails before any training
         self.study: optuna.Study | None = None
 
@@ -836,12 +837,26 @@ def end_trials() -> None:
     distributed.from_main(None)
 
 
+def sqlite_url(path: Path) -> str:
+    """The SQLAlchemy URL of a SQLite file, escaped: a folder named "run #2?" or "a%20b" is
+    that folder, not a query string or a space."""
+    return sqlalchemy.engine.URL.create("sqlite", database=str(Path(path).resolve())) \
+        .render_as_string(hide_password=False)
+
+
 def _copy_sqlite(source: Path, target: Path) -> None:
-    """A consistent copy of a live SQLite file (its backup API), replacing `target` whole."""
+    """A consistent copy of a live SQLite file (its backup API), replacing `target` whole. A
+    copy cut short before (a disconnect mid-copy) is started again, not opened."""
     tmp = target.with_name(f".{target.name}.tmp")
-    with contextlib.closing(sqlite3.connect(source)) as src, \
-            contextlib.closing(sqlite3.connect(tmp)) as dst:
-        src.backup(dst)
+    tmp.unlink(missing_ok=True)
+    try:
+        with contextlib.closing(sqlite3.connect(source)) as src, \
+                contextlib.closing(sqlite3.connect(tmp)) as dst:
+            src.backup(dst)
+    except sqlite3.Error as exc:
+        tmp.unlink(missing_ok=True)
+        raise UserError(f"cannot copy the Optuna study {str(source)!r} to {str(target)!r} "
+                        f"({exc}); if it is damaged, move it aside and run again.") from None
     os.replace(tmp, target)
 
 

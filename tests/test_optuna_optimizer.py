@@ -155,6 +155,38 @@ def test_a_resume_without_a_count_keeps_the_study_s_and_retries_a_stopped_defaul
     assert summary["default_value"] is not None and t.study.user_attrs["n_trials"] == 5
 
 
+@pytest.mark.parametrize("folder", ["run #2?x", "run%20b"])
+def test_the_study_file_is_in_the_output_folder_whatever_its_name(index, tmp_path, folder):
+    """'?' would start the URL's query and '%20' read as a space: the study went to another
+    file or folder."""
+    t = tuner(index, tmp_path / folder)
+    assert (tmp_path / folder / "hpo" / "optuna.db").is_file()
+    assert not (tmp_path / "run b").exists() and not (tmp_path / "run #2").exists()
+    assert "optuna.db" in t.storage_url
+
+
+def test_a_copy_of_the_study_cut_short_before_is_made_again(tmp_path):
+    """--local-dir's copy of the study, when a disconnect left its temporary file half
+    written: replaced, not opened ('file is not a database')."""
+    import sqlite3
+    from optuna_optimizer import _copy_sqlite
+    source, target = tmp_path / "drive.db", tmp_path / "local" / "optuna.db"
+    target.parent.mkdir()
+    with sqlite3.connect(source) as db:
+        db.execute("create table trials (n integer)")
+        db.execute("insert into trials values (7)")
+    db.close()
+    (target.parent / ".optuna.db.tmp").write_bytes(b"half a copy" * 300)
+    _copy_sqlite(source, target)
+    with sqlite3.connect(target) as db:
+        assert db.execute("select n from trials").fetchall() == [(7,)]
+    db.close()
+    assert sorted(p.name for p in target.parent.iterdir()) == ["optuna.db"]
+    source.write_bytes(b"not a database" * 300)
+    with pytest.raises(UserError, match="cannot copy the Optuna study .* move it aside"):
+        _copy_sqlite(source, target)
+
+
 def test_a_study_of_other_data_is_refused(index, tmp_path, monkeypatch):
     monkeypatch.setattr(optuna_optimizer, "fit", fake_fit)
     tuner(index, tmp_path, data_fingerprint="a", n_trials=1).run()
