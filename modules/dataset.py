@@ -196,9 +196,9 @@ def download_intel() -> Path:
         if status in (401, 403) or reason in ("UnauthenticatedError", "CredentialError"):
             raise UserError(
                 f"Kaggle refused the login ({f'HTTP {status}' if status else reason}): set "
-                "KAGGLE_USERNAME and KAGGLE_KEY (in Colab as secrets), or ~/.kaggle/kaggle.json, "
-                "or run kagglehub.login(); a key from kaggle.com > Settings > API > Create New "
-                "Token.") from None
+                "KAGGLE_API_TOKEN to a token from kaggle.com > Settings > API > Generate New "
+                "Token (in Colab as a secret), or the legacy KAGGLE_USERNAME and KAGGLE_KEY, or "
+                "run kagglehub.login().") from None
         raise UserError(f"the Intel dataset cannot be reached on Kaggle ({reason}); download it "
                         "once with network access, or pass --data-dir PATH to a local copy, or "
                         "use --dataset synthetic.") from None

@@ -188,7 +188,7 @@ def test_a_refused_kaggle_login_is_one_line_that_says_so(tmp_path, monkeypatch, 
     with pytest.raises(UserError) as err:
         resolve_source("intel", None, tmp_path)
     text = str(err.value)
-    assert text.startswith("Kaggle refused the login") and "KAGGLE_KEY" in text
+    assert text.startswith("Kaggle refused the login") and "KAGGLE_API_TOKEN" in text
     assert "cannot be reached" not in text and "\n" not in text
     assert (f"HTTP {status}" if status else "UnauthenticatedError") in text
 

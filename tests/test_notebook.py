@@ -242,6 +242,41 @@ def test_drive_folders_are_checked_before_anything_is_written(tmp_path, monkeypa
         str(mount / "MyDrive" / "runs")
 
 
+def test_kaggle_secrets_reach_kagglehub_a_token_or_the_legacy_pair(monkeypatch, capsys):
+    """The Kaggle cell copies Colab's secrets into the environment kagglehub reads: the API
+    token Kaggle generates now, or the legacy username and key; it names the ones it could not
+    read, and never prints a value."""
+    import types
+    cell = next(source(c) for c in cells() if "KAGGLE_API_TOKEN" in source(c)
+                and c["cell_type"] == "code")
+    secrets = {}
+
+    def get(name):
+        if name not in secrets:
+            raise type("SecretNotFoundError", (Exception,), {})(name)
+        return secrets[name]
+    colab = types.ModuleType("google.colab")
+    colab.userdata = types.SimpleNamespace(get=get)
+    try:
+        import google  # noqa: F401  (a namespace package, there with protobuf)
+    except ImportError:
+        monkeypatch.setitem(sys.modules, "google", types.ModuleType("google"))
+    monkeypatch.setitem(sys.modules, "google.colab", colab)
+    for given, said in (({"KAGGLE_API_TOKEN": "KGAT_secret"}, ""),
+                        ({"KAGGLE_USERNAME": "me", "KAGGLE_KEY": "secret"}, ""),
+                        ({"KAGGLE_KEY": "secret"}, "Colab secrets not read (KAGGLE_API_TOKEN: "
+                                                   "SecretNotFoundError, KAGGLE_USERNAME: "
+                                                   "SecretNotFoundError)")):
+        for name in ("KAGGLE_API_TOKEN", "KAGGLE_USERNAME", "KAGGLE_KEY"):
+            monkeypatch.delenv(name, raising=False)
+        secrets.clear()
+        secrets.update(given)
+        exec(cell, {"DATASET": "intel", "DATA_DIR": "", "IN_COLAB": True})
+        out = capsys.readouterr().out
+        assert out.startswith(said) and "secret" not in out.replace("secrets", "")
+        assert {k: os.environ[k] for k in given} == given
+
+
 def test_the_stop_button_says_how_to_continue(monkeypatch, capsys):
     """Stop (a KeyboardInterrupt) in a run cell: one line naming RESUME, not a traceback."""
     handlers = {}
