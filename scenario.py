@@ -39,6 +39,7 @@ from modules.files import (atomic_write_text, folder_lock, kept_file, name_folde
 from modules.hardware import max_batch_size
 from modules.models import weights_file
 from modules.monitor import SystemSampler
+from modules.oom import is_out_of_memory, release
 from modules.profiler import TorchProfiler
 from modules.report import plot_comparison, results_table, table_markdown, write_report
 from modules.results import (CLOCK_SUFFIX, checkpoint_file, compare_to_baseline, forget_refused_run,
@@ -592,9 +593,7 @@ def estimate(args: RunOptions, index: DatasetIndex) -> dict[str, Any]:
     scenarios: dict[str, float] = {}
     for name in args.scenarios:
         config = scenario_config(name, args, device)
-        probe = ComputeProbe(config, len(index.classes))
-        step_s = config.batch_size / probe.measure(min_steps=2, max_steps=5, min_s=0.5)["img_s"]
-        del probe
+        step_s = config.batch_size / _images_per_s(config, len(index.classes), device)
         epoch_s = planned_steps(config, n_train, epochs=1) * step_s * config.grad_accum_steps
         epoch_s += n_eval / config.batch_size * step_s / 3  # evaluation: a forward pass only
         if name == "baseline":
@@ -615,6 +614,23 @@ def estimate(args: RunOptions, index: DatasetIndex) -> dict[str, Any]:
         scenarios[name] = tuning + final
     return {"device": str(device), "n_train": n_train, "decode_ms": 1e3 * decode_s,
             "scenarios": scenarios, "total_s": sum(scenarios.values())}
+
+
+def _images_per_s(config: TrainConfig, n_classes: int, device: torch.device) -> float:
+    """Training speed for the estimate; a batch too large for the GPU is timed at half the
+    size, and so on (the run trains it in smaller passes, at about that speed per image)."""
+    batch = config.batch_size
+    while True:
+        try:
+            probe = ComputeProbe(config, n_classes, batch_size=batch)
+            return probe.measure(min_steps=2, max_steps=5, min_s=0.5)["img_s"]
+        except Exception as exc:
+            if not is_out_of_memory(exc) or batch == 1:
+                raise
+        finally:
+            probe = None  # noqa: F841  (its tensors go before the next, smaller one)
+        release(device)  # outside the except block, whose traceback holds the tensors
+        batch //= 2
 
 
 def fill_time(config: TrainConfig, name: str, args: RunOptions, output_dir: Path,

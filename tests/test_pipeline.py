@@ -736,7 +736,7 @@ def test_the_estimate_covers_every_scenario_and_match_times_fill(small, tmp_path
     a fixed one); --match-time lengthens the tuned final runs toward 80% of the baseline's
     time, at most 3x their epochs."""
     class Probe:  # the baseline's steps slow, the tuned scenarios' fast: the fill applies
-        def __init__(self, config, num_classes):
+        def __init__(self, config, num_classes, batch_size=None):
             self.img_s = 1000.0 if config.cache_decoded else 10.0
 
         def measure(self, **_):
@@ -762,6 +762,28 @@ def test_the_estimate_covers_every_scenario_and_match_times_fill(small, tmp_path
     auto, full = (pipeline.estimate(pipeline.parse_args(at_150 + extra), index)["scenarios"]["hpo"]
                   for extra in ([], ["--search-size", "full"]))
     assert auto < full
+
+
+def test_the_estimate_times_a_batch_too_large_for_the_gpu_in_halves(monkeypatch):
+    """A batch the GPU cannot hold is trained in smaller passes; the estimate times those
+    rather than stopping the notebook's cell with out of memory."""
+    tried = []
+
+    class Probe:
+        def __init__(self, config, num_classes, batch_size=None):
+            tried.append(batch_size)
+            if batch_size > 100:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 9 GiB")
+
+        def measure(self, **_):
+            return {"img_s": 500.0}
+    monkeypatch.setattr(scenario, "ComputeProbe", Probe)
+    config = scenario.TrainConfig(batch_size=512)
+    assert scenario._images_per_s(config, 3, torch.device("cpu")) == 500.0
+    assert tried == [512, 256, 128, 64]
+    monkeypatch.setattr(Probe, "measure", lambda self, **_: 1 / 0)
+    with pytest.raises(ZeroDivisionError):  # not out of memory: not the user's, not hidden
+        scenario._images_per_s(config, 3, torch.device("cpu"))
 
 
 def test_schedule_momentum_cudnn_and_pruner_options_reach_the_run(tmp_path, monkeypatch):
