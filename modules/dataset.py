@@ -419,12 +419,19 @@ def index_dataset(root: Path, name: str | None = None, *, seed: int = 0, check: 
     root = Path(root)
     if not root.is_dir():
         raise UserError(f"data folder {str(root)!r} does not exist.")
-    layout, folders = find_splits(root)
-    scanned, skipped, seen, ignored = {}, [], {}, {}
-    for split, folder in folders.items():
-        scanned[split], bad = _scan_split(folder, split, check, seen, ignored,
-                                          (numbered_below or {}).get(split))
-        skipped += bad
+    if not os.access(root, os.R_OK | os.X_OK):
+        raise UserError(f"cannot read the data folder {str(root)!r} (permission denied); fix "
+                        "its permissions.")
+    try:
+        layout, folders = find_splits(root)
+        scanned, skipped, seen, ignored = {}, [], {}, {}
+        for split, folder in folders.items():
+            scanned[split], bad = _scan_split(folder, split, check, seen, ignored,
+                                              (numbered_below or {}).get(split))
+            skipped += bad
+    except PermissionError as exc:  # a read, not a write: pipeline's message would say write
+        raise UserError(f"cannot read {exc.filename or str(root)!r} in the data folder "
+                        "(permission denied); fix its permissions.") from None
     if layout == "class folders":
         rest, scanned["test"] = _seeded_split(scanned.pop("all"), 0.2, seed)
         scanned["train"], scanned["val"] = _seeded_split(rest, _val_share(rest, val_fraction),

@@ -147,6 +147,20 @@ def test_clear_errors(tmp_path, breakage, message):
     assert "\n" not in str(err.value)
 
 
+def test_an_unreadable_data_folder_is_named_as_unreadable(folder, monkeypatch):
+    """A data folder without read permission is a read that failed, not 'cannot write'."""
+    from modules import dataset
+
+    def forbidden(root):
+        raise PermissionError(13, "Permission denied", str(root / "train"))
+    monkeypatch.setattr(dataset, "find_splits", forbidden)
+    with pytest.raises(UserError, match=r"^cannot read '.*train' in the data folder \(perm"):
+        index_dataset(folder)
+    monkeypatch.setattr(dataset.os, "access", lambda path, mode: False)
+    with pytest.raises(UserError, match=r"^cannot read the data folder '.*data' \(permission"):
+        index_dataset(folder)
+
+
 def test_intel_source_uses_the_versioned_kagglehub_handle(tmp_path, monkeypatch):
     import kagglehub
     fixture = make_folder(tmp_path / "kaggle", layout="intel")
