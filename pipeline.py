@@ -213,10 +213,13 @@ def parse_args(argv: list[str] | None = None) -> RunOptions:
         raise UserError(f"--data-dir {args.data_dir!r} does not exist or is not a folder.")
     if not args.output_dir.strip():
         raise UserError("--output-dir is empty; name a folder (default: others).")
-    if args.data_dir is not None and Path(args.output_dir).expanduser().resolve().is_relative_to(
-            Path(args.data_dir).expanduser().resolve()):
-        raise UserError(f"--output-dir {args.output_dir!r} is inside --data-dir "
-                        f"{args.data_dir!r}: its charts would be read as images; put it elsewhere.")
+    for option, folder in (("--output-dir", args.output_dir), ("--local-dir", args.local_dir)):
+        if args.data_dir is not None and folder is not None and \
+                Path(folder).expanduser().resolve().is_relative_to(
+                    Path(args.data_dir).expanduser().resolve()):
+            raise UserError(f"{option} {folder!r} is inside --data-dir {args.data_dir!r}: its "
+                            "files would be read as data (a class of their own); put it "
+                            "elsewhere.")
     if args.local_dir is not None and Path(args.local_dir).expanduser().exists() and \
             not Path(args.local_dir).expanduser().is_dir():
         raise UserError(f"--local-dir {args.local_dir!r} is a file, not a folder.")

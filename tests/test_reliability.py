@@ -311,6 +311,8 @@ def test_mistakes_in_paths_and_lists_are_refused_before_any_work(tmp_path):
     refused = {
         ("--data-dir", str(data), "--output-dir", str(data / "red" / "out")): "inside --data-dir",
         ("--data-dir", str(data), "--output-dir", str(data)): "inside --data-dir",
+        ("--data-dir", str(data), "--local-dir", str(data / "local")): "--local-dir .* is "
+                                                                        "inside --data-dir",
         ("--output-dir", ""): "--output-dir is empty",
         ("--local-dir", str(tmp_path / "afile")): "is a file, not a folder",
         ("--resolutions", "8,64"): "--resolutions: 8 px is refused",
