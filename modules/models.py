@@ -174,6 +174,8 @@ def _fitting_tensors(model: nn.Module, path: Path) -> dict[str, torch.Tensor]:
     state = read_torch_file(path, "weights file")
     if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
         state = state["state_dict"]  # a file written by modules.utility.save_model
+    elif isinstance(state, dict) and isinstance(state.get("model"), dict) and "config" in state:
+        state = state["model"]  # a run's checkpoint (checkpoints/<run>/<scenario>.pt)
     if not isinstance(state, dict):
         raise UserError(f"--weights: {str(path)!r} does not hold a state_dict.")
     own = model.state_dict()

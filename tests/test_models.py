@@ -62,6 +62,20 @@ def test_weights_for_the_same_classes_load_whole_head_included(tmp_path):
         torch.testing.assert_close(model.state_dict()[name], tensor)
 
 
+def test_weights_from_a_runs_checkpoint_are_its_model(tmp_path):
+    """--weights others/checkpoints/<run>/baseline.pt: the model inside the training state,
+    not 'no tensor fits'."""
+    from modules.checkpoints import save_checkpoint
+    from modules.config import TrainConfig
+    source = build_model("squeezenet1_1", 6)
+    save_checkpoint(tmp_path / "baseline.pt", {
+        "epoch": 3, "finished": False, "config": TrainConfig().to_dict(),
+        "model": source.state_dict(), "optimizer": {"state": {}, "param_groups": []}})
+    model = build_model("squeezenet1_1", 6, str(tmp_path / "baseline.pt"))
+    for name, tensor in source.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], tensor)
+
+
 def test_weights_of_another_architecture_are_refused(tmp_path):
     torch.save(build_model("resnet18", 3).state_dict(), tmp_path / "w.pt")
     with pytest.raises(UserError, match="no tensor"):
