@@ -184,7 +184,7 @@ def autotune_lines(report: dict[str, Any] | None) -> list[str]:
         return []
     lines = [f"Autotune ({report.get('seconds', '?')} s of measuring on {report.get('device')}, "
              f"{report.get('compute_img_s')} img/s pure compute at the end"
-             + (", reused on resume from " + report["reused_from"] if report.get("reused_from")
+             + (", reused from " + report["reused_from"] if report.get("reused_from")
                 else "") + "):", ""]
     for knob, entry in (report.get("knobs") or {}).items():
         choice = entry.get("choice")

@@ -488,7 +488,7 @@ def test_resume_keeps_the_autotuned_settings_instead_of_measuring_again(small, t
     for knob in ("amp", "channels_last", "optimizer_impl", "cpu_threads", "cpu_allocator",
                  "batch_size"):
         assert resumed["settings"][knob] == first["settings"][knob], knob
-    assert "reused on resume" in (out / "report.md").read_text()
+    assert "reused from" in (out / "report.md").read_text()
     # resumed on another machine (another GPU in Colab's next session): measured again, the
     # batch kept, since the checkpoint resumes only with it
     record = json.loads(saved.read_text())
