@@ -392,7 +392,8 @@ def test_simulated_colab_clones_mounts_drive_and_resumes_after_a_disconnect(tmp_
 def test_the_set_up_cell_run_again_in_one_session_follows_repo_ref(tmp_path):
     """Run all again in the same session, after changing REPO_REF: the working folder is by
     then the clone, and the cell still moves it to the new ref; as the session still runs the
-    code it imported, it asks for a restart instead of running old code on new files."""
+    code it imported, it asks for a restart instead of running old code on new files. A branch
+    rewritten on the remote (a force-push) is said, not silently left behind."""
     papermill = pytest.importorskip("papermill")
     nbformat = pytest.importorskip("nbformat")
     repo = project_repository(tmp_path)
@@ -409,6 +410,8 @@ def test_the_set_up_cell_run_again_in_one_session_follows_repo_ref(tmp_path):
                                   "PERFORM_DETAILED_PROFILING = False"),
         nbformat.v4.new_code_cell(setup),
         nbformat.v4.new_code_cell("import pipeline\nassert not Path('MARKER').exists()"),
+        nbformat.v4.new_code_cell(f"subprocess.run({git + ['commit', '-q', '--amend', '-m', 'rewritten']!r}, cwd={str(repo)!r}, check=True)"),
+        nbformat.v4.new_code_cell(setup),
         nbformat.v4.new_code_cell("REPO_REF = 'other'"),
         nbformat.v4.new_code_cell(setup)])
     nbformat.write(notebook, content / "rerun.ipynb")
@@ -416,5 +419,7 @@ def test_the_set_up_cell_run_again_in_one_session_follows_repo_ref(tmp_path):
         papermill.execute_notebook(str(content / "rerun.ipynb"), str(tmp_path / "out.ipynb"),
                                    cwd=str(content), kernel_name="python3", progress_bar=False)
     assert raised.value.ename == "SystemExit" and "Restart session" in raised.value.evalue
-    assert raised.value.cell_index == 4
+    assert raised.value.cell_index == 6
     assert (content / "hwtrain" / "MARKER").exists()
+    said = printed(json.loads((tmp_path / "out.ipynb").read_text()))
+    assert said.count("warning: git merge failed") == 1 and "delete its folder" in said
