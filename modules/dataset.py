@@ -136,6 +136,7 @@ class DatasetIndex:
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (path, reason)
     # files not read, by what they are: an extension (".heic") or "outside a class folder"
     ignored: dict[str, int] = field(default_factory=dict)
+    sizes: dict[str, int] = field(default_factory=dict)  # bytes of each listed image, by path
 
     @property
     def skipped_files(self) -> int:
@@ -145,15 +146,17 @@ class DatasetIndex:
         return len(self.train) + len(self.val) + len(self.test)
 
     def fingerprint(self, splits: tuple[str, ...] = ("train", "val", "test")) -> str:
-        """A digest of the splits' images, named by their path inside the data folder, and
-        labels: what results, studies and checkpoints depend on, so that a run resumes only on
-        the same data, wherever the folder is (a copy, another machine's download, a relative
-        --data-dir)."""
+        """A digest of the splits' images, named by their path inside the data folder and
+        their size, and labels: what results, studies and checkpoints depend on, so that a run
+        resumes only on the same data, wherever the folder is (a copy, another machine's
+        download, a relative --data-dir), and not on images rewritten under the same names (a
+        resized set)."""
         start, prefix = os.path.abspath(self.root), os.path.join(self.root, "")
 
         def inside(path: str) -> str:  # listed below the root as given: no relpath needed
             rel = path[len(prefix):] if path.startswith(prefix) else os.path.relpath(path, start)
-            return rel.replace(os.sep, "/")
+            size = self.sizes.get(path)
+            return rel.replace(os.sep, "/") + ("" if size is None else f"\t{size}")
         return self._digest(splits, inside)
 
     def same_data(self, recorded: str | None,
@@ -350,8 +353,15 @@ def check_image(path: Path) -> str | None:
         return f"undecodable ({type(exc).__name__})"
 
 
+def _file_size(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return None
+
+
 def _scan_split(folder: Path, split: str, check: bool, seen: dict[str, Path],
-                ignored: dict[str, int], numbered_below: int | None = None
+                ignored: dict[str, int], sizes: dict[str, int], numbered_below: int | None = None
                 ) -> tuple[dict[str, list[Path]], list[tuple[str, str]]]:
     classes = _class_dirs(folder)
     if not classes:
@@ -378,6 +388,8 @@ def _scan_split(folder: Path, split: str, check: bool, seen: dict[str, Path],
         every = [p for files in per_class.values() for p in files]
         with ThreadPoolExecutor(max_workers=min(8, (os.cpu_count() or 1) * 2)) as pool:
             reasons = dict(zip(every, pool.map(check_image, every)))
+            # the fingerprint's sizes: a stat beside a check that reads every byte
+            sizes.update(zip(map(str, every), pool.map(_file_size, every)))
         skipped = [(str(p), r) for p, r in reasons.items() if r is not None]
         per_class = {c: [p for p in files if reasons[p] is None] for c, files in per_class.items()}
     for name, files in per_class.items():
@@ -424,9 +436,9 @@ def index_dataset(root: Path, name: str | None = None, *, seed: int = 0, check: 
                         "its permissions.")
     try:
         layout, folders = find_splits(root)
-        scanned, skipped, seen, ignored = {}, [], {}, {}
+        scanned, skipped, seen, ignored, sizes = {}, [], {}, {}, {}
         for split, folder in folders.items():
-            scanned[split], bad = _scan_split(folder, split, check, seen, ignored,
+            scanned[split], bad = _scan_split(folder, split, check, seen, ignored, sizes,
                                               (numbered_below or {}).get(split))
             skipped += bad
     except PermissionError as exc:  # a read, not a write: pipeline's message would say write
@@ -457,7 +469,8 @@ def index_dataset(root: Path, name: str | None = None, *, seed: int = 0, check: 
     to_samples = lambda per: [(str(p), classes.index(c)) for c in classes for p in per[c]]  # noqa: E731
     index = DatasetIndex(name=name or root.name, root=root, layout=layout, classes=classes,
                          train=to_samples(scanned["train"]), val=to_samples(scanned["val"]),
-                         test=to_samples(scanned["test"]), skipped=skipped, ignored=ignored)
+                         test=to_samples(scanned["test"]), skipped=skipped, ignored=ignored,
+                         sizes={path: size for path, size in sizes.items() if size is not None})
     for split, what in (("val", "validation"), ("test", "test")):
         if not getattr(index, split):  # nothing to choose by or report: refused before training
             need = "at least 3 images" if layout == "class folders" else \

@@ -42,8 +42,9 @@ def test_seeded_split_is_reproducible_and_differs_by_seed(folder):
 def test_the_fingerprint_is_the_images_and_split_not_where_the_folder_is(folder, tmp_path,
                                                                           monkeypatch):
     """A copy of the folder, another machine's download or a relative --data-dir is the same
-    data; another split, a moved or a removed image is not. A fingerprint an older version
-    recorded (from the paths as listed) is still this data's, at the folder's own place."""
+    data; another split, a moved, removed or rewritten image (the set resized under the same
+    names) is not. A fingerprint an older version recorded (from the paths as listed) is still
+    this data's, at the folder's own place."""
     import shutil
     here = index_dataset(folder, seed=3)
     copy = index_dataset(shutil.copytree(folder, tmp_path / "elsewhere" / "data"), seed=3)
@@ -58,6 +59,8 @@ def test_the_fingerprint_is_the_images_and_split_not_where_the_folder_is(folder,
     assert not copy.same_data(older) and not here.same_data(None)
     assert here.fingerprint() != index_dataset(folder, seed=4).fingerprint()
     assert here.fingerprint(("train", "val")) != here.fingerprint()
+    write_image(copy.root / "train" / "red" / "0.jpg", COLOURS["red"], size=48)
+    assert index_dataset(copy.root, seed=3).fingerprint() != here.fingerprint()
     (folder / "train" / "red" / "0.jpg").rename(folder / "train" / "blue" / "moved.jpg")
     assert here.fingerprint() != index_dataset(folder, seed=3).fingerprint()
     (folder / "train" / "blue" / "moved.jpg").unlink()
