@@ -245,6 +245,15 @@ class _Epochs:
         # After running out of memory every loader batch goes through in `splits` chunks (x2 per
         # recovery); the optimizer step still sees the same samples, so the effective batch stays.
         self.splits, self.oom_recoveries = 1, 0
+        # Non-finite batches in a row, across epochs: a small set's epoch can hold fewer
+        # batches than max_nonfinite_steps.
+        self.consecutive_bad = 0
+        # BatchNorm's running statistics are updated in the forward pass, before the loss is
+        # checked: a window skipped for a NaN/inf puts them back as the window found them
+        # (else they stay NaN, and so does every later evaluation).
+        self.norm_buffers = [b for m in model.modules()
+                             if isinstance(m, nn.modules.batchnorm._BatchNorm) for b in m.buffers()]
+        self.norm_saved = [b.detach().clone() for b in self.norm_buffers]
 
     def train_one(self, loader, epoch: int) -> dict[str, float]:
         """One epoch over `loader` (0-based `epoch`); returns its training row."""
@@ -253,7 +262,6 @@ class _Epochs:
             loader.sampler.set_epoch(epoch)
         self.model.train()
         metrics = _EpochMetrics(self.device)
-        self.consecutive_bad = 0
         self.last_lr = self.optimizer.param_groups[0]["lr"]  # of the epoch's last step
         accum, n_batches = self.config.grad_accum_steps, len(loader)
         bar = tqdm(total=n_batches, desc=f"epoch {epoch + 1}/{self.config.epochs}", leave=False,
@@ -275,6 +283,8 @@ class _Epochs:
             if i == window_start:
                 window_batches.clear()
                 pending.clear()
+                if self.norm_buffers:
+                    torch._foreach_copy_(self.norm_saved, self.norm_buffers)
             window_batches.append((x, y))
             first, done = self._forward_backward(window_batches, window)
             pending[first:] = done  # a replayed window replaces its earlier entries
@@ -355,6 +365,8 @@ class _Epochs:
                 optimizer_step(self.model, self.optimizer, self.scaler, self.config.max_grad_norm)
                 distributed.broadcast_state(self.model, buffers_only=True)
                 self.scheduler.step()
+            elif self.norm_buffers:
+                torch._foreach_copy_(self.norm_buffers, self.norm_saved)
             self.optimizer.zero_grad(set_to_none=True)
 
 

@@ -166,6 +166,32 @@ def test_a_diverging_run_stops_with_a_clear_message():
     with pytest.raises(DivergedError, match=r"diverged.*lower --lr") as err:
         fit(dataclasses.replace(BASE, max_nonfinite_steps=3), data)
     assert isinstance(err.value, UserError) and "\n" not in str(err.value)
+    # a small set: two batches an epoch, fewer than the limit; the count goes on across epochs
+    small = colour_data(16)
+    small.tensors[0][:] = float("inf")
+    with pytest.raises(DivergedError, match=r"3 batches in a row in epoch 2"):
+        fit(dataclasses.replace(BASE, epochs=4, batch_size=8, max_nonfinite_steps=3), small)
+
+
+def test_a_skipped_batch_leaves_batchnorms_statistics_as_they_were():
+    """BatchNorm (resnet18, mobilenet) updates its running statistics in the forward pass: a
+    batch skipped for a NaN/inf must not leave them NaN, or every later evaluation is."""
+    class Normed(TinyNet):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.BatchNorm2d(4)
+
+        def forward(self, x):
+            return self.fc(torch.relu(self.norm(self.conv(x))).mean(dim=(2, 3)))
+    data = colour_data()
+    data.tensors[0][5] = float("inf")  # one batch an epoch
+    config = dataclasses.replace(BASE, epochs=2)
+    set_seed(config.seed)
+    result = train(Normed(), loader(data, config), loader(colour_data(24, seed=1), config, False),
+                   config)
+    assert result.nonfinite_steps == 2
+    assert all(torch.isfinite(b.float()).all() for b in result.model.buffers())
+    assert math.isfinite(result.history[-1]["val_loss"]) and result.best_val_acc > 0.6
 
 
 @pytest.mark.parametrize("scheduler", ["cosine", "onecycle"])
