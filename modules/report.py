@@ -353,7 +353,7 @@ def plot_comparison(histories: dict[str, list[dict]], out_dir) -> list[Path]:
     if not isinstance(histories, dict):
         raise UserError(f"histories must map scenario -> list of epoch dicts, but got "
                         f"{type(histories).__name__}.")
-    series = {name: _curves(name, epochs) for name, epochs in histories.items()}
+    series = _series(histories)
     if not any(points for curves in series.values() for points in curves.values()):
         return []
     out_dir = Path(out_dir)
@@ -430,7 +430,19 @@ def _plot_png(series: dict, metric: str, title: str, ylabel: str, path: Path) ->
 
 def comparison_figure(histories: dict[str, list[dict]]):
     """The interactive loss/accuracy figure of plot_comparison's HTML, for a notebook to show."""
-    return _plotly_figure({name: _curves(name, epochs) for name, epochs in histories.items()})
+    return _plotly_figure(_series(histories))
+
+
+def _series(histories: dict[str, list[dict]]) -> dict[str, dict]:
+    """Each scenario's curves, by a label that says when its run is an earlier scenario's (the
+    hpo scenario taking the resolution final run's model): drawn over it, it hides it."""
+    series: dict[str, dict] = {}
+    for name, epochs in histories.items():
+        curves = _curves(name, epochs)
+        same = next((earlier for earlier, drawn in series.items() if drawn == curves
+                     and any(curves.values())), None)
+        series[name if same is None else f"{name} (= {same.split(' (')[0]}'s run)"] = curves
+    return series
 
 
 def _plotly_figure(series: dict):
@@ -449,7 +461,7 @@ def _plotly_figure(series: dict):
                     x=xs, y=ys, mode="lines+markers", name=f"{name} ({split})",
                     line={"color": _color(i), "dash": dash},
                     # One legend entry per scenario/split toggles both subplots together.
-                    legendgroup=f"{name} ({split})", showlegend=(col == 1)))
+                    legendgroup=f"{name} ({split})", showlegend=(col == 1)), row=1, col=col)
     fig.update_xaxes(title_text="Epoch")
     fig.update_yaxes(title_text="Loss", row=1, col=1)
     fig.update_yaxes(title_text="Accuracy (%)", row=1, col=2)

@@ -161,6 +161,13 @@ def test_plot_comparison_writes_png_and_html(tmp_path):
     html = (tmp_path / "plots" / "training_comparison.html").read_text(encoding="utf-8")
     assert 'src="plotly.min.js"' in html and "cdn.plot.ly" not in html
     assert (tmp_path / "plots" / "plotly.min.js").stat().st_size > 100_000
+    # loss on the left panel's axes, accuracy on the right's
+    from modules.report import comparison_figure
+    axes = {(t.name, t.yaxis): max(t.y) for t in comparison_figure(histories).data}
+    assert axes[("baseline (train)", "y")] == 1.2 and axes[("baseline (train)", "y2")] == 60
+    # a scenario that took another's run (hpo: the resolution final run) is drawn over it
+    names = {t.name for t in comparison_figure({**histories, "hpo": histories["amp"]}).data}
+    assert "hpo (= amp's run) (val)" in names and "amp (val)" in names
 
 
 def test_plot_comparison_empty_writes_nothing(tmp_path):
