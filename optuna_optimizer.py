@@ -779,9 +779,11 @@ class OptunaTuner:
         written.append(self._history_png(complete))
         path = self.output_dir / "best_params.json"
         summary = self.summary()
-        path.write_text(json.dumps({k: summary[k] for k in ("best_params", "best_value",
-                                                            "n_trials", "n_complete", "n_pruned")},
-                                   indent=2, sort_keys=True))
+        # The study's best is not always what the final run trains (choice): both, and why.
+        kept = {k: summary[k] for k in ("best_params", "best_value", "keeps_default", "choice",
+                                        "n_trials", "n_complete", "n_pruned")}
+        kept["trained_params"] = summary["chosen_params"] or self.default_params()
+        path.write_text(json.dumps(kept, indent=2, sort_keys=True))
         written.append(path)
         return written
 

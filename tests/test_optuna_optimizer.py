@@ -323,6 +323,9 @@ def test_save_plots_writes_html_png_json(index, tmp_path, monkeypatch):
     assert (tmp_path / "hpo" / "optuna_history.png").read_bytes()[:4] == b"\x89PNG"
     saved = json.loads((tmp_path / "hpo" / "best_params.json").read_text())
     assert saved["best_params"] == summary["best_params"] and saved["n_trials"] == 3
+    # what the final run trains: the winner, or the default when the winner did not beat it
+    assert saved["trained_params"] == (summary["chosen_params"] or t.default_params())
+    assert saved["keeps_default"] == summary["keeps_default"] and saved["choice"]
 
 
 def test_save_plots_skips_importances_with_one_trial(index, tmp_path, monkeypatch):
