@@ -37,7 +37,7 @@ from modules.fastdata import cache_fits
 from modules.files import (atomic_write_text, folder_lock, kept_file, name_folder, run_log,
                            share_file)
 from modules.hardware import max_batch_size
-from modules.models import weights_file
+from modules.models import start_weights, weights_file
 from modules.monitor import SystemSampler
 from modules.oom import is_out_of_memory, release
 from modules.profiler import TorchProfiler
@@ -516,7 +516,8 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
         row["final_from"] = carried["final_from"]  # that final run, found finished on --resume
     if name == "resolution":
         tuned["final"] = {"scenario": name, "config": config, "row": copy.deepcopy(row)}
-    row.update(extra, run_id=args.run_id, tuning_s=tuning_s, total_s=tuning_s + result.wall_s)
+    row.update(extra, run_id=args.run_id, tuning_s=tuning_s, total_s=tuning_s + result.wall_s,
+               start_weights=start_weights(config.model, args.weights))
     log_row(row)
     if distributed.is_main():
         keep_best_model(result, config, index, row, output_dir)
@@ -562,7 +563,8 @@ def same_final(same: dict[str, Any], extra: dict[str, Any], args: RunOptions, ou
             log.warning("hpo: could not give it the %s final's checkpoint and scalars (%s): "
                         "--resume would train its final run", same["scenario"], first_line(exc))
     row.update(extra, scenario="hpo", run_id=args.run_id, tuning_s=tuning_s,
-               total_s=tuning_s + row["wall_s"], final_from=same["scenario"])
+               total_s=tuning_s + row["wall_s"], final_from=same["scenario"],
+               start_weights=start_weights(row["model"], args.weights))
     log_row(row)
     return row
 

@@ -142,6 +142,14 @@ def _replace_head(model: nn.Module, name: str, num_classes: int) -> None:
 _UNREACHABLE: set[str] = set()  # models whose weights failed to download in this process
 
 
+def start_weights(name: str, weights: str) -> str:
+    """What a run asked to start from (`weights`, as the user gave it) actually was: the
+    ImageNet weights, or a random start when they could not be fetched in this process."""
+    if weights == "imagenet" and name in _UNREACHABLE:
+        return "random (ImageNet weights unreachable)"
+    return weights
+
+
 def _load_imagenet(model: nn.Module, name: str) -> None:
     if name in _UNREACHABLE:  # said once already; tuners build many models
         return

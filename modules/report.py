@@ -227,7 +227,9 @@ def render_report(rows: list[dict[str, Any]], charts: list[str],
                      f"{settings.get('device', '?')}."
                      + (f" Its final run is the {row['final_from']} scenario's, trained once: "
                         "the same settings, start and epochs; its time counts in this total."
-                        if row.get("final_from") else ""))
+                        if row.get("final_from") else "")
+                     + (f" Started from {row['start_weights']}."
+                        if str(row.get("start_weights", "")).startswith("random") else ""))
         lines.append("")
         lines.append(f"**{diag.get('bottleneck', 'not diagnosed')}**: {diag.get('summary', '')}")
         lines += [f"- {rec}" for rec in diag.get("recommendations", [])]

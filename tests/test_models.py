@@ -30,6 +30,16 @@ def test_offline_imagenet_weights_fall_back_with_one_warning(monkeypatch, caplog
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "could not be fetched" in warnings[0]
     assert "random initialization" in warnings[0]
+    # results.json and report.md say the run started at random, not from "imagenet"
+    assert models.start_weights("squeezenet1_1", "imagenet") == \
+        "random (ImageNet weights unreachable)"
+    assert models.start_weights("resnet18", "imagenet") == "imagenet"
+    assert models.start_weights("squeezenet1_1", "none") == "none"
+    from modules.report import render_report
+    text = render_report([{"scenario": "baseline", "test_acc": 0.5,
+                           "start_weights": models.start_weights("squeezenet1_1", "imagenet")}],
+                         [])
+    assert "Started from random (ImageNet weights unreachable)." in text
 
 
 def test_imagenet_weights_come_from_the_hub_cache_offline(tmp_path, monkeypatch):
