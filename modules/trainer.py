@@ -132,8 +132,11 @@ def make_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, steps_
     if config.scheduler == "cosine":
         return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
     if config.scheduler == "onecycle":
+        # OneCycleLR would cycle SGD's momentum between 0.85 and 0.95 whatever --momentum
+        # says; Adam's beta1, which no option sets, keeps the usual cycle.
         return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=config.lr,
-                                                   total_steps=total_steps)
+                                                   total_steps=total_steps,
+                                                   cycle_momentum=config.optimizer != "sgd")
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
 
 

@@ -13,7 +13,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from modules.config import TrainConfig, UserError
 from modules.dataset import EpochSampler
 from modules.trainer import (METRIC_BATCHES, TIMING_WARMUP_STEPS, DivergedError, autocast_dtype,
-                             load_checkpoint, make_scheduler, set_seed, train)
+                             load_checkpoint, make_optimizer, make_scheduler, set_seed,
+                             train)
 
 BASE = TrainConfig(model="resnet18", weights="none", image_size=16, epochs=3, batch_size=8,
                    lr=0.05, optimizer="sgd", scheduler="none", device="cpu", progress=False,
@@ -240,6 +241,21 @@ def test_a_warm_up_ramps_the_rate_before_the_schedule(scheduler):
     assert isinstance(onecycle, torch.optim.lr_scheduler.OneCycleLR)
     with pytest.raises(UserError, match="warmup_epochs"):
         dataclasses.replace(config, warmup_epochs=-1)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.5])
+def test_onecycle_keeps_the_sgd_momentum_asked_for(momentum):
+    """OneCycleLR cycles momentum between 0.85 and 0.95 by default: --momentum would be
+    ignored while the settings recorded it."""
+    config = dataclasses.replace(BASE, optimizer="sgd", momentum=momentum, scheduler="onecycle")
+    optimizer = make_optimizer(TinyNet(), config, torch.device("cpu"))
+    scheduler = make_scheduler(optimizer, config, steps_per_epoch=10)
+    seen = set()
+    for _ in range(config.epochs * 10 - 1):
+        optimizer.step()
+        scheduler.step()
+        seen.add(optimizer.param_groups[0]["momentum"])
+    assert seen == {momentum}
 
 
 def test_a_checkpoint_from_before_the_warm_up_setting_resumes(tmp_path):
