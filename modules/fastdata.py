@@ -175,17 +175,21 @@ def _augment_params(n: int, h: int, w: int, generator: torch.Generator, mean, st
     return torch.from_numpy(packed.astype(np.float32))
 
 
-def augment_with(x: torch.Tensor, params: torch.Tensor, means: torch.Tensor | None = None
-                 ) -> torch.Tensor:
+def augment_with(x: torch.Tensor, params: torch.Tensor, means: torch.Tensor | None = None,
+                 mean=IMAGENET_MEAN, std=IMAGENET_STD) -> torch.Tensor:
     """Random resized crop, horizontal flip and colour jitter of a uint8 batch, normalised,
     with its per-image parameters already drawn (rows of _augment_params, on x's device): the
     loader draws them for many batches at once, and gathers the images' means (image_means)
     from the cache's; without them they are taken from x.
 
     Brightness, contrast, saturation and normalisation are all affine in the pixel values, so
-    they fold into one 3x3 matrix plus offset per image (one batched matmul); the crop and the
-    flip are one resampling (grid_sample). The random numbers come from a CPU generator, so a
-    batch depends only on the generator's state, on any device."""
+    they fold into one 3x3 matrix plus offset per image (one batched matmul), then clamped to
+    the range of a real pixel (ColorJitter clamps after each of its steps; once at the end
+    differs from that only when an intermediate step left the range); the crop and the flip
+    are one resampling (grid_sample). The random numbers come from a CPU generator, so a batch
+    depends only on the generator's state, on any device. Unlike the per-image path, the three
+    colour steps always run in this order, contrast pulls toward the whole image's mean grey
+    (not the crop's), and the crop samples the image decoded at the training size."""
     n, _, h, w = x.shape
     matrix, pivot = params[:, :9].view(n, 3, 3), params[:, 9:18].view(n, 3, 3)
     shift = params[:, 18:21]
@@ -194,7 +198,10 @@ def augment_with(x: torch.Tensor, params: torch.Tensor, means: torch.Tensor | No
     if means is None:
         means = xf.mean(dim=(2, 3))
     offset = torch.baddbmm(shift.unsqueeze(2), pivot, means.unsqueeze(2))
-    xf = torch.baddbmm(offset, matrix, xf.view(n, 3, h * w)).view(n, 3, h, w)
+    scale, lowest = _normaliser(x.device, mean, std)  # a pixel of 0 normalised, and of 255
+    xf = torch.baddbmm(offset, matrix, xf.view(n, 3, h * w))
+    xf = torch.clamp(xf, min=lowest.view(1, 3, 1), max=(lowest + 255 * scale).view(1, 3, 1))
+    xf = xf.view(n, 3, h, w)
     grid = torch.stack([gx.view(n, 1, w).expand(n, h, w), gy.view(n, h, 1).expand(n, h, w)], -1)
     return F.grid_sample(xf, grid, mode="bilinear", padding_mode="border", align_corners=False)
 

@@ -74,6 +74,20 @@ def test_colour_jitter_is_bounded_brightness_contrast_saturation(monkeypatch):
     assert level.std() > 1  # and it does vary
 
 
+def test_a_brightened_pixel_stays_a_pixel(monkeypatch):
+    """ColorJitter clamps to the image range: a bright image (snow, sky) brightened by 20% is
+    white, not 1.2x white, which no test image holds."""
+    monkeypatch.setattr(fastdata, "CROP_SCALE", (1.0, 1.0))
+    monkeypatch.setattr(fastdata, "CROP_RATIO", (1.0, 1.0))
+    bright = torch.full((64, 3, 8, 8), 240, dtype=torch.uint8)
+    out = augment(bright, torch.Generator().manual_seed(0))
+    std = torch.tensor(fastdata.IMAGENET_STD).view(1, 3, 1, 1)
+    mean = torch.tensor(fastdata.IMAGENET_MEAN).view(1, 3, 1, 1)
+    pixels = (out * std + mean) * 255
+    assert pixels.max() <= 255 + 1e-3 and pixels.min() >= -1e-3
+    assert (pixels > 254.99).any()  # brightened past white: clamped there
+
+
 def _config(**kw):
     base = dict(image_size=24, batch_size=5, device="cpu", cache_decoded=True, weights="none")
     return TrainConfig(**{**base, **kw})
