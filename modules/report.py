@@ -75,9 +75,13 @@ def figure(width: float, height: float, dpi: float | None = None):
 
 
 def best_row(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The row with the highest test accuracy (ties: the earlier scenario)."""
-    scored = [r for r in rows if finite_number(r.get("test_acc")) is not None]
-    return max(scored, key=lambda r: r["test_acc"]) if scored else None
+    """The row with the highest validation accuracy, as the saved model is chosen (ties: the
+    earlier scenario); by test accuracy only when no row has a validation accuracy."""
+    for key in ("val_acc", "test_acc"):
+        scored = [r for r in rows if finite_number(r.get(key)) is not None]
+        if scored:
+            return max(scored, key=lambda r: r[key])
+    return None
 
 
 def plot_confusion(row: dict[str, Any], out_dir: Path, name: str = CONFUSION_PNG) -> Path | None:
@@ -204,8 +208,8 @@ def earlier_runs_lines(rows: list[dict[str, Any]]) -> list[str]:
         best = best_row(members)
         lines.append(f"- {run_id or 'before run ids'}: {members[0].get('dataset')}, "
                      + ", ".join(r["scenario"] for r in members)
-                     + (f"; best test accuracy {100 * best['test_acc']:.1f}% ({best['scenario']})"
-                        if best else ""))
+                     + (f"; best {best['scenario']}, test accuracy {100 * best['test_acc']:.1f}%"
+                        if best and finite_number(best.get("test_acc")) is not None else ""))
     return lines
 
 

@@ -225,7 +225,7 @@ def result_row(name: str, config: TrainConfig, result: TrainResult, test: dict[s
 def keep_best_model(result: TrainResult, config: TrainConfig, index: DatasetIndex,
                      row: dict[str, Any], output_dir: Path) -> None:
     """Save this scenario's model as <dataset>_model.pt only when it beats the one there on
-    test accuracy (whichever run saved it, on the same data); a model file that cannot be read,
+    validation accuracy (whichever run saved it, on the same data and so the same split); a model file that cannot be read,
     or one trained on other data under the same folder name, is kept aside."""
     path = output_dir / f"{index.name}_model.pt"
     fingerprint = row["data_fingerprint"]
@@ -248,11 +248,14 @@ def keep_best_model(result: TrainResult, config: TrainConfig, index: DatasetInde
                 log.warning("%s was trained on other data named %r (run %s); kept it as %s",
                             path, index.name, previous.get("run_id"), aside)
                 previous = {}
-        best = previous.get("test_acc")
-        if isinstance(best, (int, float)) and best >= row["test_acc"]:
-            log.info("kept %s (%s of run %s, test accuracy %.1f%%): this %s model's %.1f%% is "
-                     "not better", path, previous.get("scenario"), previous.get("run_id"),
-                     100 * best, row["scenario"], 100 * row["test_acc"])
+        # Chosen by validation: a choice by test accuracy would make the test accuracy saved
+        # with the model an optimistic one, and the test set no longer held out.
+        best, mine = previous.get("val_acc"), row.get("val_acc")
+        if isinstance(best, (int, float)) and (mine is None or best >= mine):
+            log.info("kept %s (%s of run %s, validation accuracy %.1f%%): this %s model's "
+                     "%s is not better", path, previous.get("scenario"), previous.get("run_id"),
+                     100 * best, row["scenario"],
+                     "n/a" if mine is None else f"{100 * mine:.1f}%")
             return
     save_model(result.model, path, arch=config.model, class_names=index.classes,
                image_size=config.image_size,
@@ -261,8 +264,9 @@ def keep_best_model(result: TrainResult, config: TrainConfig, index: DatasetInde
                       "test_acc": row["test_acc"], "val_acc": row["val_acc"],
                       "per_class_test_acc": row["per_class_test_acc"],
                       "confusion_matrix": row["confusion_matrix"]})
-    log.info("saved %s: the best test accuracy so far on %s (%.1f%%, %s)", path, index.name,
-             100 * row["test_acc"], row["scenario"])
+    log.info("saved %s: the best validation accuracy so far on %s (%s, %s; test %.1f%%)", path,
+             index.name, "n/a" if row.get("val_acc") is None else f"{100 * row['val_acc']:.1f}%",
+             row["scenario"], 100 * row["test_acc"])
 
 
 def json_safe(value):

@@ -124,9 +124,10 @@ def test_resume_with_another_seed_names_the_seed_to_pass(tmp_path, capsys):
 
 
 def _keep(out: Path, test_acc: float, scenario: str, data: str = "same data",
-          classes=("a", "b")) -> dict:
+          classes=("a", "b"), val_acc: float | None = None) -> dict:
     model = build_model("squeezenet1_1", len(classes), "none")
-    row = {"scenario": scenario, "run_id": scenario, "test_acc": test_acc, "val_acc": test_acc,
+    row = {"scenario": scenario, "run_id": scenario, "test_acc": test_acc,
+           "val_acc": test_acc if val_acc is None else val_acc,
            "per_class_test_acc": dict.fromkeys(classes, test_acc), "data_fingerprint": data,
            "confusion_matrix": [[1, 0], [0, 1]]}
     keep_best_model(SimpleNamespace(model=model),
@@ -138,10 +139,13 @@ def _keep(out: Path, test_acc: float, scenario: str, data: str = "same data",
 
 def test_a_better_model_is_never_replaced_by_a_worse_one(tmp_path, caplog):
     assert _keep(tmp_path, 0.91, "full")["test_acc"] == 0.91
-    caplog.clear()
-    assert _keep(tmp_path, 0.30, "rerun")["scenario"] == "full"  # the same scenario too
+    with caplog.at_level("INFO"):  # not left to the tests run before it
+        assert _keep(tmp_path, 0.30, "rerun")["scenario"] == "full"  # the same scenario too
     assert "is not better" in caplog.text
     assert _keep(tmp_path, 0.95, "better")["scenario"] == "better"
+    # chosen by validation accuracy: the test set stays held out
+    assert _keep(tmp_path, 0.99, "luckier on test", val_acc=0.90)["scenario"] == "better"
+    assert _keep(tmp_path, 0.90, "better on val", val_acc=0.97)["scenario"] == "better on val"
 
 
 def test_a_model_of_other_data_under_the_same_name_is_kept_aside(tmp_path, caplog):
