@@ -1,6 +1,9 @@
 """A training run's checkpoint: what it has done so far (Progress), written after every epoch
 and read back by a resume (CheckpointSaver), with every random stream, so a resumed run
-continues exactly as the uninterrupted one would."""
+continues exactly as the uninterrupted one would. One exception: persistent DataLoader workers
+(the streaming path on more than two cores, when the decoded images do not fit in memory) keep
+their augmentation streams from epoch to epoch, and a resume starts them afresh, so its
+augmentations, not its data order, differ from the uninterrupted run's."""
 from __future__ import annotations
 
 import dataclasses
