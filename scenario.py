@@ -518,6 +518,9 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
         tuned["final"] = {"scenario": name, "config": config, "row": copy.deepcopy(row)}
     row.update(extra, run_id=args.run_id, tuning_s=tuning_s, total_s=tuning_s + result.wall_s,
                start_weights=start_weights(config.model, args.weights))
+    if name == "hpo" and (kept := default_if_better(row, tuned)) is not row:
+        log_row(kept)  # that model was offered to keep_best_model in its own scenario
+        return kept
     log_row(row)
     if distributed.is_main():
         keep_best_model(result, config, index, row, output_dir)
@@ -567,6 +570,33 @@ def same_final(same: dict[str, Any], extra: dict[str, Any], args: RunOptions, ou
                start_weights=start_weights(row["model"], args.weights))
     log_row(row)
     return row
+
+
+def default_if_better(row: dict[str, Any], tuned: dict[str, Any]) -> dict[str, Any]:
+    """The hpo row after its final run trained the search's winner: the default
+    configuration's final run instead when that validated higher. The resolution scenario's
+    final run is that run when the search's default trial was its trial (the same learning
+    settings, continued from the same weights): the winner was chosen on short trials, and
+    its lead there (learning fastest early, from scratch often a draw of the augmentation)
+    need not last a full run. Its tuning_s counts its own final run (a candidate it trained),
+    total_s adds the taken run's time as same_final does, and `winner_final` keeps the
+    winner's figures."""
+    summary, same = row.get("hpo") or {}, tuned.get("final")
+    if summary.get("keeps_default") or not summary.get("default_reused_from") or same is None:
+        return row
+    mine, default = row.get("val_acc"), same["row"].get("val_acc")
+    if mine is None or default is None or mine >= default:
+        return row
+    log.info("hpo: the winner's final run validated at %.1f%%, below the default "
+             "configuration's (the %s scenario's final run, %.1f%%): keeping the default's model",
+             100 * mine, same["scenario"], 100 * default)
+    kept = copy.deepcopy(same["row"])
+    kept.update({k: row[k] for k in ("hpo", "autotune", "run_id", "start_weights") if k in row},
+                scenario="hpo", final_from=same["scenario"], tuning_s=row["total_s"],
+                total_s=row["total_s"] + kept["wall_s"],  # as same_final counts the model taken
+                winner_final={k: row.get(k) for k in ("val_acc", "test_acc", "epochs",
+                                                      "wall_s", "settings")})
+    return kept
 
 
 def log_row(row: dict[str, Any]) -> None:
