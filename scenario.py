@@ -518,7 +518,8 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
         tuned["final"] = {"scenario": name, "config": config, "row": copy.deepcopy(row)}
     row.update(extra, run_id=args.run_id, tuning_s=tuning_s, total_s=tuning_s + result.wall_s,
                start_weights=start_weights(config.model, args.weights))
-    if name == "hpo" and (kept := default_if_better(row, tuned)) is not row:
+    if name == "hpo" and (kept := default_if_better(row, tuned.get("final") or _final_row(
+            output_dir, index, args.run_id))) is not row:
         log_row(kept)  # that model was offered to keep_best_model in its own scenario
         return kept
     log_row(row)
@@ -572,16 +573,25 @@ def same_final(same: dict[str, Any], extra: dict[str, Any], args: RunOptions, ou
     return row
 
 
-def default_if_better(row: dict[str, Any], tuned: dict[str, Any]) -> dict[str, Any]:
+def _final_row(output_dir: Path, index: DatasetIndex, run_id: str | None
+               ) -> dict[str, Any] | None:
+    """This run's resolution final run as a row from results.json (a resumed run whose
+    resolution scenario ran in an earlier session), in the form tuned["final"] has."""
+    row = previous_row(output_dir / "results.json", "resolution", index.name, run_id)
+    return {"scenario": "resolution", "row": row} if row else None
+
+
+def default_if_better(row: dict[str, Any], same: dict[str, Any] | None) -> dict[str, Any]:
     """The hpo row after its final run trained the search's winner: the default
     configuration's final run instead when that validated higher. The resolution scenario's
     final run is that run when the search's default trial was its trial (the same learning
     settings, continued from the same weights): the winner was chosen on short trials, and
     its lead there (learning fastest early, from scratch often a draw of the augmentation)
-    need not last a full run. Its tuning_s counts its own final run (a candidate it trained),
+    need not last a full run. `same`: that run, as tuned["final"] holds it (or _final_row
+    gives it). Its tuning_s counts its own final run (a candidate it trained),
     total_s adds the taken run's time as same_final does, and `winner_final` keeps the
     winner's figures."""
-    summary, same = row.get("hpo") or {}, tuned.get("final")
+    summary = row.get("hpo") or {}
     if summary.get("keeps_default") or not summary.get("default_reused_from") or same is None:
         return row
     mine, default = row.get("val_acc"), same["row"].get("val_acc")
@@ -591,6 +601,8 @@ def default_if_better(row: dict[str, Any], tuned: dict[str, Any]) -> dict[str, A
              "configuration's (the %s scenario's final run, %.1f%%): keeping the default's model",
              100 * mine, same["scenario"], 100 * default)
     kept = copy.deepcopy(same["row"])
+    for key in ("warm_start", "resolution_trials"):  # the resolution scenario's own, timed
+        kept.pop(key, None)                          # from its start, not the hpo scenario's
     kept.update({k: row[k] for k in ("hpo", "autotune", "run_id", "start_weights") if k in row},
                 scenario="hpo", final_from=same["scenario"], tuning_s=row["total_s"],
                 total_s=row["total_s"] + kept["wall_s"],  # as same_final counts the model taken

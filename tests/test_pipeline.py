@@ -617,7 +617,7 @@ def _ns(**kw):
     return SimpleNamespace(**{"epochs": None, "match_time": True, "resume": False, **kw})
 
 
-def test_a_winner_whose_final_run_validates_below_the_defaults_gives_way_to_it():
+def test_a_winner_whose_final_run_validates_below_the_defaults_gives_way_to_it(tmp_path):
     """The search's winner led on short trials; trained in full it validated below the default
     configuration's final run (the resolution scenario's, from the same default trial): the hpo
     row takes that model, as when the default is kept, and keeps the winner's figures."""
@@ -628,17 +628,25 @@ def test_a_winner_whose_final_run_validates_below_the_defaults_gives_way_to_it()
                 "hpo": {"keeps_default": keeps_default, "default_reused_from": reused}}
     resolution = {"scenario": "resolution", "run_id": "r", "val_acc": 0.972, "test_acc": 0.953,
                   "wall_s": 25.0, "tuning_s": 23.0, "total_s": 48.0, "settings": {"lr": 1e-3}}
-    tuned = {"final": {"scenario": "resolution", "row": resolution}}
+    same = {"scenario": "resolution", "row": resolution}
     lower = hpo_row(0.928)
-    kept = scenario.default_if_better(lower, tuned)
+    kept = scenario.default_if_better(lower, same)
     assert (kept["scenario"], kept["final_from"], kept["test_acc"]) == ("hpo", "resolution", 0.953)
     assert kept["winner_final"]["val_acc"] == 0.928 and kept["winner_final"]["test_acc"] == 0.90
     assert (kept["tuning_s"], kept["total_s"]) == (54.0, 79.0)  # its own final run counted
     assert kept["hpo"] == lower["hpo"] and resolution["scenario"] == "resolution"
     for row in (hpo_row(0.98), hpo_row(0.972), hpo_row(0.9, keeps_default=True),
                 hpo_row(0.9, reused=None)):  # higher, a tie, kept default, another default
-        assert scenario.default_if_better(row, tuned) is row
-    assert scenario.default_if_better(lower, {}) is lower  # no resolution scenario in this run
+        assert scenario.default_if_better(row, same) is row
+    assert scenario.default_if_better(lower, None) is lower  # no resolution scenario in this run
+    # `--resume --scenarios hpo`: the resolution final run of this run, from results.json
+    from types import SimpleNamespace
+    earlier = {**resolution, "dataset": "d", "warm_start": {"curve": [{"elapsed_s": 1.0}]}}
+    (tmp_path / "results.json").write_text(json.dumps([earlier]))
+    found = scenario._final_row(tmp_path, SimpleNamespace(name="d"), "r")
+    assert found["row"]["test_acc"] == 0.953 and scenario._final_row(
+        tmp_path, SimpleNamespace(name="d"), "another run") is None
+    assert "warm_start" not in scenario.default_if_better(lower, found)
 
 
 def test_a_tuned_final_run_fills_the_baselines_time_with_epochs(tmp_path):
