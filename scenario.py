@@ -665,14 +665,12 @@ def _images_per_s(config: TrainConfig, n_classes: int, device: torch.device) -> 
     size, and so on (the run trains it in smaller passes, at about that speed per image)."""
     batch = config.batch_size
     while True:
-        try:
-            probe = ComputeProbe(config, n_classes, batch_size=batch)
-            return probe.measure(min_steps=2, max_steps=5, min_s=0.5)["img_s"]
-        except Exception as exc:
+        try:  # no name holds the probe: once the except block ends, nothing does
+            return ComputeProbe(config, n_classes, batch_size=batch).measure(
+                min_steps=2, max_steps=5, min_s=0.5)["img_s"]
+        except RuntimeError as exc:  # torch's OutOfMemoryError, as hardware._probe catches it
             if not is_out_of_memory(exc) or batch == 1:
                 raise
-        finally:
-            probe = None  # noqa: F841  (its tensors go before the next, smaller one)
         release(device)  # outside the except block, whose traceback holds the tensors
         batch //= 2
 
