@@ -79,18 +79,17 @@ def _records(output_dir: Path) -> list[dict[str, Any]]:
                   reverse=True)
 
 
-def latest_run(output_dir: Path, continuable: bool = False) -> dict[str, Any] | None:
-    """The record of the newest run in output_dir, or None. Each run's record is also kept in
-    its checkpoints folder, so a lost or damaged latest_run.json loses nothing; a run refused
-    before it made anything (an option checked once the run runs) is skipped, so it does not
-    hide the interrupted run before it. continuable (what --resume continues): the newest run
-    that left something to continue, when one did; a run stopped before its first checkpoint
-    (Ctrl-C on a run started without --resume) would hide the one that has."""
-    runs = [r for r in _records(output_dir) if not r.get("refused")]
-    if continuable:
-        return next((r for r in runs if _has_progress(output_dir, r["run_id"])),
-                    runs[0] if runs else None)
-    return runs[0] if runs else None
+def _runs(output_dir: Path) -> list[dict[str, Any]]:
+    """Every run's record, newest first, but those refused before they made anything (an
+    option checked once the run runs), so that one does not hide the interrupted run before it.
+    Each run's record is also kept in its checkpoints folder, so a lost or damaged
+    latest_run.json loses nothing."""
+    return [r for r in _records(output_dir) if not r.get("refused")]
+
+
+def latest_run(output_dir: Path) -> dict[str, Any] | None:
+    """The record of the newest run in output_dir (_runs), or None."""
+    return next(iter(_runs(output_dir)), None)
 
 
 def forget_refused_run(output_dir: Path, run_id: str) -> None:
@@ -112,8 +111,13 @@ def start_run(output_dir: Path, index: DatasetIndex, *, resume: bool, command: s
     """This run's id: with resume the newest run's, which must be on the same data; else a
     new one (the UTC time), recorded as the newest. Earlier runs' files stay. `seed`: the
     --seed the data was split with, recorded so that a refused resume can name it."""
-    newest = latest_run(output_dir)
-    latest = latest_run(output_dir, continuable=True) if resume else newest
+    runs = _runs(output_dir)
+    newest = runs[0] if runs else None
+    # --resume continues the newest run that left something to continue, when one did: a run
+    # stopped before its first checkpoint (Ctrl-C on one started without --resume) would hide
+    # the one that has
+    latest = next((r for r in runs if _has_progress(output_dir, r["run_id"])), newest) \
+        if resume else newest
     fingerprint = index.fingerprint()
     if resume and latest is not None:
         if not index.same_data(latest.get("data_fingerprint")):
