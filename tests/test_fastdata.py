@@ -57,16 +57,21 @@ def test_augment_without_jitter_or_crop_is_normalise_or_its_mirror(monkeypatch):
     assert any(same) and any(mirrored)  # both flip outcomes occur in 32 draws
 
 
-def test_colour_jitter_is_bounded_brightness_contrast_saturation(monkeypatch):
+def jittered_flat(level: int, monkeypatch) -> torch.Tensor:
+    """64 flat images of one grey `level`, colour-jittered without a crop, back in 0..255."""
     monkeypatch.setattr(fastdata, "CROP_SCALE", (1.0, 1.0))
     monkeypatch.setattr(fastdata, "CROP_RATIO", (1.0, 1.0))
-    grey = torch.full((64, 3, 8, 8), 100, dtype=torch.uint8)
-    out = augment(grey, torch.Generator().manual_seed(0))
-    # back to 0..255: a flat grey image stays grey (saturation and contrast keep it), and only
-    # brightness moves it, by at most JITTER
+    flat = torch.full((64, 3, 8, 8), level, dtype=torch.uint8)
+    out = augment(flat, torch.Generator().manual_seed(0))
     std = torch.tensor(fastdata.IMAGENET_STD).view(1, 3, 1, 1)
     mean = torch.tensor(fastdata.IMAGENET_MEAN).view(1, 3, 1, 1)
-    pixels = (out * std + mean) * 255
+    return (out * std + mean) * 255
+
+
+def test_colour_jitter_is_bounded_brightness_contrast_saturation(monkeypatch):
+    # a flat grey image stays grey (saturation and contrast keep it), and only brightness
+    # moves it, by at most JITTER
+    pixels = jittered_flat(100, monkeypatch)
     assert torch.allclose(pixels, pixels[:, :1], atol=1e-3)          # still grey
     level = pixels[:, 0, 0, 0]
     assert level.min() >= 100 * (1 - fastdata.JITTER) - 1e-3
@@ -77,13 +82,7 @@ def test_colour_jitter_is_bounded_brightness_contrast_saturation(monkeypatch):
 def test_a_brightened_pixel_stays_a_pixel(monkeypatch):
     """ColorJitter clamps to the image range: a bright image (snow, sky) brightened by 20% is
     white, not 1.2x white, which no test image holds."""
-    monkeypatch.setattr(fastdata, "CROP_SCALE", (1.0, 1.0))
-    monkeypatch.setattr(fastdata, "CROP_RATIO", (1.0, 1.0))
-    bright = torch.full((64, 3, 8, 8), 240, dtype=torch.uint8)
-    out = augment(bright, torch.Generator().manual_seed(0))
-    std = torch.tensor(fastdata.IMAGENET_STD).view(1, 3, 1, 1)
-    mean = torch.tensor(fastdata.IMAGENET_MEAN).view(1, 3, 1, 1)
-    pixels = (out * std + mean) * 255
+    pixels = jittered_flat(240, monkeypatch)
     assert pixels.max() <= 255 + 1e-3 and pixels.min() >= -1e-3
     assert (pixels > 254.99).any()  # brightened past white: clamped there
 
