@@ -2,6 +2,7 @@
 transforms and DataLoaders."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -331,10 +332,14 @@ def _image_files(folder: Path, seen: dict[str, Path], ignored: dict[str, int]
     return found, repeats
 
 
-def check_image(path: Path) -> str | None:
-    """None when the file decodes, else a short reason. JPEGs decode at reduced scale (fast)."""
+def check_image(path: Path, sizes: dict[str, int] | None = None) -> str | None:
+    """None when the file decodes, else a short reason. JPEGs decode at reduced scale (fast).
+    `sizes` gets the file's size in bytes by its path (for DatasetIndex.fingerprint)."""
     try:
-        if path.stat().st_size == 0:
+        size = path.stat().st_size
+        if sizes is not None:
+            sizes[str(path)] = size
+        if size == 0:
             return "empty file"
         with Image.open(path) as img:
             img.draft("RGB", (64, 64))  # DCT-domain downscale: reads every byte, decodes 1/8
@@ -351,13 +356,6 @@ def check_image(path: Path) -> str | None:
         return "truncated" if "truncated" in msg.lower() else ("not an image" if "identify" in msg else msg[:60])
     except Exception as exc:  # PIL raises assorted errors for malformed headers
         return f"undecodable ({type(exc).__name__})"
-
-
-def _file_size(path: Path) -> int | None:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return None
 
 
 def _scan_split(folder: Path, split: str, check: bool, seen: dict[str, Path],
@@ -387,9 +385,8 @@ def _scan_split(folder: Path, split: str, check: bool, seen: dict[str, Path],
     if check:
         every = [p for files in per_class.values() for p in files]
         with ThreadPoolExecutor(max_workers=min(8, (os.cpu_count() or 1) * 2)) as pool:
-            reasons = dict(zip(every, pool.map(check_image, every)))
-            # the fingerprint's sizes: a stat beside a check that reads every byte
-            sizes.update(zip(map(str, every), pool.map(_file_size, every)))
+            reasons = dict(zip(every, pool.map(functools.partial(check_image, sizes=sizes),
+                                               every)))
         skipped = [(str(p), r) for p, r in reasons.items() if r is not None]
         per_class = {c: [p for p in files if reasons[p] is None] for c, files in per_class.items()}
     for name, files in per_class.items():
@@ -470,7 +467,7 @@ def index_dataset(root: Path, name: str | None = None, *, seed: int = 0, check: 
     index = DatasetIndex(name=name or root.name, root=root, layout=layout, classes=classes,
                          train=to_samples(scanned["train"]), val=to_samples(scanned["val"]),
                          test=to_samples(scanned["test"]), skipped=skipped, ignored=ignored,
-                         sizes={path: size for path, size in sizes.items() if size is not None})
+                         sizes=sizes)
     for split, what in (("val", "validation"), ("test", "test")):
         if not getattr(index, split):  # nothing to choose by or report: refused before training
             need = "at least 3 images" if layout == "class folders" else \
