@@ -186,6 +186,9 @@ class SystemSampler:
             except Exception:
                 self._gpu_energy0 = None
             return
+        if self.cuda_device is not None:  # a GPU run without NVML: the CPU's figure is not its
+            self._rapl_j = self._rapl_last = self._rapl_max = None
+            return
         try:  # RAPL is often root-only; unreadable means no energy figure, not an error
             self._rapl_max = int((_RAPL_DIR / "max_energy_range_uj").read_text())
             self._rapl_last = int((_RAPL_DIR / "energy_uj").read_text())
@@ -231,8 +234,8 @@ class SystemSampler:
         """Means are time-weighted over the sampled span. None means not measured, never 0."""
         with self._lock:
             wall = self._wall_s
-            # The GPU's own counter when watching a GPU (even if unsupported: no CPU figure
-            # stands in for it), else the CPU package's.
+            # The GPU's own counter when watching a GPU (even if unsupported or unreadable: no
+            # CPU figure stands in for it), else the CPU package's.
             energy = self._gpu_energy_j if self._gpu is not None else self._rapl_j
             return {
                 "cpu_util_pct": self._machine_pct_s / wall if wall > 0 else None,

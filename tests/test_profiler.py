@@ -237,3 +237,18 @@ def test_end_to_end_in_memory_data_with_a_conv_model_is_compute_bound():
     assert d["bottleneck"] == "compute-bound"
     assert "channels_last" in " ".join(d["recommendations"])
 
+
+
+def test_a_gpu_run_without_nvml_reports_no_energy_not_the_cpus(tmp_path, monkeypatch):
+    """No CPU figure stands in for the GPU's: the CPU package's counter is not read."""
+    from modules import monitor
+    (tmp_path / "energy_uj").write_text("1000000")
+    (tmp_path / "max_energy_range_uj").write_text("99999999")
+    monkeypatch.setattr(monitor, "_RAPL_DIR", tmp_path)
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # NVML unavailable
+    with SystemSampler(interval_s=10, cuda_device=0) as sampler:
+        pass
+    assert sampler.summary()["energy_j"] is None
+    with SystemSampler(interval_s=10) as cpu_run:
+        (tmp_path / "energy_uj").write_text("3000000")
+    assert cpu_run.summary()["energy_j"] == pytest.approx(2.0)
