@@ -14,6 +14,7 @@ import multiprocessing
 import os
 import platform
 import statistics
+import subprocess
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -121,7 +122,7 @@ class ComputeProbe:
 
 def race(incumbent: ComputeProbe, challenger: ComputeProbe, *, warmup: int = 2,
          min_steps: int | None = None, max_steps: int | None = None, min_s: float | None = None,
-         drop_slow: bool = True) -> dict[str, Any]:
+         drop_slow: bool = True, deadline: float | None = None) -> dict[str, Any]:
     """Time two probes in turns: a step of one, then a step of the other (TURN_STEPS each when
     a process-wide knob differs), until both have min_steps and min_s has passed in all. The
     machine's drift (docs/speed.md) then falls on both alike, where timing one candidate after
@@ -133,8 +134,10 @@ def race(incumbent: ComputeProbe, challenger: ComputeProbe, *, warmup: int = 2,
     With drop_slow it is dropped early when two of its steps in a row, its last warm-up step
     included, take ABORT_FACTOR times the incumbent's median or more (bf16 on a CPU without
     bf16 units); its figures then rest on a step or two.
+    deadline: a time.perf_counter() value (the measuring budget's end): the race stops at the
+    first even pair after it, min_steps or not ("cut").
     Returns {"img_s": (incumbent, challenger), "warmup_s": the challenger's warm-up,
-    "steps": the challenger's timed steps, "dropped": bool}."""
+    "steps": the challenger's timed steps, "dropped": bool, "cut": bool}."""
     min_steps = MIN_STEPS if min_steps is None else min_steps
     max_steps = MAX_STEPS if max_steps is None else max_steps
     min_s = MIN_S if min_s is None else min_s
@@ -148,7 +151,7 @@ def race(incumbent: ComputeProbe, challenger: ComputeProbe, *, warmup: int = 2,
 
     mine: list[float] = []
     theirs: list[float] = []
-    dropped, pairs = False, 0
+    dropped, cut, pairs = False, False, 0
     try:
         challenger.activate()
         warm = [challenger.timed_step() for _ in range(warmup)]
@@ -171,11 +174,26 @@ def race(incumbent: ComputeProbe, challenger: ComputeProbe, *, warmup: int = 2,
             if pairs % 2 == 0 and (len(theirs) >= max_steps or (
                     len(theirs) >= min_steps and time.perf_counter() - started >= min_s)):
                 break
+            if pairs % 2 == 0 and deadline is not None and time.perf_counter() >= deadline:
+                cut = True
+                break
     finally:
         incumbent.activate()
     return {"img_s": (incumbent.batch / statistics.median(mine),
                       challenger.batch / statistics.median(theirs)),
-            "warmup_s": sum(warm), "steps": len(theirs), "dropped": dropped}
+            "warmup_s": sum(warm), "steps": len(theirs), "dropped": dropped, "cut": cut}
+
+
+def race_cost(knob: str, step_s: float, min_s: float, warmup_s: float) -> float:
+    """Seconds one race of `knob` takes, about: race() times each candidate for at least
+    MIN_STEPS steps over an even number of pairs (TURN_STEPS per turn for a process-wide knob,
+    the first of each turn not counted), the challenger up to ABORT_FACTOR slower, and for
+    at least min_s in all; plus the challenger's warm-up."""
+    turn = TURN_STEPS if knob in PROCESS_KNOBS else 1
+    pairs = math.ceil(MIN_STEPS / (turn - 1 if turn > 1 else 1))
+    pairs += pairs % 2
+    stepping = pairs * turn * step_s * (1 + ABORT_FACTOR)
+    return max(2 * min_s, stepping) + warmup_s
 
 
 def _error(exc: Exception) -> str:
@@ -188,14 +206,14 @@ def _release() -> None:
 
 
 def _challenge(incumbent: ComputeProbe, config: TrainConfig, num_classes: int,
-               warmup: int = 2, min_s: float = MIN_S, drop_slow: bool = True
-               ) -> tuple[ComputeProbe | None, dict[str, Any]]:
+               warmup: int = 2, min_s: float = MIN_S, drop_slow: bool = True,
+               deadline: float | None = None) -> tuple[ComputeProbe | None, dict[str, Any]]:
     """(the challenger's probe, race()'s figures), or (None, {"error": ...}) when `config`
     cannot run here (unsupported, out of memory, a compiler failure ...)."""
     try:
         challenger = ComputeProbe(config, num_classes)
         return challenger, race(incumbent, challenger, warmup=warmup, min_s=min_s,
-                                drop_slow=drop_slow)
+                                drop_slow=drop_slow, deadline=deadline)
     except Exception as exc:
         failed = {"error": _error(exc)}
     # Outside the except block, the failed challenger dropped: until then its model and the
@@ -231,7 +249,8 @@ def _label(value: Any) -> str:
 
 
 def _pick(knob: str, candidates: list[Any], config: TrainConfig, num_classes: int,
-          current: dict[str, Any], min_s: float = MIN_S) -> tuple[TrainConfig, dict[str, Any]]:
+          current: dict[str, Any], min_s: float = MIN_S, deadline: float | None = None
+          ) -> tuple[TrainConfig, dict[str, Any]]:
     """Race each other candidate value of `knob` against the best so far, with the other knobs
     as chosen so far; keep the first candidate (the default, whose probe the previous knob left
     in `current`) unless another is at least MIN_GAIN faster in the same race."""
@@ -252,15 +271,20 @@ def _pick(knob: str, candidates: list[Any], config: TrainConfig, num_classes: in
         if best is None:
             raise UserError(f"no {knob} setting could train on this device: {figures}")
     for value in rest:
+        if deadline is not None and time.perf_counter() >= deadline:
+            figures[_label(value)] = "not measured: the measuring budget was spent"
+            continue
         challenger, result = _challenge(best, dataclasses.replace(config, **{knob: value}),
-                                        num_classes, min_s=min_s)
+                                        num_classes, min_s=min_s, deadline=deadline)
         if challenger is None:
             figures[_label(value)] = result["error"]
             continue
         mine, theirs = result["img_s"]
         figures[_label(value)] = round(theirs, 2)
         races.append(f"{_label(value)} {theirs:.1f} vs {_label(best_value)} {mine:.1f}"
-                     + (" (dropped after its first steps)" if result["dropped"] else ""))
+                     + (" (dropped after its first steps)" if result["dropped"] else "")
+                     + (" (cut short: the measuring budget was spent)" if result.get("cut")
+                        else ""))
         if theirs > MIN_GAIN * mine:
             best, best_value = challenger, value
             current.update(probe=challenger, img_s=theirs)
@@ -277,7 +301,8 @@ def _pick(knob: str, candidates: list[Any], config: TrainConfig, num_classes: in
         reason = f"only {_label(best_value)} runs here ({best_img_s:.1f} img/s)"
     errors = {k: v for k, v in figures.items() if not isinstance(v, float)}
     if errors:
-        reason += "; " + "; ".join(f"{k} unavailable ({v})" for k, v in errors.items())
+        reason += "; " + "; ".join(f"{k} {v}" if v.startswith("not measured")
+                                   else f"{k} unavailable ({v})" for k, v in errors.items())
     return chosen, {"choice": best_value, "reason": reason, "img_s": figures}
 
 
@@ -316,7 +341,8 @@ def _tune_compile(config: TrainConfig, num_classes: int, current: dict[str, Any]
     """Eager against torch.compile. deadline_s: the measuring budget left; the compiled probe
     then runs in a child process that is killed when its warm-up has not finished by then."""
     eager_img_s = current["img_s"]
-    step_s = config.batch_size / eager_img_s
+    # planned_steps counts optimizer steps: each is grad_accum_steps micro-batches.
+    step_s = config.effective_batch_size / eager_img_s
     not_tried = {"choice": False, "img_s": {"false": round(eager_img_s, 2)}}
     if planned_steps is not None:
         best_saving = planned_steps * step_s * COMPILE_BEST_GAIN
@@ -343,9 +369,9 @@ def _tune_compile(config: TrainConfig, num_classes: int, current: dict[str, Any]
                         "reason": f"torch.compile failed here ({result['error']})"}
     eager_img_s, compiled_img_s = result["img_s"]
     figures = {"false": round(eager_img_s, 2), "true": round(compiled_img_s, 2)}
-    step_s = config.batch_size / eager_img_s
-    warmup_extra = result["warmup_s"] - 2 * step_s
-    saving_per_step = step_s - config.batch_size / compiled_img_s
+    warmup_extra = result["warmup_s"] - 2 * config.batch_size / eager_img_s  # 2 micro-steps
+    step_s = config.effective_batch_size / eager_img_s
+    saving_per_step = step_s - config.effective_batch_size / compiled_img_s
     horizon = "the planned run" if planned_steps is not None else "a long run"
     if saving_per_step <= 0 or compiled_img_s < MIN_GAIN * eager_img_s:
         current["img_s"] = eager_img_s
@@ -430,11 +456,16 @@ def measuring_time(planned_steps: int | None, samples_per_step: int, img_s: floa
 
 
 def tune_workers(make_loader: Callable[[int], Any], compute_img_s: float,
-                 candidates: list[int], batches: int = 6) -> tuple[int, dict[str, Any]]:
+                 candidates: list[int], batches: int = 6, deadline: float | None = None
+                 ) -> tuple[int, dict[str, Any]]:
     """The fewest DataLoader workers whose loader outpaces the model; else the fastest count.
-    make_loader(num_workers) returns a fresh loader over the training data."""
+    make_loader(num_workers) returns a fresh loader over the training data.
+    deadline: a time.perf_counter() value (the measuring budget's end): no count is started
+    after it, and the one measuring then stops after its first timed batch."""
     figures: dict[str, float] = {}
     for n in candidates:
+        if figures and deadline is not None and time.perf_counter() >= deadline:
+            break
         loader = make_loader(n)
         it = iter(loader)
         next(it)  # worker start-up and the first decode are not steady state
@@ -445,13 +476,19 @@ def tune_workers(make_loader: Callable[[int], Any], compute_img_s: float,
             except StopIteration:
                 break
             count += len(x)
+            if deadline is not None and time.perf_counter() >= deadline:
+                break
         figures[str(n)] = round(count / max(1e-9, time.perf_counter() - started), 1)
         del it, loader
-    enough = [n for n in candidates if figures[str(n)] >= LOADER_HEADROOM * compute_img_s]
-    choice = min(enough) if enough else max(candidates, key=lambda n: figures[str(n)])
+    measured = [n for n in candidates if str(n) in figures]
+    enough = [n for n in measured if figures[str(n)] >= LOADER_HEADROOM * compute_img_s]
+    choice = min(enough) if enough else max(measured, key=lambda n: figures[str(n)])
     rates = ", ".join(f"{k} workers: {v:.0f} img/s" for k, v in figures.items())
+    skipped = [str(n) for n in candidates if str(n) not in figures]
     reason = (f"{choice} workers deliver {figures[str(choice)]:.0f} img/s against the model's "
-              f"{compute_img_s:.0f} ({rates})")
+              f"{compute_img_s:.0f} ({rates})"
+              + (f"; {', '.join(skipped)} not measured: the measuring budget was spent"
+                 if skipped else ""))
     return choice, {"choice": choice, "reason": reason, "img_s": figures}
 
 
@@ -459,7 +496,7 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
              fixed: frozenset[str] = frozenset(), tune_batch: bool = True,
              loader_factory: Callable[[TrainConfig], Callable[[int], Any]] | None = None,
              budget_share: float | None = None, cache_path: str | Path | None = None,
-             time_capped: tuple[int, float] | None = None
+             time_capped: tuple[int, float] | None = None, data_key: str | None = None
              ) -> tuple[TrainConfig, dict[str, Any]]:
     """The fastest measured settings for `config` on its device, and why.
 
@@ -475,22 +512,52 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
     cache_path: a JSON file of earlier choices keyed by machine (CPU model and flags, GPU,
     torch version) and speed settings; a match is reused instead of measured, and said so.
     A choice made in this process for the same speed settings is reused too (a later scenario).
+    A reused choice that left knobs unmeasured for lack of budget, for a shorter planned run
+    than this one's, has those measured now, the others kept (a --quick run, then a full one).
+    data_key: the data's fingerprint, part of the key on the streaming path, where the worker
+    count measured depends on the images' decoding.
     Returns (config with the chosen knobs, {"knobs": {name: {choice, reason, img_s}}, ...})."""
-    key = speed_key(config, num_classes, fixed, tune_batch, loader_factory is None)
+    key = speed_key(config, num_classes, fixed, tune_batch, loader_factory is None, data_key)
+    # Knobs measured before, kept while the rest are measured now; None: nothing to reuse.
+    known: dict[str, dict[str, Any]] | None = None
     if key in _RESULTS:
         tuned, findings = _RESULTS[key]
-        log.info("autotune: reusing the choice measured earlier in this run at %d px, batch %d",
-                 config.image_size, config.batch_size)
-        if cache_path and _from_cache(cache_path, key) is None:  # another output dir's run
-            _to_cache(cache_path, key, tuned, findings)
-        return _with_run_fields(tuned, config), {**findings, "reused_from": "this run",
-                                                 "seconds": 0.0}
-    cached = _from_cache(cache_path, key) if cache_path else None
+        known = _measure_rest(findings, planned_steps, time_capped, tuned, "in this run",
+                              budget_share)
+        if known is None:
+            log.info("autotune: reusing the choice measured earlier in this run at %d px, "
+                     "batch %d", config.image_size, config.batch_size)
+            if cache_path and _from_cache(cache_path, key) is None:  # another output dir's run
+                _to_cache(cache_path, key, tuned, findings)
+            return _with_run_fields(tuned, config), {**findings, "reused_from": "this run",
+                                                     "seconds": 0.0}
+    cached = _from_cache(cache_path, key) if cache_path and known is None else None
     if cached is not None:
         tuned, findings = cached
-        _RESULTS[key] = (tuned, findings)
-        apply_process_settings(tuned, resolve_device(tuned.device))
-        return _with_run_fields(tuned, config), {**findings, "seconds": 0.0}
+        known = _measure_rest(findings, planned_steps, time_capped, tuned,
+                              f"on this machine ({cache_path})", budget_share)
+        if known is None:
+            _RESULTS[key] = (tuned, findings)
+            apply_process_settings(tuned, resolve_device(tuned.device))
+            return _with_run_fields(tuned, config), {**findings, "seconds": 0.0}
+    known = known or {}
+    if known:  # those measured before start where they were chosen, and are not raced again
+        config = dataclasses.replace(config, **{k: v["choice"] for k, v in known.items()
+                                                if k not in ("batch_size", "num_workers")})
+        if "batch_size" in known:
+            config = dataclasses.replace(config, batch_size=tuned.batch_size,
+                                         grad_accum_steps=tuned.grad_accum_steps)
+        if "num_workers" in known:
+            config = dataclasses.replace(config, num_workers=tuned.num_workers,
+                                         persistent_workers=tuned.persistent_workers,
+                                         prefetch_factor=tuned.prefetch_factor)
+
+    def given(knob: str) -> dict[str, Any]:
+        """A knob not measured now: set by the user, or measured before (see known)."""
+        if knob in known:
+            return {**known[knob], "reason": known[knob]["reason"] + " (measured earlier)"}
+        return _set_by_user(config, knob)
+    fixed = fixed | frozenset(known)
     started = time.perf_counter()
     device = resolve_device(config.device)
     effective = config.effective_batch_size  # what the batch fitting must hold
@@ -537,11 +604,7 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
     current.update(probe=first, img_s=warm.get("img_s"))
     del first  # `current` holds the best probe so far, and only that one
     def planned_at(img_s: float | None) -> int | None:
-        if planned_steps is None or time_capped is None or not img_s:
-            return planned_steps
-        steps, seconds = time_capped
-        reach = int(seconds * img_s / config.effective_batch_size)
-        return planned_steps - steps + min(steps, reach)
+        return _capped(planned_steps, time_capped, img_s, config.effective_batch_size)
 
     min_s = measuring_time(planned_at(warm.get("img_s")), config.effective_batch_size,
                            warm.get("img_s"), sum(len(c) for k, c in plan if k not in fixed))
@@ -565,21 +628,27 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
             fastest = current["img_s"]
             budget_s = budget_at(fastest)
         return budget_s - (time.perf_counter() - started)
-    # What one race costs: both timed, and the challenger's warm-up, as long as the first
-    # probe's, and on a GPU at least GPU_WARMUP_S (cuDNN's algorithm search for each new
-    # layout or dtype; the first probe's may have been paid by an earlier one at these shapes).
-    race_s = 2 * min_s + max(warm.get("warmup_s") or 0.0,
-                             GPU_WARMUP_S if device.type == "cuda" else 0.0)
+    # A challenger's warm-up is about as long as the first probe's, and on a GPU at least
+    # GPU_WARMUP_S (cuDNN's algorithm search for each new layout or dtype; the first probe's
+    # may have been paid by an earlier one at these shapes).
+    warmup_s = max(warm.get("warmup_s") or 0.0, GPU_WARMUP_S if device.type == "cuda" else 0.0)
+
+    def races_s(knob: str, candidates: list[Any]) -> float:
+        step_s = config.batch_size / current["img_s"] if current.get("img_s") else 0.0
+        return race_cost(knob, step_s, min_s, warmup_s) * (len(candidates) - 1)
+
+    def deadline() -> float | None:
+        return None if budget_s is None else time.perf_counter() + budget_left()
     if min_s < MIN_S:
         log.info("autotune: a short planned run: %.1f s per candidate, to measure within %.0f%% "
                  "of its time", min_s, 100 * MEASURE_SHARE)
     for knob, candidates in plan:
         if knob in fixed:
-            knobs[knob] = _set_by_user(config, knob)
+            knobs[knob] = given(knob)
             continue
-        # A race times both candidates for at least min_s each, after the challenger's warm-up:
-        # one that cannot finish within what is left of the budget is not started.
-        if budget_s is not None and budget_left() < race_s * (len(candidates) - 1):
+        # A knob whose races cannot finish within what is left of the budget is not started;
+        # one that runs past it anyway (a candidate slower than estimated) is cut at its end.
+        if budget_s is not None and budget_left() < races_s(knob, candidates):
             knobs[knob] = {"choice": getattr(config, knob), "img_s": {}, "reason": (
                 f"not measured: {max(0.0, budget_left()):.1f} s left of the measuring budget "
                 f"({budget_s:.1f} s), too little for its races"
@@ -588,7 +657,8 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
                      knobs[knob]["reason"])
             continue
         mark = time.perf_counter()
-        config, knobs[knob] = _pick(knob, candidates, config, num_classes, current, min_s)
+        config, knobs[knob] = _pick(knob, candidates, config, num_classes, current, min_s,
+                                    deadline())
         knobs[knob]["seconds"] = round(time.perf_counter() - mark, 2)
         phases["knobs"] = phases.get("knobs", 0.0) + knobs[knob]["seconds"]
         log.info("autotune: %s = %s (%s)", knob, _label(knobs[knob]["choice"]),
@@ -596,7 +666,7 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
     if current["probe"] is None:  # every knob fixed, and these settings cannot train here
         raise UserError(f"these settings could not train on this device: {warm['error']}")
     if "compile" in fixed:
-        knobs["compile"] = _set_by_user(config, "compile")
+        knobs["compile"] = given("compile")
     else:
         mark = time.perf_counter()
         config, knobs["compile"] = _tune_compile(config, num_classes, current,
@@ -608,7 +678,7 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
     _release()
     apply_process_settings(config, device)  # leave the process as chosen, not as last measured
     if "num_workers" in fixed:
-        knobs["num_workers"] = _set_by_user(config, "num_workers")
+        knobs["num_workers"] = given("num_workers")
     elif config.cache_decoded and loader_factory is None:
         config = dataclasses.replace(config, num_workers=0, persistent_workers=False,
                                      prefetch_factor=None)
@@ -618,12 +688,20 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
     elif loader_factory is not None:
         cores = os.cpu_count() or 1
         candidates = sorted({0, *[n for n in (2, 4, 8) if n <= cores]})
-        n, knobs["num_workers"] = tune_workers(loader_factory(config), compute_img_s, candidates)
-        config = dataclasses.replace(config, num_workers=n, persistent_workers=n > 0,
-                                     prefetch_factor=None)
-        log.info("autotune: num_workers = %d (%s)", n, knobs["num_workers"]["reason"])
+        if budget_s is not None and budget_left() <= 0:
+            knobs["num_workers"] = {"choice": config.num_workers, "img_s": {}, "reason": (
+                f"not measured: the measuring budget ({budget_s:.1f} s) was spent")}
+        else:
+            mark = time.perf_counter()
+            n, knobs["num_workers"] = tune_workers(loader_factory(config), compute_img_s,
+                                                   candidates, deadline=deadline())
+            phases["workers"] = time.perf_counter() - mark
+            config = dataclasses.replace(config, num_workers=n, persistent_workers=n > 0,
+                                         prefetch_factor=None)
+        log.info("autotune: num_workers = %d (%s)", config.num_workers,
+                 knobs["num_workers"]["reason"])
     if "batch_size" in fixed:
-        knobs["batch_size"] = _set_by_user(config, "batch_size")
+        knobs["batch_size"] = given("batch_size")
     elif tune_batch and budget_s is not None and device.type == "cuda" and \
             budget_left() < (len(PROBE_BATCHES) + 1) * GPU_WARMUP_S:  # each probe a new shape
         knobs["batch_size"] = {"choice": config.batch_size, "img_s": {}, "reason": (
@@ -641,6 +719,7 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
               "compute_img_s": round(compute_img_s, 2), "seconds": round(time.perf_counter() - started, 1),
               "seconds_per_candidate": round(min_s, 2),
               "budget_s": None if budget_s is None else round(budget_s, 1),
+              "planned_steps": planned_at(compute_img_s),
               "phases_s": {k: round(v, 2) for k, v in phases.items()}, "knobs": knobs}
     log.info("autotune: %.1f img/s pure compute after %.1f s of measuring (%s)", compute_img_s,
              findings["seconds"], ", ".join(f"{k.replace('_', ' ')} {v:.1f} s"
@@ -652,12 +731,65 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
 
 
 def speed_key(config: TrainConfig, num_classes: int, fixed: frozenset[str] = frozenset(),
-              tune_batch: bool = True, cached_data: bool = True) -> str:
+              tune_batch: bool = True, cached_data: bool = True, data_key: str | None = None
+              ) -> str:
     """What an autotune choice depends on: the settings that change a step's speed (device,
-    model, size, batch, the starting knobs), not what the run learns (lr, epochs ...)."""
+    model, size, batch, the starting knobs), not what the run learns (lr, epochs ...); on the
+    streaming path also the data, whose decoding the worker count is measured against."""
     speed = {k: v for k, v in config.to_dict().items() if k not in _NOT_SPEED}
-    return json.dumps({"config": speed, "classes": num_classes, "fixed": sorted(fixed),
-                       "tune_batch": tune_batch, "cached_data": cached_data}, sort_keys=True)
+    key = {"config": speed, "classes": num_classes, "fixed": sorted(fixed),
+           "tune_batch": tune_batch, "cached_data": cached_data}
+    if not cached_data and data_key:
+        key["data"] = data_key
+    return json.dumps(key, sort_keys=True)
+
+
+def _capped(planned_steps: int | None, time_capped: tuple[int, float] | None,
+            img_s: float | None, effective_batch: int) -> int | None:
+    """planned_steps, of which time_capped's (steps, seconds) count only as far as the seconds
+    reach at img_s."""
+    if planned_steps is None or time_capped is None or not img_s:
+        return planned_steps
+    steps, seconds = time_capped
+    reach = int(seconds * img_s / effective_batch)
+    return planned_steps - steps + min(steps, reach)
+
+
+def _budget_skipped(entry: dict[str, Any]) -> bool:
+    """Whether a knob was left unmeasured for lack of budget or of planned steps."""
+    reason = str(entry.get("reason", ""))
+    return reason.startswith(("not measured", "not tried", "not refitted")) or \
+        "abandoned" in reason
+
+
+def _measure_rest(findings: dict[str, Any], planned_steps: int | None,
+                  time_capped: tuple[int, float] | None, tuned: TrainConfig, where: str,
+                  budget_share: float | None) -> dict[str, dict[str, Any]] | None:
+    """None: reuse an earlier choice whole. Else the knobs it measured, to keep while those it
+    left unmeasured for lack of budget are measured now: for a run planned so much longer
+    that its budget holds a new first probe and a race more than the earlier one had, or,
+    for compile, long enough that compile would be tried."""
+    knobs = findings.get("knobs") or {}
+    before, img_s = findings.get("planned_steps"), findings.get("compute_img_s")
+    if planned_steps is None or not isinstance(before, int) or not img_s:
+        return None
+    now = _capped(planned_steps, time_capped, img_s, tuned.effective_batch_size)
+    if now is None or now <= before:
+        return None
+    step_s = tuned.effective_batch_size / img_s
+    old_budget = findings.get("budget_s") or 0.0
+    more_budget = budget_share is None or budget_share * now * step_s > old_budget + (
+        findings.get("phases_s") or {}).get("first_probe", 0.0) + 2 * findings.get(
+        "seconds_per_candidate", MIN_S)
+    skipped = [k for k, v in knobs.items() if isinstance(v, dict) and _budget_skipped(v) and (
+        (now * step_s * COMPILE_BEST_GAIN >= COMPILE_WARMUP_FLOOR_S) if k == "compile" and
+        str(v.get("reason", "")).startswith("not tried: the planned") else more_budget)]
+    if not skipped:
+        return None
+    log.info("autotune: the choice measured %s, for %d planned steps, left %s unmeasured; this "
+             "run plans %d: measuring those", where, before, ", ".join(skipped), now)
+    return {k: v for k, v in knobs.items()
+            if k not in skipped and isinstance(v, dict) and v.get("reason") != "set by the user"}
 
 
 def _measured_at_other_size(key: str, plan: list[tuple[str, list[Any]]]
@@ -691,17 +823,40 @@ def _with_run_fields(tuned: TrainConfig, start: TrainConfig) -> TrainConfig:
 def machine_key() -> str:
     """The machine an autotune choice was measured on: CPU model and flags, core count, GPU
     name and torch version. A change in any of them measures again."""
-    cpu = platform.processor()
     try:
-        info = Path("/proc/cpuinfo").read_text()
-        lines = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
-        cpu = " ".join(lines.get(k, "").strip() for k in ("model name\t", "flags\t\t"))
-    except (OSError, ValueError):
-        pass
+        cpu = cpu_identity(Path("/proc/cpuinfo").read_text())
+    except OSError:  # macOS, Windows
+        cpu = " ".join([platform.machine(), platform.processor(), _sysctl_cpu()])
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no gpu"
     parts = [cpu, str(os.cpu_count()), gpu, torch.__version__,
              os.environ.get("ONEDNN_MAX_CPU_ISA", ""), os.environ.get("ATEN_CPU_CAPABILITY", "")]
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
+
+
+# /proc/cpuinfo's fields that name a non-x86 CPU: Arm's core and features, RISC-V's ISA.
+_OTHER_CPU_FIELDS = ("Features", "CPU implementer", "CPU architecture", "CPU variant",
+                     "CPU part", "Hardware", "isa", "uarch", "cpu model")
+
+
+def cpu_identity(cpuinfo: str) -> str:
+    """The CPU's model and features, from /proc/cpuinfo's text."""
+    lines = {k.strip(): v.strip() for k, v in
+             (line.split(":", 1) for line in cpuinfo.splitlines() if ":" in line)}
+    cpu = " ".join(lines.get(k, "") for k in ("model name", "flags"))
+    # Arm and others name the core and its features in fields x86 does not have
+    return cpu + "".join(f" {k}={lines[k]}" for k in _OTHER_CPU_FIELDS if k in lines)
+
+
+def _sysctl_cpu() -> str:
+    """macOS, which has no /proc/cpuinfo: the CPU's name and features from sysctl ("" elsewhere)."""
+    if platform.system() != "Darwin":
+        return ""
+    try:
+        out = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string", "machdep.cpu.features"],
+                             capture_output=True, text=True, timeout=5)
+        return " ".join(out.stdout.split())
+    except (OSError, subprocess.SubprocessError):
+        return ""
 
 
 def _read_cache(path: Path) -> dict[str, Any]:
@@ -713,22 +868,27 @@ def _read_cache(path: Path) -> dict[str, Any]:
 
 
 def _from_cache(path: str | Path, key: str) -> tuple[TrainConfig, dict[str, Any]] | None:
-    entry = _read_cache(Path(path)).get(machine_key(), {}).get(key)
+    machine = _read_cache(Path(path)).get(machine_key())
+    entry = machine.get(key) if isinstance(machine, dict) else None
     if not entry:
         return None
     try:
         tuned = TrainConfig(**entry["config"])
-    except (KeyError, TypeError, UserError) as exc:
-        log.info("autotune: cannot reuse the entry in %s (%s); measuring again", path, exc)
+        report = dict(entry["report"])
+    except (KeyError, TypeError, ValueError, UserError) as exc:  # another version's, or edited
+        log.info("autotune: cannot reuse the entry in %s (%s); measuring again", path,
+                 _error(exc))
         return None
-    log.info("autotune: reusing the choice measured on this machine on %s (%s)",
-             entry.get("measured", "?"), path)
-    return tuned, {**entry["report"], "reused_from": f"{path} ({entry.get('measured', '?')})"}
+    measured = entry.get("measured", "?")
+    log.info("autotune: reusing the choice measured on this machine on %s (%s)", measured, path)
+    return tuned, {**report, "reused_from": f"{path} ({measured})"}
 
 
 def _to_cache(path: str | Path, key: str, config: TrainConfig, findings: dict[str, Any]) -> None:
     data = _read_cache(Path(path))
-    data.setdefault(machine_key(), {})[key] = {
+    if not isinstance(data.get(machine_key()), dict):  # absent, or not this version's shape
+        data[machine_key()] = {}
+    data[machine_key()][key] = {
         "config": config.to_dict(), "report": findings,
         "measured": time.strftime("%Y-%m-%d %H:%M")}
     try:

@@ -471,3 +471,133 @@ def test_a_knob_raced_at_another_size_in_the_run_is_where_the_next_size_starts(m
     # another batch is other settings: nothing carried
     other, _ = at.autotune(_config(image_size=20, batch_size=8), 3, planned_steps=10, budget_share=0.1)
     assert other.amp == "off"
+
+
+def _sleeping_steps(monkeypatch, step_s):
+    """Every probe step takes step_s of wall time (the budget is kept by the clock)."""
+    import time
+
+    def timed_step(self):
+        time.sleep(step_s)
+        return step_s
+    monkeypatch.setattr(at.ComputeProbe, "timed_step", timed_step)
+
+
+def test_a_race_is_counted_by_the_steps_it_must_take_not_only_its_seconds(monkeypatch):
+    """Slow steps (0.2 s here): a race times each candidate for MIN_STEPS steps over an even
+    number of pairs, turns of TURN_STEPS for the thread count, whatever its seconds. 10% of
+    100 such steps is 2 s; the first probe takes 0.8 of them, too little for any race."""
+    _sleeping_steps(monkeypatch, 0.2)
+    config, report = at.autotune(_config(), 3, planned_steps=100, budget_share=0.1)
+    assert report["budget_s"] == pytest.approx(2.0, rel=0.05)
+    assert report["seconds"] <= 1.1 * report["budget_s"]
+    skipped = [k for k, v in report["knobs"].items() if v["reason"].startswith("not measured")]
+    assert "cpu_threads" in skipped or len(at.thread_candidates()) == 1
+
+
+def test_a_race_past_the_budget_is_cut_at_its_end(monkeypatch):
+    import time
+    _sleeping_steps(monkeypatch, 0.02)
+    a, b = at.ComputeProbe(_config(amp="off"), 3), at.ComputeProbe(_config(amp="bf16"), 3)
+    result = at.race(a, b, warmup=1, min_steps=50, max_steps=50, min_s=0.0,
+                     deadline=time.perf_counter() + 0.05)
+    assert result["cut"] and result["steps"] == 2  # the first even pair after the deadline
+    assert not at.race(a, b, warmup=1, min_steps=2, max_steps=2, min_s=0.0)["cut"]
+
+
+def test_the_worker_count_stops_measuring_at_the_deadline():
+    import time
+    made = []
+
+    def make_loader(n):
+        made.append(n)
+        return [(torch.zeros(4, 3, 8, 8), None)] * 8
+    choice, entry = at.tune_workers(make_loader, 10.0, [0, 2, 4], deadline=time.perf_counter())
+    assert made == [0] and choice == 0  # the first count is measured, none after the deadline
+    assert "2, 4 not measured: the measuring budget was spent" in entry["reason"]
+
+
+def test_compile_pays_back_in_optimizer_steps_with_accumulation(monkeypatch):
+    """planned_steps counts optimizer steps, each 4 micro-batches here: 1,000 of them at
+    0.16 s eager and 0.08 s compiled pay back a 30 s warm-up after 374 (per micro-batch, the
+    same warm-up would have needed 1,500 of what are only 4,000 micro-steps)."""
+    monkeypatch.setattr(at.ComputeProbe, "__init__", _uncompiled_init(at.ComputeProbe.__init__))
+    _fake_speeds(monkeypatch, lambda c: 200.0 if c.compile else 100.0,
+                 warmup_s=lambda c: 15.0 if c.compile else 0.04)
+    config, report = at.autotune(_config(grad_accum_steps=4), 3, planned_steps=1000)
+    reason = report["knobs"]["compile"]["reason"]
+    assert config.compile is True and "pays back after 374 steps" in reason, reason
+
+
+def test_a_choice_left_unmeasured_by_a_short_run_is_measured_by_a_longer_one(tmp_path, monkeypatch):
+    """A --quick run, then a full run into the same output dir: the short run's budget left
+    the knobs unmeasured and compile untried; the longer run measures them rather than reuse
+    the gaps, in the same process and from the cache file alike. As long or shorter: reused."""
+    _fake_speeds(monkeypatch, lambda c: 2000.0 if c.amp == "bf16" else 1000.0)
+    cache = tmp_path / "autotune_cache.json"
+    short, report = at.autotune(_config(), 3, planned_steps=10, budget_share=0.1,
+                                cache_path=cache)
+    assert short.amp == "off" and report["knobs"]["amp"]["reason"].startswith("not measured")
+    assert report["planned_steps"] == 10
+    _, again = at.autotune(_config(), 3, planned_steps=10, budget_share=0.1, cache_path=cache)
+    assert again["reused_from"] == "this run"
+    for fresh_process in (False, True):
+        if fresh_process:
+            at._RESULTS.clear()
+            at._RESULTS.clear()
+            at._to_cache(cache, at.speed_key(_config(), 3), short, report)
+        longer, report2 = at.autotune(_config(), 3, planned_steps=100_000, budget_share=0.1,
+                                      cache_path=cache)
+        assert "reused_from" not in report2 and longer.amp == "bf16"
+        assert report2["knobs"]["amp"]["img_s"]  # raced this time
+        at._RESULTS[at.speed_key(_config(), 3)] = (short, report)  # back to the short run's
+
+
+def test_knobs_measured_before_are_kept_while_the_rest_are_measured(monkeypatch):
+    """Only what the earlier choice left unmeasured is raced: its measured amp (bf16, slower
+    now) stays, with the reason it was chosen for."""
+    _fake_speeds(monkeypatch, lambda c: 500.0 if c.amp == "bf16" else 1000.0)
+    key = at.speed_key(_config(), 3)
+    earlier = at.dataclasses.replace(_config(), amp="bf16")
+    knobs = {"amp": {"choice": "bf16", "reason": "bf16 measured 900 img/s", "img_s": {"bf16": 900}},
+             "channels_last": {"choice": False, "img_s": {}, "reason": "not measured: 0.1 s left"}}
+    at._RESULTS[key] = (earlier, {"knobs": knobs, "planned_steps": 10, "compute_img_s": 900.0})
+    config, report = at.autotune(_config(), 3, planned_steps=100_000, budget_share=0.1)
+    assert config.amp == "bf16" and report["knobs"]["amp"]["reason"] == \
+        "bf16 measured 900 img/s (measured earlier)"
+    assert report["knobs"]["channels_last"]["img_s"]  # measured now
+    assert at._measure_rest({"knobs": knobs, "planned_steps": 10, "compute_img_s": 900.0}, 5,
+                            None, earlier, "", 0.1) is None  # a shorter run: reused whole
+
+
+def test_the_cpu_is_told_apart_on_arm_as_on_x86():
+    graviton2 = "processor\t: 0\nBogoMIPS\t: 243.75\nFeatures\t: fp asimd evtstrm aes\n" \
+                "CPU implementer\t: 0x41\nCPU part\t: 0xd0c\n"
+    graviton3 = "processor\t: 0\nBogoMIPS\t: 2100.00\nFeatures\t: fp asimd bf16 sve\n" \
+                "CPU implementer\t: 0x41\nCPU part\t: 0xd40\n"
+    assert at.cpu_identity(graviton2) != at.cpu_identity(graviton3)
+    assert "bf16" in at.cpu_identity(graviton3)
+    x86 = "model name\t: AMD EPYC 7B13\nflags\t\t: fpu avx2\n"
+    assert at.cpu_identity(x86) == "AMD EPYC 7B13 fpu avx2"  # as before: the cache keys stand
+
+
+def test_the_streaming_paths_key_holds_the_data():
+    """The worker count is measured against the images' decoding: another data set with the
+    same classes measures again; the decoded cache's choice does not depend on it."""
+    config = _config(cache_decoded=False)
+    assert at.speed_key(config, 3, cached_data=False, data_key="a") != \
+        at.speed_key(config, 3, cached_data=False, data_key="b")
+    assert at.speed_key(config, 3, data_key="a") == at.speed_key(config, 3, data_key="b")
+
+
+def test_a_damaged_cache_is_measured_again_not_a_traceback(tmp_path):
+    cache = tmp_path / "autotune_cache.json"
+    key = at.speed_key(_config(), 3)
+    for damaged in ({at.machine_key(): {key: {"config": _config().to_dict()}}},  # no report
+                    {at.machine_key(): ["not", "a", "dict"]},
+                    {at.machine_key(): {key: {"config": {"image_size": "big"}, "report": {}}}}):
+        cache.write_text(json.dumps(damaged))
+        at._RESULTS.clear()
+        _, report = at.autotune(_config(), 3, planned_steps=10, cache_path=cache)
+        assert "reused_from" not in report
+        assert key in json.loads(cache.read_text())[at.machine_key()]  # written over
