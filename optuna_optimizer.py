@@ -876,6 +876,21 @@ def _scrub(text: str, url: str) -> str:
     return text
 
 
+def shown_argv(argv: list[str]) -> list[str]:
+    """A command line as it may be logged or saved (run.json, latest_run.json): a --storage
+    URL's user, password and query left out, as everywhere else it is shown."""
+    shown, storage_next = [], False
+    for arg in argv:
+        if storage_next:
+            arg, storage_next = _without_password(arg), False
+        elif arg == "--storage":
+            storage_next = True
+        elif arg.startswith("--storage="):
+            arg = "--storage=" + _without_password(arg.split("=", 1)[1])
+        shown.append(arg)
+    return shown
+
+
 def _without_password(url: str) -> str:
     """The storage URL as it may be logged or written to results.json: driver, host, port and
     database only, never user, password or query string, however the URL is written."""

@@ -30,7 +30,7 @@ from modules.config import (CPU_ALLOCATORS, DROPOUT_IMPLS, MAX_IMAGE_SIZE, MIN_I
 from modules.device import autocast_dtype
 from modules.files import write_error
 from modules.models import check_weights_file
-from optuna_optimizer import PRUNERS
+from optuna_optimizer import PRUNERS, shown_argv
 # The library API the notebook and README call through this module.
 from scenario import (FIDELITY_FROM, FIDELITY_SCALE, MAX_EPOCH_FACTOR, N_TRIALS,  # noqa: F401
                       QUICK_N_TRIALS, SCENARIOS, TIME_SHARE, RunOptions, estimate, load_data,
@@ -277,7 +277,7 @@ def options(**values: Any) -> RunOptions:
         else:
             argv += [flag, str(value)]
     args = parse_args(argv)
-    args.command = shlex.join(["python", "pipeline.py", *argv])
+    args.command = shlex.join(["python", "pipeline.py", *shown_argv(argv)])
     return args
 
 

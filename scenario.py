@@ -47,7 +47,7 @@ from modules.results import (CLOCK_SUFFIX, checkpoint_file, compare_to_baseline,
                              run_folder, start_run, write_json)
 from modules.trainer import load_checkpoint, prepare, train
 from optuna_optimizer import (BATCH_SIZES, EarlierTrial, OptunaTuner, check_storage, end_trials,
-                              follow_trials)
+                              follow_trials, shown_argv)
 from resolution_tuner import (CPU_RESOLUTIONS, GPU_RESOLUTIONS, QUICK_CPU_RESOLUTIONS,
                               ResolutionTuner, equal_compute_epochs)
 
@@ -1009,7 +1009,7 @@ def run(args: RunOptions, index: DatasetIndex | None = None) -> list[dict[str, A
         # Every process checks (so a refused --resume ends them all); rank 0's id is the run's.
         args.run_id = distributed.from_main(start_run(
             output_dir, index, resume=args.resume, seed=args.seed,
-            command=args.command or shlex.join(["python", *sys.argv])))
+            command=args.command or shlex.join(["python", *shown_argv(sys.argv)])))
         with (run_log(output_dir / "runs" / args.run_id / "run.log") if distributed.is_main()
               else contextlib.nullcontext()):
             log.info("run %s: outputs in %s (earlier runs stay in results.json)", args.run_id,

@@ -8,6 +8,7 @@ import io
 import os
 import pickle
 import signal
+import sys
 import time
 import tracemalloc
 from contextlib import contextmanager
@@ -385,3 +386,30 @@ def test_truncated_text_and_pickled_code_files_are_user_errors(tmp_path, payload
 def test_a_good_model_file_still_loads(tmp_path, payload):
     model = load_model(_hostile(tmp_path, payload))
     assert model.meta["class_names"] == CLASSES and model.meta["image_size"] == 32
+
+
+def test_the_saved_and_logged_command_line_has_no_storage_secret(tmp_path, monkeypatch, capfd):
+    """run.json and latest_run.json keep the command for --resume's log line: a --storage
+    URL in it shows driver, host, port and database only, from the command line (sys.argv)
+    and from the notebook's options() alike."""
+    import pipeline
+    from conftest import make_folder
+    from optuna_optimizer import shown_argv
+    url = "postgresql+psycopg://alice:S3cretPw@dbhost/optuna?password=S3cretPw"
+    assert shown_argv(["--storage", url, f"--storage={url}", "--seed", "1"]) == [
+        "--storage", "postgresql+psycopg://dbhost/optuna",
+        "--storage=postgresql+psycopg://dbhost/optuna", "--seed", "1"]
+    assert "S3cretPw" not in pipeline.options(scenarios="baseline", storage=url).command
+    data = make_folder(tmp_path / "d", n_train=4, n_test=2)
+    out = tmp_path / "out"
+    argv = ["--data-dir", str(data), "--output-dir", str(out), "--scenarios", "baseline",
+            "--epochs", "1", "--image-size", "32", "--batch-size", "8", "--weights", "none",
+            "--no-progress", "--storage", url]
+    monkeypatch.setattr(sys, "argv", ["pipeline.py", *argv])
+    assert pipeline.main(argv) == 0 and pipeline.main([*argv, "--resume"]) == 0
+    logged = capfd.readouterr().err
+    saved = [out / "latest_run.json", *out.glob("checkpoints/*/run.json")]
+    assert len(saved) == 2 and "dbhost/optuna" in saved[0].read_text()
+    for path in saved:
+        assert "S3cretPw" not in path.read_text() and "alice" not in path.read_text(), path
+    assert "resuming run" in logged and "S3cretPw" not in logged
