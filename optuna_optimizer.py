@@ -154,12 +154,14 @@ class _BeyondNoise(optuna.pruners.BasePruner):
             # successive halving's promotion rule: in the top third of the trials at the rung
             top = sorted(here, reverse=True)[max(0, len(here) // REDUCTION_FACTOR - 1)]
             return value < top and beats(leader, value, self.n_val)
-        # clearly_ahead, in two parts: successive halving is not asked before some trial has
-        # left chance, and is asked even when the stop will not hold (it records the rung as
-        # it answers).
+        # clearly_ahead, in two parts. Successive halving is asked at every epoch, whatever
+        # the answer will be: it records a trial's rung value at the first epoch it is asked
+        # past the rung, and trials must be ranked at the rung's own epoch. Its stop holds
+        # only once some trial has left chance here, and this one is clearly behind.
+        verdict = self.pruner.prune(study, trial)
         if not informative(leader, self.n_val, self.num_classes):
             return False
-        return self.pruner.prune(study, trial) and beats(leader, value, self.n_val)
+        return verdict and beats(leader, value, self.n_val)
 
 
 def storage_error(url: str, exc: Exception) -> UserError:
@@ -463,7 +465,9 @@ class OptunaTuner:
 
     def _make_pruner(self) -> optuna.pruners.BasePruner:
         if self.pruner == "median":
-            pruner = optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=MEDIAN_WARMUP)
+            # Optuna judges from the step equal to n_warmup_steps; epochs are reported from 1.
+            pruner = optuna.pruners.MedianPruner(n_startup_trials=2,
+                                                 n_warmup_steps=MEDIAN_WARMUP + 1)
         elif self.pruner == "none":
             return optuna.pruners.NopPruner()
         elif self.pruner == "hyperband":
@@ -482,13 +486,14 @@ class OptunaTuner:
         log.info("trial %d %s value %s params %s%s", trial.number, trial.state.name, value,
                  trial.params, f" ({reason})" if reason else "")
 
-    def run(self, *, extend: bool = True, ended: bool = False) -> dict:
+    def run(self, *, ended: bool = False) -> dict:
         """Optimise until the study has n_trials finished trials (on a shared --storage: run
         n_trials of this worker's), so that a resumed search runs only what it lacks; return a
-        summary of the whole study (earlier sessions included). extend=False (with resume):
-        take a resumed study's trials as they are, run none. ended=True: the study's search
-        has ended (its final run started): trials run only when n_trials is more than it was
-        asked for, growing it."""
+        summary of the whole study (earlier sessions included). ended=True (with resume): the
+        study's search has ended (its final run started): trials run only when it has fewer
+        finished trials than n_trials (a --n-trials above the count it was asked for grows
+        it; a growth cut short is finished); on a shared study only when n_trials is more than
+        it was asked for."""
         # We log one line per trial; Optuna's own warning for a failed trial carries the whole
         # traceback of a Ctrl-C, which the command line answers in one line.
         optuna.logging.set_verbosity(optuna.logging.ERROR)
@@ -525,9 +530,22 @@ class OptunaTuner:
             self.study.set_user_attr("data_fingerprint", self.data_fingerprint)
         self._check_trial_setup(where)
         self._keep_study_batch_sizes()
+        finished_states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+        asked = self.study.user_attrs.get("n_trials", len(self.study.trials))
+        # Resumed without a count of its own: the count the study was asked for, not a preset.
+        n_trials = asked if self.resume and self.study_count and not shared and \
+            "n_trials" in self.study.user_attrs else self.n_trials
+        if ended and self.resume and self.study.trials:
+            done = sum(t.state in finished_states for t in self.study.trials)
+            if not (self.n_trials > asked if shared else n_trials > done):
+                log.info("study %r: its %d trials as they are, none added", self.study_name,
+                         len(self.study.trials))
+                return self.summary()
         reused = 0
-        alive = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.WAITING,
-                 optuna.trial.TrialState.RUNNING)  # a default trial stopped by Ctrl-C is FAIL
+        # A default trial stopped by Ctrl-C is FAIL, and queued again; a pruned one (it
+        # diverged, ran out of memory, fell behind) stands.
+        alive = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED,
+                 optuna.trial.TrialState.WAITING, optuna.trial.TrialState.RUNNING)
         if not any(t.user_attrs.get("default") and t.state in alive for t in self.study.trials):
             # The default configuration is always a candidate, so the search can only keep or
             # beat it (see choice()).
@@ -542,20 +560,10 @@ class OptunaTuner:
             else:
                 self.study.enqueue_trial(self.default_params(), user_attrs={"default": True})
         before = len(self.study.trials)
-        asked = self.study.user_attrs.get("n_trials", before)
-        # Resumed without a count of its own: the count the study was asked for, not a preset.
-        n_trials = asked if self.resume and self.study_count and not shared and \
-            "n_trials" in self.study.user_attrs else self.n_trials
-        if (not extend or (ended and n_trials <= asked)) and self.resume and \
-                self.study.trials:
-            log.info("study %r: its %d trials as they are, none added", self.study_name,
-                     len(self.study.trials))
-            return self.summary()
         if shared:  # every worker runs its own n_trials (a reused default trial among them)
             to_run = self.n_trials - reused
         else:
-            done = sum(t.state in (optuna.trial.TrialState.COMPLETE,
-                                   optuna.trial.TrialState.PRUNED) for t in self.study.trials)
+            done = sum(t.state in finished_states for t in self.study.trials)
             to_run = n_trials - done
             self.study.set_user_attr("n_trials", n_trials)
             if self.resume and done > reused:

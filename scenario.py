@@ -859,9 +859,11 @@ def tune_hyperparameters(config: TrainConfig, args: RunOptions, index: DatasetIn
         log.info("hpo: the final run had started (%s): resuming it with the parameters it "
                  "started with; the study grows only with --n-trials N above the count it was "
                  "asked for", final)
-    summary = tuner.run(extend=started is None or args.n_trials is not None,
-                        ended=started is not None)
-    grow = started is not None and tuner.new_trials > 0
+    summary = tuner.run(ended=started is not None)
+    # Grown in this session, or in an earlier one cut short before its final run was trained
+    # again (only this run's sessions change a study of its own; a shared study's other
+    # workers do not make a started final run train again).
+    grow = started is not None and (tuner.new_trials > 0 or not shared)
     tuner.save_plots()
     log.info("hpo: %s", summary["choice"])
     params = summary["chosen_params"] or {k: getattr(config, k) for k in OptunaTuner.SEARCHED}
@@ -877,7 +879,7 @@ def tune_hyperparameters(config: TrainConfig, args: RunOptions, index: DatasetIn
         if kept is not None:  # the output dir may have moved since the checkpoint was written
             before = dataclasses.replace(before, weights=str(kept))
         if not grow or all(getattr(before, k) == getattr(chosen, k) for k in OptunaTuner.SEARCHED):
-            if grow:
+            if grow and tuner.new_trials > 0:
                 log.info("hpo: the choice did not change: the final run is not trained again")
             chosen, trained_anew = before, False  # it continues from its checkpoint
             warm = resumed_start(output_dir, args, index.name, before.weights)

@@ -783,3 +783,92 @@ def test_a_shared_studys_time_budget_is_this_sessions(index, tmp_path):
     joined = tuner(index, tmp_path / "b", storage=storage, shared=True, timeout_s=30.0)
     joined.run()
     assert joined.time_left() == 30.0
+
+
+def test_successive_halving_ranks_every_trial_at_the_rungs_own_epoch():
+    """Two trials still at chance at the first rung (epoch 4 of 6), leaving it at epoch 5:
+    their rung value is their epoch-4 accuracy, not a later one. A later trial second of six
+    there, in the top third, goes on."""
+    from types import SimpleNamespace
+    t = OptunaTuner.__new__(OptunaTuner)
+    t.index = SimpleNamespace(val=[None] * 1000, classes=list(range(10)))  # chance 10%
+    t.epochs, t.pruner = 6, "asha"
+    assert t.first_rung() == 4
+    study = optuna.create_study(direction="maximize", pruner=t._make_pruner())
+
+    def run(curve):
+        trial = study.ask()
+        for epoch, acc in enumerate(curve, 1):
+            trial.report(acc, epoch)
+            if trial.should_prune():
+                study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+                return epoch
+        study.tell(trial, max(curve))
+        return None
+    for curve in ([.10, .10, .10, .10, .90, .92], [.10, .10, .10, .10, .90, .92],
+                  [.10, .10, .10, .80, .85, .86], [.10, .10, .10, .30, .35, .36],
+                  [.10, .10, .10, .30, .35, .36]):
+        run(curve)
+    assert run([.10, .10, .10, .60, .70, .75]) is None  # second of six at epoch 4
+    assert {t.system_attrs.get("completed_rung_0") for t in study.trials[:2]} == {0.10}
+
+
+def test_the_median_pruner_judges_no_trial_at_its_first_epoch(index, tmp_path, monkeypatch):
+    """MEDIAN_WARMUP epochs unjudged, as shortest_trial counts them: Optuna judges from the
+    step equal to n_warmup_steps, and epochs are reported from 1."""
+    monkeypatch.setattr(optuna_optimizer, "fit",
+                        curves_by_lr([0.70, 0.72, 0.74, 0.75], [0.20, 0.47, 0.50, 0.52]))
+    t = with_val_images(tuner(index, tmp_path, n_trials=3, epochs=4, pruner="median"))
+    t.run()
+    stopped = [max(trial.intermediate_values) for trial in t.study.trials
+               if trial.state == optuna.trial.TrialState.PRUNED]
+    assert stopped and min(stopped) == OptunaTuner.shortest_trial("median", 4) == 2
+
+
+def test_a_growth_cut_short_is_finished_by_the_next_resume(index, tmp_path, monkeypatch):
+    """`--resume --n-trials 4` after a finished 2-trial study, interrupted after one new
+    trial: the study is recorded as asked for 4 with 3 done. The next resume, with the same
+    count or none of its own, runs the one it lacks; then none more."""
+    monkeypatch.setattr(optuna_optimizer, "fit", fake_fit)
+    tuner(index, tmp_path, n_trials=2).run()
+    calls = []
+
+    def interrupted(idx, config, on_epoch):
+        calls.append(config.lr)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return fake_fit(idx, config, on_epoch)
+    monkeypatch.setattr(optuna_optimizer, "fit", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        tuner(index, tmp_path, n_trials=4, resume=True).run(ended=True)
+    monkeypatch.setattr(optuna_optimizer, "fit", fake_fit)
+    plain = tuner(index, tmp_path, n_trials=99, resume=True, study_count=True)  # no --n-trials
+    plain.run(ended=True)
+    done = [t for t in plain.study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert plain.new_trials == 1 and len(done) == 4
+    again = tuner(index, tmp_path, n_trials=4, resume=True)
+    again.run(ended=True)
+    assert again.new_trials == 0
+
+
+def test_a_pruned_default_trial_stands_and_is_not_queued_again(index, tmp_path, monkeypatch):
+    """A default configuration that diverged is a result (it diverges again): a resumed or
+    grown study does not train it again, nor leave a waiting copy when it runs nothing."""
+    from modules.trainer import DivergedError
+    trained = []
+
+    def fit_(idx, config, on_epoch):
+        trained.append(config.lr)
+        if config.lr == BASE.lr:
+            raise DivergedError("loss is nan at epoch 1")
+        return fake_fit(idx, config, on_epoch)
+    monkeypatch.setattr(optuna_optimizer, "fit", fit_)
+    tuner(index, tmp_path, n_trials=3).run()
+    assert trained.count(BASE.lr) == 1
+    grown = tuner(index, tmp_path, n_trials=5, resume=True)
+    grown.run(ended=True)
+    assert trained.count(BASE.lr) == 1 and len(grown.study.trials) == 5
+    same = tuner(index, tmp_path, n_trials=5, resume=True)
+    same.run(ended=True)
+    assert len(same.study.trials) == 5
+    assert not [t for t in same.study.trials if t.state == optuna.trial.TrialState.WAITING]

@@ -1016,3 +1016,26 @@ def test_a_resumed_scenario_counts_the_tuning_of_earlier_sessions(small, tmp_pat
     assert run_main(*argv, "--resume") == 0
     row = json.loads((out / "results.json").read_text())[-1]
     assert row["tuning_s"] >= first and row["total_s"] >= row["tuning_s"] + row["wall_s"] - 1e-6
+
+
+def test_a_growth_cut_short_before_its_final_run_trains_it_on_the_next_resume(
+        small, tmp_path, monkeypatch):
+    """`--resume --n-trials 3` grew the study to a new winner, then was interrupted before
+    its final run was trained again: the next plain --resume trains the winner's final run,
+    not the earlier checkpoint's settings under the winner's name."""
+    out = tmp_path / "out"
+    argv = ("--data-dir", str(small), "--scenarios", "hpo", "--image-size", "32", "--epochs", "2",
+            "--weights", "none", "--no-progress", "--no-autotune", "--output-dir", str(out))
+    assert run_main(*argv, "--n-trials", "2") == 0
+    better = {"lr": 0.005, "batch_size": 16, "optimizer": "sgd", "weight_decay": 1e-4}
+    monkeypatch.setattr(scenario.OptunaTuner, "choice", lambda self: (better, "a new winner"))
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+    with monkeypatch.context() as m:
+        m.setattr(scenario.OptunaTuner, "save_plots", interrupted)
+        assert run_main(*argv, "--resume", "--n-trials", "3") != 0
+    assert run_main(*argv, "--resume") == 0
+    row = json.loads((out / "results.json").read_text())[-1]
+    assert row["hpo"]["n_trials"] == 3 and row["resumed_from_epoch"] is None
+    assert (row["settings"]["lr"], row["settings"]["optimizer"]) == (0.005, "sgd")
