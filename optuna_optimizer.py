@@ -350,7 +350,8 @@ class OptunaTuner:
             reason = f"out of memory at batch_size={config.batch_size}"
             trial.set_user_attr("pruned_reason", reason)
             raise optuna.TrialPruned(reason)
-        trial.set_user_attr("samples_per_s", float(result.timing.get("samples_per_s", 0.0)))
+        rate = result.timing.get("samples_per_s")  # None when no step was timed
+        trial.set_user_attr("samples_per_s", None if rate is None else float(rate))
         trial.set_user_attr("epochs_run", result.epochs_run)
         trial.set_user_attr("wall_s", result.wall_s)
         trial.set_user_attr("epoch_end_at", ended)

@@ -421,6 +421,9 @@ class StepTimer:
             log.info("the epochs before were timed on %s x%s; the step timing covers this "
                      "process's epochs only", carried.get("device"), carried.get("world"))
         self.warmup = TIMING_WARMUP_STEPS if planned_steps > 2 * TIMING_WARMUP_STEPS else 0
+        # The warm-up steps' own totals: the figures when a run ends within them (early stopping)
+        self.warm_totals = {k: 0.0 if isinstance(v, float) else 0 for k, v in self.totals.items()
+                            if k != "gpu_compute_s"}  # no GPU events recorded for them
         self.step_no = 0
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
@@ -438,18 +441,18 @@ class StepTimer:
 
     def end(self, samples: int) -> None:
         t3 = time.perf_counter()
-        if self.step_no >= self.warmup:
-            if self.device.type == "cuda":
-                gpu_end = torch.cuda.Event(enable_timing=True)
-                gpu_end.record()
-                self._events.append((self._gpu_start, gpu_end))
-            t = self.totals
-            t["data_wait_s"] += self._t1 - self._t0
-            t["h2d_s"] += self._t2 - self._t1
-            t["step_s"] += t3 - self._t0
-            t["cpu_s"] += time.process_time() - self._c0  # host CPU, all threads
-            t["steps"] += 1
-            t["samples"] += samples
+        timed = self.step_no >= self.warmup
+        if timed and self.device.type == "cuda":
+            gpu_end = torch.cuda.Event(enable_timing=True)
+            gpu_end.record()
+            self._events.append((self._gpu_start, gpu_end))
+        t = self.totals if timed else self.warm_totals
+        t["data_wait_s"] += self._t1 - self._t0
+        t["h2d_s"] += self._t2 - self._t1
+        t["step_s"] += t3 - self._t0
+        t["cpu_s"] += time.process_time() - self._c0  # host CPU, all threads
+        t["steps"] += 1
+        t["samples"] += samples
         self.step_no += 1
 
     def epoch_end(self) -> None:
@@ -463,16 +466,22 @@ class StepTimer:
         return {**self.totals, "device": self.device.type, "world": self.world}
 
     def summary(self) -> dict[str, Any]:
-        """The totals and the figures derived from them (TrainResult.timing)."""
-        t = dict(self.totals)
-        steps = max(1, t["steps"])
-        step_s = t["step_s"] or float("nan")
-        t.update(avg_step_ms=1000 * t["step_s"] / steps,
+        """The totals and the figures derived from them (TrainResult.timing); the warm-up
+        steps' when the run ended within them, and None, not 0, when no step ran."""
+        t, warmup = dict(self.totals), self.warmup
+        if not t["steps"] and self.warm_totals["steps"]:
+            t, warmup = dict(self.warm_totals), 0  # no GPU events: those were not recorded
+        steps, step_s = t["steps"], t["step_s"]
+        if not steps or step_s <= 0:
+            t.update(avg_step_ms=None, data_wait_frac=None, h2d_frac=None, gpu_compute_frac=None,
+                     samples_per_s=None, cpu_exec_us=None, warmup_steps=warmup)
+            return t
+        t.update(avg_step_ms=1000 * step_s / steps,
                  data_wait_frac=t["data_wait_s"] / step_s,
                  h2d_frac=t["h2d_s"] / step_s,
                  gpu_compute_frac=t["gpu_compute_s"] / step_s if "gpu_compute_s" in t else None,
                  samples_per_s=self.world * t["samples"] / step_s,  # equal shards per rank
-                 cpu_exec_us=1e6 * t["cpu_s"] / steps, warmup_steps=self.warmup)
+                 cpu_exec_us=1e6 * t["cpu_s"] / steps, warmup_steps=warmup)
         return t
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 
 import pytest
 import torch
@@ -409,3 +410,19 @@ def test_a_compile_that_cannot_build_trains_eager_and_says_so(monkeypatch, caplo
     assert "torch.compile failed here" in caplog.text
     assert [r["train_loss"] for r in result.history] == \
         pytest.approx([r["train_loss"] for r in eager.history])  # nothing of the failed pass
+
+
+def test_a_run_ended_within_the_timing_warm_up_reports_its_steps_not_zero():
+    """Early stopping can end a run before any step past the timing warm-up: its figures are
+    then the warm-up steps' own, and with no step at all None (not measured), never 0."""
+    from modules.trainer import StepTimer
+    timer = StepTimer(torch.device("cpu"), planned_steps=100)
+    assert timer.warmup > 2
+    assert timer.summary()["avg_step_ms"] is None and timer.summary()["samples_per_s"] is None
+    for _ in range(2):
+        timer.begin(), timer.loaded(), timer.copied()
+        time.sleep(0.01)
+        timer.end(samples=8)
+    figures = timer.summary()
+    assert figures["avg_step_ms"] >= 10 and figures["samples_per_s"] > 0
+    assert figures["cpu_exec_us"] >= 0 and figures["warmup_steps"] == 0 and figures["steps"] == 2
