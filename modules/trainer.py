@@ -643,6 +643,11 @@ def prepare(index, config: TrainConfig) -> tuple[nn.Module, Any, Any, Any]:
     """Seed, then build the model and the (train, val, test) loaders for a DatasetIndex."""
     set_seed(config.seed)
     model = build_model(config.model, len(index.classes), config.weights, config.dropout_impl)
+    if distributed.rank() > 0:
+        # Under torchrun each rank draws its own augmentation, dropout masks and worker seeds,
+        # as the decoded cache's do; rank 0 draws as one process. The weights, drawn above
+        # alike, are rank 0's anyway (train broadcasts them).
+        set_seed(config.seed + 1_000_003 * distributed.rank())
     return (model, *make_loaders(index, config))
 
 

@@ -154,3 +154,39 @@ def test_a_folder_another_run_writes_to_stops_every_rank_in_one_line(tmp_path):
     assert proc.returncode != 0
     assert proc.stderr.count("error: another run is writing to") == 2, proc.stderr[-3000:]
     assert not (out / "results.json").exists()
+
+
+def _draws_after_prepare(rank: int, init_file: str, data: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from modules.config import TrainConfig
+    from modules.dataset import index_dataset
+    from modules.trainer import prepare
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    config = TrainConfig(weights="none", image_size=32, batch_size=4, device="cpu", seed=3)
+    model, *_ = prepare(index_dataset(data), config)
+    torch.save({"draws": torch.rand(4), "weights": model.state_dict()}, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_each_rank_draws_its_own_augmentation_and_dropout(tmp_path):
+    """Under torchrun the ranks' random streams differ after prepare() (the streaming path's
+    crops and flips, dropout masks, worker seeds), where the same seed gave every rank the
+    same draws, position by position; rank 0's are one process's. The weights are drawn
+    alike (and broadcast from rank 0 when training starts)."""
+    import torch.multiprocessing as mp
+
+    from modules.config import TrainConfig
+    from modules.dataset import index_dataset
+    from modules.trainer import prepare
+    data = make_folder(tmp_path / "data", n_train=4, n_test=2)
+    out = str(tmp_path / "draws")
+    mp.spawn(_draws_after_prepare, args=(str(tmp_path / "init"), str(data), out), nprocs=2)
+    zero, one = torch.load(f"{out}.0"), torch.load(f"{out}.1")
+    assert not torch.equal(zero["draws"], one["draws"])
+    for key, value in zero["weights"].items():
+        assert torch.equal(one["weights"][key], value), key
+    with torch.random.fork_rng():
+        prepare(index_dataset(data), TrainConfig(weights="none", image_size=32, batch_size=4,
+                                                 device="cpu", seed=3))
+        assert torch.equal(torch.rand(4), zero["draws"])
