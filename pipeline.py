@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="this worker's sampler seed on a shared --storage study (default: "
                           "from --seed, the host and the process, so workers differ)")
     run.add_argument("--profile", action="store_true",
-                     help="write torch.profiler traces of a few steps to DIR/profiler/<scenario>")
+                     help="write torch.profiler traces of a few steps to DIR/profiler/<run>/<scenario>")
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
     tune = p.add_argument_group("tuning")
     tune.add_argument("--resolutions", type=_int_list, metavar="LIST",

@@ -157,9 +157,12 @@ def _overhead_bound(f: _Figures) -> dict[str, Any] | None:
     batch = f.num("batch_size")
     recs = [f"Raise batch_size{f' from {batch:.0f}' if batch else ''} so fixed per-step costs "
             f"are shared by more samples: {why_txt}."]
-    if f.cuda:
-        recs.append(f"Try --compile (torch.compile; mode='reduce-overhead' adds CUDA graphs) to cut "
-                    f"kernel-launch and Python overhead: {why_txt}.")
+    if f.get("compile"):
+        recs.append(f"torch.compile is on already: what is left per step is launch and Python "
+                    f"overhead that a larger batch or input size spreads ({why_txt}).")
+    elif f.cuda:
+        recs.append(f"Try --compile (torch.compile) to fuse small kernels and cut kernel-launch "
+                    f"and Python overhead: {why_txt}.")
     else:
         recs.append(f"Try --compile (torch.compile) to fuse small ops and cut Python overhead: "
                     f"{why_txt}.")
@@ -189,6 +192,9 @@ def _compute_bound(f: _Figures) -> dict[str, Any]:
         recs += _gpu_compute_recs(f, basis)
     else:
         recs += _cpu_compute_recs(f, basis)
+    if not recs:  # every usual knob is on already
+        recs.append(f"The usual speed knobs are on; a smaller model or input size is what is left "
+                    f"({basis}).")
     return _result("compute-bound", summary, recs)
 
 
@@ -222,7 +228,4 @@ def _gpu_compute_recs(f: _Figures, basis: str) -> list[str]:
     if peak is not None and limit and peak / limit < THRESHOLDS.batch_headroom_frac:
         recs.append(f"Raise batch_size{f' from {batch:.0f}' if batch else ''}: only "
                     f"{peak:.0f} of {limit:.0f} MB ({_pct(peak / limit)}) of device memory is used.")
-    if not recs:
-        recs.append(f"The usual speed knobs are on; a smaller model or input size is what is left "
-                    f"({basis}).")
     return recs

@@ -220,6 +220,7 @@ def result_row(name: str, config: TrainConfig, result: TrainResult, test: dict[s
         "batch_size": config.batch_size, "device": device.type, "mem_limit_mb": mem_limit_mb,
         "alloc_retries": alloc_retries, "num_workers": config.num_workers,
         "cpu_count": os.cpu_count(), "channels_last": config.channels_last,
+        "compile": config.compile,
         "amp_dtype": result.settings.get("amp_dtype"),
         "native_bf16": native_bf16_cpu() if device.type == "cpu" else None,
         "cached_decode": data_path == CachedLoader.data_path})

@@ -185,6 +185,18 @@ def test_overhead_bound_from_a_tiny_step_or_an_idle_gpu():
     assert d["bottleneck"] == "overhead-bound" and "20%" in d["summary"]
 
 
+def test_a_compiled_run_is_not_told_to_compile_and_a_tuned_cpu_still_gets_advice():
+    overhead = {"data_wait_frac": 0.05, "avg_step_ms": 1.2, "device": "cuda", "batch_size": 8}
+    assert any("--compile" in r for r in diagnose(overhead)["recommendations"])
+    compiled = diagnose({**overhead, "compile": True})["recommendations"]
+    assert not any("Try --compile" in r for r in compiled)
+    assert any("torch.compile is on already" in r for r in compiled)
+    tuned = diagnose({"data_wait_frac": 0.02, "avg_step_ms": 85, "samples_per_s": 376,
+                      "device": "cpu", "channels_last": True, "amp_dtype": "bfloat16",
+                      "native_bf16": True})
+    assert tuned["bottleneck"] == "compute-bound" and tuned["recommendations"]
+
+
 def test_diagnose_all_none_does_not_crash():
     keys = ("data_wait_frac", "h2d_frac", "avg_step_ms", "samples_per_s", "batch_size", "device",
             "gpu_util_pct", "cpu_util_pct", "peak_mem_mb", "mem_limit_mb", "alloc_retries",
