@@ -42,6 +42,7 @@ class SystemSampler:
 
     def _reset(self) -> None:
         self._cpu_times: dict[tuple[int, float], float] = {}  # (pid, create_time) -> CPU seconds
+        self._before: set[tuple[int, float | None]] = set()  # children running at start()
         self._machine_pct_s = 0.0    # machine-wide busy % x seconds, for a time-weighted mean
         self._process_cpu_s = 0.0    # CPU seconds of process + children since start
         self._wall_s = 0.0
@@ -73,6 +74,9 @@ class SystemSampler:
         self._reset()
         self._halt.clear()
         psutil.cpu_percent(interval=None)  # primes it: its first reading is always 0
+        # Children already running (the notebook's TensorBoard, an earlier scenario's loader
+        # workers) are not this scenario's: their memory and CPU time are left out.
+        self._before = {(p.pid, _created(p)) for p in self._tree()[1:]}
         for key, cpu_s in self._tree_cpu_times().items():  # baseline: count only CPU from now on
             self._cpu_times[key] = cpu_s
         self._open_energy()
@@ -127,10 +131,12 @@ class SystemSampler:
         self._wall_s += dt
 
     def _tree(self) -> list[psutil.Process]:
+        """This process and the children it started since start()."""
         try:
-            return [self._proc, *self._proc.children(recursive=True)]
+            children = self._proc.children(recursive=True)
         except psutil.Error:
             return [self._proc]
+        return [self._proc, *(p for p in children if (p.pid, _created(p)) not in self._before)]
 
     def _tree_cpu_times(self) -> dict[tuple[int, float], float]:
         out = {}
@@ -249,6 +255,13 @@ class SystemSampler:
                 "energy_j": energy,
                 "n_samples": self._n,
             }
+
+
+def _created(process: psutil.Process) -> float | None:
+    try:
+        return process.create_time()
+    except psutil.Error:  # gone already
+        return None
 
 
 def _nvml_handle(pynvml, cuda_index: int):

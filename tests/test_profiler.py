@@ -264,3 +264,20 @@ def test_a_gpu_run_without_nvml_reports_no_energy_not_the_cpus(tmp_path, monkeyp
     with SystemSampler(interval_s=10) as cpu_run:
         (tmp_path / "energy_uj").write_text("3000000")
     assert cpu_run.summary()["energy_j"] == pytest.approx(2.0)
+
+
+def test_children_running_before_the_scenario_are_not_its_memory():
+    """The notebook's %tensorboard runs as a child of the kernel: its memory is not the
+    scenario's peak (here a child holding 300 MB, started before the sampler)."""
+    hold = "b = bytearray(300 * 2**20)\nprint('held', flush=True)\nimport time; time.sleep(60)\n"
+    child = subprocess.Popen([sys.executable, "-c", hold], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "held"
+        with SystemSampler(interval_s=10) as sampler:
+            pass
+        alone = sampler.summary()["ram_peak_mb"]
+    finally:
+        child.kill()
+        child.wait()
+    import psutil
+    assert alone < psutil.Process().memory_info().rss / 2**20 + 200
