@@ -61,6 +61,11 @@ class TorchProfiler:
         self._prof.__enter__()
         return self
 
+    @property
+    def recording(self) -> bool:
+        """Whether the step now running is profiled (warm-up or recorded): slower than others."""
+        return self._prof is not None and self._prof.current_action != ProfilerAction.NONE
+
     def step(self) -> None:
         """Mark the end of one training step (drives the wait/warmup/active schedule)."""
         if self._prof is not None:

@@ -177,17 +177,19 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
     epochs = _Epochs(model, optimizer, scheduler, scaler, config, device, dtype, progress, timer,
                      profiler)
     writer = _summary_writer(run_dir if distributed.is_main() else None, config)
-    elapsed_before, stopped_early = progress.elapsed_s, False
+    elapsed_before, stopped_early, profiled_before = progress.elapsed_s, False, 0.0
     try:  # the event file is closed however the loop ends (pruned, diverged, Ctrl-C)
         for epoch in range(progress.start_epoch, config.epochs):
             epoch_start = time.perf_counter()
             row = epochs.train_one(train_loader, epoch)
             val = evaluate(model, val_loader, device=device, amp_dtype=dtype,
                            channels_last=config.channels_last, num_classes=num_classes)
+            profiled_s = epochs.profiler_s  # the profiler's own seconds are not the run's
             row.update(val_loss=val["loss"], val_acc=val["acc"], lr=row.pop("lr"),
-                       epoch_s=time.perf_counter() - epoch_start,
+                       epoch_s=time.perf_counter() - epoch_start - (profiled_s - profiled_before),
                        samples_per_s=row.pop("samples_per_s"))
-            row["elapsed_s"] = elapsed_before + (time.perf_counter() - started)
+            profiled_before = profiled_s
+            row["elapsed_s"] = elapsed_before + (time.perf_counter() - started) - profiled_s
             _log_epoch(row, config.epochs, writer)
             stopped_early = progress.record(row, model, config.early_stopping_patience)
             saver.save(progress, stopped_early or epoch + 1 == config.epochs, model, optimizer,
@@ -211,7 +213,7 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
         epochs_run=len(history), nonfinite_steps=progress.nonfinite_steps,
         stopped_early=stopped_early or (bool(history) and len(history) < config.epochs),
         resumed_from_epoch=progress.resumed_from,
-        wall_s=elapsed_before + time.perf_counter() - started,
+        wall_s=elapsed_before + time.perf_counter() - started - epochs.profiler_s,
         time_to_best_s=best_row["elapsed_s"] if best_row else 0.0, timing=timer.summary(),
         settings={"device": str(device), "amp_dtype": str(dtype).replace("torch.", "") if dtype
                   else "fp32", "effective_batch_size": config.effective_batch_size,
@@ -242,6 +244,8 @@ class _Epochs:
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.config, self.device, self.dtype = config, device, dtype
         self.progress, self.timer, self.profiler = progress, timer, profiler
+        # Seconds the profiler took between steps (writing its trace): not training time.
+        self.profiler_s = 0.0
         self.forward = torch.compile(model) if config.compile else model
         self.compile_failed: str | None = None  # why, when --compile fell back to eager
         self.memory_format = _memory_format(config)
@@ -272,7 +276,10 @@ class _Epochs:
         batches = iter(loader)
         window_batches: list[tuple[torch.Tensor, torch.Tensor]] = []  # replayed after an OOM
         pending: list[tuple[Any, list]] = []  # (finite flag, metrics) per window batch
+        profiler_before = self.profiler_s
         for i in range(n_batches):
+            # A profiled step is slower than others: the step timing leaves it out.
+            profiled = getattr(self.profiler, "recording", False)
             self.timer.begin()
             with region("data_wait"):
                 x, y = next(batches)
@@ -293,12 +300,14 @@ class _Epochs:
             pending[first:] = done  # a replayed window replaces its earlier entries
             if i - window_start + 1 == window:
                 self._step(pending, metrics, epoch)
-            self.timer.end(y.shape[0])
+            self.timer.end(y.shape[0], counted=not profiled)
             if self.profiler is not None:
+                mark = time.perf_counter()
                 self.profiler.step()
+                self.profiler_s += time.perf_counter() - mark
             bar.update(1)
         bar.close()
-        train_s = time.perf_counter() - started
+        train_s = time.perf_counter() - started - (self.profiler_s - profiler_before)
         self.timer.epoch_end()
         loss, acc, seen = metrics.totals()
         return {"epoch": epoch + 1, "train_loss": loss, "train_acc": acc, "samples": seen,
@@ -439,9 +448,10 @@ class StepTimer:
             self._gpu_start = torch.cuda.Event(enable_timing=True)
             self._gpu_start.record()
 
-    def end(self, samples: int) -> None:
+    def end(self, samples: int, counted: bool = True) -> None:
+        """counted=False: a step unlike the others (profiled), timed as a warm-up step is."""
         t3 = time.perf_counter()
-        timed = self.step_no >= self.warmup
+        timed = self.step_no >= self.warmup and counted
         if timed and self.device.type == "cuda":
             gpu_end = torch.cuda.Event(enable_timing=True)
             gpu_end.record()

@@ -426,3 +426,42 @@ def test_a_run_ended_within_the_timing_warm_up_reports_its_steps_not_zero():
     figures = timer.summary()
     assert figures["avg_step_ms"] >= 10 and figures["samples_per_s"] > 0
     assert figures["cpu_exec_us"] >= 0 and figures["warmup_steps"] == 0 and figures["steps"] == 2
+
+
+class _SlowProfiler:
+    """A profiler whose steps 4-6 are recorded (each 0.2 s slower) and whose step after them
+    writes its trace for 0.5 s."""
+
+    def __init__(self):
+        self.steps = 0
+
+    @property
+    def recording(self):
+        return 3 <= self.steps < 6
+
+    def step(self):
+        self.steps += 1
+        if self.steps == 6:
+            time.sleep(0.5)
+
+
+def test_the_profilers_own_time_is_not_the_runs(monkeypatch):
+    """--profile's trace writing is not training time (wall_s, epoch_s, elapsed_s, the
+    epoch's samples/s), and its slower recorded steps are left out of the step timing."""
+    import modules.trainer as trainer_module
+    real_forward_backward = trainer_module._Epochs._forward_backward
+
+    def slower_when_profiled(self, *a, **k):
+        if getattr(self.profiler, "recording", False):
+            time.sleep(0.2)
+        return real_forward_backward(self, *a, **k)
+    monkeypatch.setattr(trainer_module._Epochs, "_forward_backward", slower_when_profiled)
+    config = dataclasses.replace(BASE, epochs=2)
+    started = time.perf_counter()
+    result = fit(config, colour_data(96), profiler=_SlowProfiler())  # 12 steps per epoch
+    took = time.perf_counter() - started
+    assert result.wall_s < took - 0.45
+    assert sum(r["epoch_s"] for r in result.history) < took - 0.45
+    assert result.history[-1]["elapsed_s"] < took - 0.45
+    assert result.timing["steps"] == 24 - TIMING_WARMUP_STEPS - 3  # the recorded three left out
+    assert result.timing["avg_step_ms"] < 100
