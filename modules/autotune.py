@@ -7,14 +7,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import importlib
 import json
 import logging
 import math
-import multiprocessing
 import os
+import pickle
 import platform
+import signal
 import statistics
 import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -423,26 +427,71 @@ def _compile_race_child(config: dict[str, Any], num_classes: int, min_s: float, 
 
 def run_with_deadline(target: Callable[..., None], args: tuple, deadline_s: float
                       ) -> tuple[bool, Any]:
-    """Run target(*args, conn) in a fresh (spawned) process, which answers with conn.send().
+    """Run target(*args, conn) in a fresh Python process, which answers with conn.send().
     (True, its answer), or (False, None) when it has not answered within deadline_s seconds:
-    then it is killed."""
-    ctx = multiprocessing.get_context("spawn")  # fork would copy this process's thread pools
-    receiver, sender = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=target, args=(*args, sender), daemon=True)
-    proc.start()
-    sender.close()
+    then it is killed, with any process it started (a compiler's workers).
+
+    Not multiprocessing: fork would copy this process's thread pools, and spawn runs the
+    parent's __main__ file again first, which for a script that calls pipeline.run without
+    an `if __name__ == "__main__"` guard starts a second run. The child imports only
+    target's module."""
+    if target.__module__ == "__main__":
+        raise ValueError("run_with_deadline needs a target a fresh process can import")
+    with tempfile.TemporaryDirectory(prefix="autotune-") as tmp:
+        job, answer = Path(tmp) / "job.pkl", Path(tmp) / "answer.pkl"
+        job.write_bytes(pickle.dumps((target.__module__, target.__qualname__, args, str(answer))))
+        path = os.pathsep.join(p for p in [os.getcwd(), *sys.path] if p)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from modules.autotune import _child_main; "
+             "_child_main(sys.argv[1])", str(job)],
+            env={**os.environ, "PYTHONPATH": path}, cwd=os.getcwd(),
+            start_new_session=os.name == "posix")
+        ends = time.perf_counter() + max(0.0, deadline_s)
+        try:
+            while not answer.exists() and proc.poll() is None and time.perf_counter() < ends:
+                time.sleep(0.05)
+            if answer.exists():
+                return True, pickle.loads(answer.read_bytes())
+            if proc.poll() is not None:  # it died without answering
+                return True, {"error": f"the measuring process died (exit code {proc.returncode})"}
+            return False, None
+        finally:
+            _kill_tree(proc)
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        try:
+            if os.name == "posix":
+                os.killpg(proc.pid, signal.SIGKILL)  # its own session: the child and its workers
+            else:
+                proc.kill()
+        except OSError:  # gone meanwhile
+            pass
     try:
-        if receiver.poll(max(0.0, deadline_s)):
-            return True, receiver.recv()
-        return False, None
-    except EOFError:  # it died without answering
-        proc.join(5)
-        return True, {"error": f"the measuring process died (exit code {proc.exitcode})"}
-    finally:
-        if proc.is_alive():
-            proc.kill()
-        proc.join(5)
-        receiver.close()
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+class _Answer:
+    """The child's end of run_with_deadline: send() writes the answer where the parent looks."""
+
+    def __init__(self, path: str):
+        self.path = Path(path)
+
+    def send(self, value: Any) -> None:
+        partial = self.path.with_suffix(".partial")
+        partial.write_bytes(pickle.dumps(value))
+        partial.replace(self.path)  # whole, or not there
+
+
+def _child_main(job: str) -> None:
+    module, name, args, answer = pickle.loads(Path(job).read_bytes())
+    target: Any = importlib.import_module(module)
+    for part in name.split("."):
+        target = getattr(target, part)
+    target(*args, _Answer(answer))
 
 
 def measuring_time(planned_steps: int | None, samples_per_step: int, img_s: float | None,

@@ -601,3 +601,22 @@ def test_a_damaged_cache_is_measured_again_not_a_traceback(tmp_path):
         _, report = at.autotune(_config(), 3, planned_steps=10, cache_path=cache)
         assert "reused_from" not in report
         assert key in json.loads(cache.read_text())[at.machine_key()]  # written over
+
+
+def test_the_deadline_child_does_not_run_an_unguarded_script_again(tmp_path):
+    """A user's script that calls the pipeline without an `if __name__ == "__main__"` guard:
+    the measuring child imports only its target's module, where multiprocessing's spawn ran
+    the whole script again (a second run) before the target."""
+    script = tmp_path / "user_script.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / "tests" / "helpers")!r}]
+        import deadline_child
+        from modules import autotune
+        print("script body runs", flush=True)
+        print(autotune.run_with_deadline(deadline_child.answer, ({{"img_s": 1.5}},), 60))
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines() == ["script body runs", "(True, {'img_s': 1.5})"]
