@@ -515,9 +515,16 @@ class OptunaTuner:
                             "(--resume), or give the new one another name; nothing was deleted.")
         # constant_liar: parallel workers see each other's running trials as poor results, so
         # they do not all sample the same point.
-        self.study = optuna.create_study(
-            storage=storage, study_name=self.study_name, direction="maximize",
-            pruner=self._make_pruner(), load_if_exists=True)
+        try:  # which worker created the study: on a shared one, that worker queues the default
+            self.study = optuna.create_study(
+                storage=storage, study_name=self.study_name, direction="maximize",
+                pruner=self._make_pruner(), load_if_exists=False)
+            created = True
+        except optuna.exceptions.DuplicatedStudyError:
+            self.study = optuna.create_study(
+                storage=storage, study_name=self.study_name, direction="maximize",
+                pruner=self._make_pruner(), load_if_exists=True)
+            created = False
         # Seeded by the trials already there: a resumed study's sampler in a new process would
         # otherwise draw its first (random) points again, repeating trials already run.
         self.study.sampler = optuna.samplers.TPESampler(
@@ -547,7 +554,11 @@ class OptunaTuner:
         # diverged, ran out of memory, fell behind) stands.
         alive = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED,
                  optuna.trial.TrialState.WAITING, optuna.trial.TrialState.RUNNING)
-        if not any(t.user_attrs.get("default") and t.state in alive for t in self.study.trials):
+        # Workers starting together on a new shared study each found no default trial: only
+        # its creator queues it (a joiner does once the study has trials and still none).
+        creators_turn = created or not shared or bool(self.study.trials)
+        if creators_turn and not any(t.user_attrs.get("default") and t.state in alive
+                                     for t in self.study.trials):
             # The default configuration is always a candidate, so the search can only keep or
             # beat it (see choice()).
             default = self._reused_default()

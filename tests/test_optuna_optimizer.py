@@ -872,3 +872,23 @@ def test_a_pruned_default_trial_stands_and_is_not_queued_again(index, tmp_path, 
     same.run(ended=True)
     assert len(same.study.trials) == 5
     assert not [t for t in same.study.trials if t.state == optuna.trial.TrialState.WAITING]
+
+
+def test_workers_starting_together_on_a_new_shared_study_queue_one_default(index, tmp_path,
+                                                                          monkeypatch):
+    """Two workers of a job array: the one whose create_study made the study queues the
+    default configuration; one that joined it still empty (its creator about to queue it)
+    does not queue a second. A worker joining a study with trials and no default queues it."""
+    monkeypatch.setattr(optuna_optimizer, "fit", fake_fit)
+    storage = f"sqlite:///{tmp_path / 'shared.db'}"
+    joiner = tuner(index, tmp_path / "b", storage=storage, shared=True)
+    optuna.create_study(storage=storage, study_name=joiner.study_name, direction="maximize")
+    joiner.run()  # the study was created a moment before by the other worker, still empty
+    assert not [t for t in joiner.study.trials if t.user_attrs.get("default")]
+    late = tuner(index, tmp_path / "c", storage=storage, shared=True)
+    late.run()
+    assert len([t for t in late.study.trials if t.user_attrs.get("default")]) == 1
+    creator = tuner(index, tmp_path / "a", storage=f"sqlite:///{tmp_path / 'other.db'}",
+                    shared=True)
+    creator.run()
+    assert creator.study.trials[0].user_attrs.get("default")
