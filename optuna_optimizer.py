@@ -198,7 +198,7 @@ class OptunaTuner:
                  overwrite: bool = False, weights_dir: str | Path | None = None,
                  earlier: EarlierTrial | None = None, study_count: bool = False,
                  shared: bool = False, final_size: int | None = None,
-                 keep_study_size: bool = False):
+                 keep_study_size: bool = False, run_name: str | None = None):
         """n_trials: the study's size (on a shared --storage, this worker's trials); with
         study_count and resume, a study's own count (what it was asked for) wins over it.
         shared: other workers search the study too (the user gave --storage, whatever the
@@ -207,7 +207,9 @@ class OptunaTuner:
         cheaper look): a kept default continues from the earlier trial at that size, and the
         chosen trial's epoch seconds are scaled to it (final_epoch_seconds). keep_study_size:
         the trials' size was not the user's choice, so a resumed or joined study whose trials
-        trained at another size (a version with another rule) goes on at that size."""
+        trained at another size (a version with another rule) goes on at that size.
+        run_name: names this run over its sessions (output dir and run id), so that on a
+        shared study a resumed worker counts the trials it ran before as its own."""
         if isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials < 1:
             raise UserError(f"n_trials must be an integer >= 1, but got n_trials={n_trials!r}.")
         if timeout_s is not None and (isinstance(timeout_s, bool)
@@ -237,6 +239,7 @@ class OptunaTuner:
         self.new_trials = 0  # trials the last run() added
         # Marks the trials this process trains: on a shared study others train beside it.
         self.worker = f"{socket.gethostname()}:{os.getpid()}:{time.time()}"
+        self.run_name = run_name or self.worker
         self.study_name, self.pruner = study_name, pruner
         self.data_fingerprint, self.overwrite = data_fingerprint, overwrite
         # The default trial's weights and the best trial's so far are kept here (weights_for).
@@ -309,7 +312,8 @@ class OptunaTuner:
         if e is None or len(e.val_curve) != self.epochs or \
                 e.config.learning_settings() != self.default_config().learning_settings():
             return None
-        attrs = {"default": True, "reused_from": e.source, "epochs_run": len(e.val_curve),
+        attrs = {"default": True, "run": self.run_name, "reused_from": e.source,
+                 "epochs_run": len(e.val_curve),
                  "wall_s": e.wall_s, "samples_per_s": e.samples_per_s}
         if e.weights is not None and e.weights.exists():
             attrs["weights"] = str(e.weights)
@@ -322,6 +326,7 @@ class OptunaTuner:
         """Train one candidate; return its best validation accuracy."""
         config = dataclasses.replace(self.suggest(trial), progress=False)
         distributed.from_main(config)  # under torchrun: the other ranks train it too
+        trial.set_user_attr("run", self.run_name)  # whose trial, over its sessions
 
         ended: list[float] = []
 
@@ -539,16 +544,22 @@ class OptunaTuner:
         self._check_trial_setup(where)
         self._keep_study_batch_sizes()
         finished_states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
-        asked = self.study.user_attrs.get("n_trials", len(self.study.trials))
-        # Resumed without a count of its own: the count the study was asked for, not a preset.
-        n_trials = asked if self.resume and self.study_count and not shared and \
-            "n_trials" in self.study.user_attrs else self.n_trials
-        if ended and self.resume and self.study.trials:
-            done = sum(t.state in finished_states for t in self.study.trials)
-            if not (self.n_trials > asked if shared else n_trials > done):
-                log.info("study %r: its %d trials as they are, none added", self.study_name,
-                         len(self.study.trials))
-                return self.summary()
+        # On a shared study this run counts its own trials (every worker runs n_trials), over
+        # its sessions; a study of its own, all of them.
+        count_key = f"n_trials:{self.run_name}" if shared else "n_trials"
+
+        def mine(trial: optuna.trial.FrozenTrial) -> bool:
+            return not shared or trial.user_attrs.get("run") == self.run_name
+
+        def done() -> int:
+            return sum(t.state in finished_states and mine(t) for t in self.study.trials)
+        # Resumed without a count of its own: the count it was asked for, not a preset.
+        n_trials = self.study.user_attrs[count_key] if self.resume and self.study_count and \
+            count_key in self.study.user_attrs else self.n_trials
+        if ended and self.resume and self.study.trials and n_trials <= done():
+            log.info("study %r: its %d trials as they are, none added", self.study_name,
+                     len(self.study.trials))
+            return self.summary()
         reused = 0
         # A default trial stopped by Ctrl-C is FAIL, and queued again; a pruned one (it
         # diverged, ran out of memory, fell behind) stands.
@@ -572,15 +583,12 @@ class OptunaTuner:
             else:
                 self.study.enqueue_trial(self.default_params(), user_attrs={"default": True})
         before = len(self.study.trials)
-        if shared:  # every worker runs its own n_trials (a reused default trial among them)
-            to_run = self.n_trials - reused
-        else:
-            done = sum(t.state in finished_states for t in self.study.trials)
-            to_run = n_trials - done
-            self.study.set_user_attr("n_trials", n_trials)
-            if self.resume and done > reused:
-                log.info("study %r: %d of its %d trials done, %d to run", self.study_name,
-                         done, n_trials, max(0, to_run))
+        have = done()  # a reused default trial among them
+        to_run = n_trials - have
+        self.study.set_user_attr(count_key, n_trials)
+        if self.resume and have > reused:
+            log.info("study %r: %d of %s %d trials done, %d to run", self.study_name, have,
+                     "this run's" if shared else "its", n_trials, max(0, to_run))
         finished = lambda: sum(t.state.is_finished() for t in self.study.trials)  # noqa: E731
         finished_before = finished()
         left = self.time_left()

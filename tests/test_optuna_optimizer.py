@@ -892,3 +892,26 @@ def test_workers_starting_together_on_a_new_shared_study_queue_one_default(index
                     shared=True)
     creator.run()
     assert creator.study.trials[0].user_attrs.get("default")
+
+
+def test_a_resumed_worker_on_a_shared_study_counts_its_own_trials(index, tmp_path, monkeypatch):
+    """Each worker runs its n_trials on a shared study, over its sessions: resumed, it runs
+    only what it lacks; grown with --n-trials N after its final run started, it grows its own
+    trials to N, whatever the other workers added."""
+    monkeypatch.setattr(optuna_optimizer, "fit", fake_fit)
+    storage = f"sqlite:///{tmp_path / 'shared.db'}"
+
+    def worker(run, **kw):
+        return tuner(index, tmp_path / run, storage=storage, shared=True, run_name=run, **kw)
+    first = worker("first", n_trials=3)
+    first.run()
+    again = worker("first", n_trials=3, resume=True)
+    again.run()
+    assert again.new_trials == 0
+    worker("second", n_trials=3, seed=7).run()
+    grown = worker("first", n_trials=5, resume=True)
+    grown.run(ended=True)
+    assert grown.new_trials == 2 and len(grown.study.trials) == 8
+    same = worker("first", n_trials=99, resume=True, study_count=True)  # no --n-trials
+    same.run(ended=True)
+    assert same.new_trials == 0
