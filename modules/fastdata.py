@@ -14,6 +14,7 @@ import os
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -73,7 +74,15 @@ def cache_bytes(n_images: int, size: int) -> int:
 
 
 def _key(samples: list[Sample], size: int) -> tuple[str, int]:
-    return hashlib.sha1(os.fsencode("\n".join(p for p, _ in samples))).hexdigest(), size
+    """The samples' files, by path, size and modification time: images rewritten under the
+    same names (a notebook re-run on fixed or other data) are decoded again."""
+    def stamp(path: str) -> str:
+        try:
+            st = os.stat(path)
+            return f"{path}\0{st.st_size}\0{st.st_mtime_ns}"
+        except OSError:
+            return path
+    return hashlib.sha1(os.fsencode("\n".join(stamp(p) for p, _ in samples))).hexdigest(), size
 
 
 def image_means(images: torch.Tensor) -> torch.Tensor:
@@ -91,17 +100,18 @@ def decoded_images(samples: list[Sample], size: int) -> tuple[torch.Tensor, torc
     if key in _MEMO:
         _MEMO.move_to_end(key)
         return _MEMO[key]
-    images = torch.empty((len(samples), size, size, 3), dtype=torch.uint8)
+    # NCHW from the start (per-image gathers stay contiguous): permuting an NHWC cache after
+    # would hold two copies at once, twice what cache_fits budgeted.
+    images = torch.empty((len(samples), 3, size, size), dtype=torch.uint8)
 
     def fill(i: int) -> None:  # PIL decodes with the GIL released: threads run in parallel
-        images[i] = torch.from_numpy(decode_resized(samples[i][0], size))
+        images[i] = torch.from_numpy(decode_resized(samples[i][0], size)).permute(2, 0, 1)
 
     started = time.perf_counter()
     with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
         list(pool.map(fill, range(len(samples))))
     log.info("decoded %d images once at %d px into a %.0f MB cache in %.1f s", len(samples), size,
              images.numel() / 2**20, time.perf_counter() - started)
-    images = images.permute(0, 3, 1, 2).contiguous()  # NCHW: per-image gathers stay contiguous
     _MEMO[key] = images, image_means(images)
     return _MEMO[key]
 
@@ -343,10 +353,36 @@ def batches_per_pass(batch_size: int, size: int, device: torch.device) -> int:
 
 
 def _budget(index, size: int) -> tuple[int, int, int]:
-    """(bytes the index's decoded images need at `size`, bytes cached now, the RAM budget)."""
-    needed = sum(cache_bytes(len(s), size) for s in (index.train, index.val, index.test))
+    """(bytes the index's decoded images need at `size`, bytes cached now, the RAM budget).
+    Under torchrun every process on the machine holds a whole cache: each counts them all."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if distributed.world_size() > 1 else 1
+    needed = local * sum(cache_bytes(len(s), size) for s in (index.train, index.val, index.test))
+    needed += 4 * cache_bytes(min(MEANS_CHUNK, len(index.train)), size)  # image_means' floats
     held = sum(images.numel() for images, _ in _MEMO.values())
-    return needed, held, int(CACHE_RAM_FRACTION * (psutil.virtual_memory().available + held))
+    return needed, held, int(CACHE_RAM_FRACTION * (available_ram() + held))
+
+
+# (limit, usage) of a container's memory: cgroup v2, then v1 (whose "no limit" is a huge number)
+CGROUP_MEMORY_FILES = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                       ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                        "/sys/fs/cgroup/memory/memory.usage_in_bytes"))
+
+
+def available_ram() -> int:
+    """Bytes of RAM this process may still take: the machine's available memory, or less
+    where a container's memory limit (cgroup v2, else v1) leaves less."""
+    available = psutil.virtual_memory().available
+    for limit_file, usage_file in CGROUP_MEMORY_FILES:
+        try:
+            limit = Path(limit_file).read_text().strip()
+            if limit == "max":
+                continue
+            left = int(limit) - int(Path(usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if 0 <= left < available:
+            return left
+    return available
 
 
 def cache_fits(index, size: int) -> bool:
@@ -390,12 +426,13 @@ def cached_loaders(index, config: TrainConfig) -> tuple[CachedLoader, ...] | Non
         # Blocks torch holds but no tensor uses (a trial or probe before this one) are free
         # to this process, though the driver counts them as taken.
         free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        on_gpu = cache_on_gpu(needed, free, total, cache_bytes(config.batch_size, size))
-        if not on_gpu and (needed, size) not in _SAID_IN_RAM:  # once, not at every trial
-            _SAID_IN_RAM.add((needed, size))
+        own = sum(cache_bytes(len(s), size) for s in splits)  # this process's, on its GPU
+        on_gpu = cache_on_gpu(own, free, total, cache_bytes(config.batch_size, size))
+        if not on_gpu and (own, size) not in _SAID_IN_RAM:  # once, not at every trial
+            _SAID_IN_RAM.add((own, size))
             log.info("decoded-image cache (%.0f MB at %d px) kept in RAM, each batch copied to "
                      "the GPU: it needs more than %.0f%% of the GPU's free %.0f MB or what a "
-                     "training step planned to %.0f%% of its %.0f MB leaves", needed / 2**20,
+                     "training step planned to %.0f%% of its %.0f MB leaves", own / 2**20,
                      size, 100 * CACHE_GPU_FRACTION, free / 2**20, 100 * MEMORY_MARGIN,
                      total / 2**20)
     loaders = []

@@ -312,3 +312,35 @@ def test_the_cache_goes_on_the_gpu_only_beside_a_step_planned_to_the_memory_marg
     batch = fastdata.cache_bytes(512, 224)  # 77 MB of uint8, 308 MB as float32
     assert fastdata.cache_on_gpu(int(1.6 * gib), free=14 * gib, total=t4)
     assert not fastdata.cache_on_gpu(int(1.6 * gib), free=14 * gib, total=t4, batch_bytes=batch)
+
+
+def test_images_rewritten_under_the_same_names_are_decoded_again(folder):
+    """A notebook re-run on fixed or other images under the same names: the memo of decoded
+    images is keyed by the files' sizes and times, not their paths alone."""
+    from PIL import Image
+    index = index_dataset(folder)
+    before, _ = fastdata.decoded_images(index.test, 16)
+    path = index.test[0][0]
+    Image.new("RGB", (40, 40)).save(path)  # black, and another size of file
+    after, _ = fastdata.decoded_images(index_dataset(folder).test, 16)
+    assert before[0].float().mean() > 0 and after[0].float().mean() == 0
+    assert after.shape[1] == 3 and after.is_contiguous()  # NCHW, decoded in place
+
+
+def test_the_cache_budget_counts_every_process_and_a_containers_limit(folder, monkeypatch,
+                                                                        tmp_path):
+    """Under torchrun each process on the machine holds a whole cache; a container's memory
+    limit bounds what is available where the machine shows more."""
+    index = index_dataset(folder)
+    alone, _, _ = fastdata._budget(index, 32)
+    monkeypatch.setattr(fastdata.distributed, "world_size", lambda: 4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    four, _, _ = fastdata._budget(index, 32)
+    means = 4 * fastdata.cache_bytes(min(fastdata.MEANS_CHUNK, len(index.train)), 32)
+    assert four - means == 4 * (alone - means)
+    limit, usage = tmp_path / "memory.max", tmp_path / "memory.current"
+    limit.write_text(str(300 * 2**20)), usage.write_text(str(100 * 2**20))
+    monkeypatch.setattr(fastdata, "CGROUP_MEMORY_FILES", ((str(limit), str(usage)),))
+    assert fastdata.available_ram() == min(200 * 2**20, fastdata.psutil.virtual_memory().available)
+    limit.write_text("max")
+    assert fastdata.available_ram() == fastdata.psutil.virtual_memory().available
