@@ -18,6 +18,7 @@ import torch
 from PIL import Image, ImageOps, features
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from torchvision import transforms as T
+from torchvision.transforms import functional as TF
 
 from modules import distributed
 from modules.config import IMAGENET_MEAN, IMAGENET_STD, TrainConfig, UserError
@@ -100,10 +101,30 @@ def load_rgb(path, draft: int | None = None) -> Image.Image:
         return to_rgb(upright(img))
 
 
+class SquareRandomResizedCrop(T.RandomResizedCrop):
+    """RandomResizedCrop with its area and aspect ratio drawn in the image as squashed to a
+    square, as eval_transform, predict and the decoded cache see every image: on a 16:9
+    photo, drawn in its own pixels, objects would train 1.33x squeezed at most where they
+    are tested 1.78x. A square image is cropped exactly as RandomResizedCrop crops it."""
+
+    SIDE = 4096  # the square the crop is drawn in, then scaled to the image
+
+    def forward(self, img):
+        width, height = TF.get_image_size(img)
+        if width == height:
+            return super().forward(img)
+        square = torch.empty(1, 1, 1).expand(1, self.SIDE, self.SIDE)  # only its shape is read
+        top, left, h, w = self.get_params(square, self.scale, self.ratio)
+        sy, sx = height / self.SIDE, width / self.SIDE
+        return TF.resized_crop(img, round(top * sy), round(left * sx), max(1, round(h * sy)),
+                               max(1, round(w * sx)), self.size, self.interpolation,
+                               antialias=self.antialias)
+
+
 def train_transform(image_size: int, mean=IMAGENET_MEAN, std=IMAGENET_STD) -> T.Compose:
     """The baseline's per-sample PIL augmentation: random resized crop, flip, mild colour jitter."""
     return T.Compose([
-        T.RandomResizedCrop(image_size, scale=(0.6, 1.0), antialias=True),
+        SquareRandomResizedCrop(image_size, scale=(0.6, 1.0), antialias=True),
         T.RandomHorizontalFlip(),
         T.ColorJitter(brightness=0.2, contrast=0.2, saturation=0.2),
         T.ToTensor(),

@@ -319,3 +319,31 @@ def test_a_phone_photo_is_used_upright_on_every_path(tmp_path):
     assert top[0] > 200 > top[2] and bottom[2] > 200 > bottom[0]
     cached = decode_resized(str(path), 32)
     assert cached[4, 16, 0] > 200 > cached[4, 16, 2] and cached[28, 16, 2] > 200 > cached[28, 16, 0]
+
+
+def test_a_wide_image_is_cropped_in_its_squashed_square_as_it_is_tested(monkeypatch):
+    """eval_transform, predict and the decoded cache squash every image to a square: the
+    training crop's aspect ratio is drawn there too (3/4 to 4/3 of the square, so 1.33 to
+    2.37 of a 16:9 image's own pixels), and a square image is cropped as before."""
+    from PIL import Image
+    from torchvision import transforms as T
+
+    from modules import dataset as dataset_module
+    crop = dataset_module.SquareRandomResizedCrop(32, scale=(0.6, 1.0), antialias=True)
+    seen = []
+    real = dataset_module.TF.resized_crop
+
+    def spy(img, top, left, height, width, *a, **k):
+        seen.append(width / height)
+        return real(img, top, left, height, width, *a, **k)
+    monkeypatch.setattr(dataset_module.TF, "resized_crop", spy)
+    for _ in range(300):
+        assert crop(Image.new("RGB", (160, 90))).size == (32, 32)
+    assert 1.3 < min(seen) and 2.0 < max(seen) < 2.4
+    monkeypatch.undo()
+    square = Image.fromarray(np.random.default_rng(0).integers(0, 255, (50, 50, 3), np.uint8))
+    torch.manual_seed(0)
+    ours = np.array(crop(square))
+    torch.manual_seed(0)
+    assert np.array_equal(ours, np.array(T.RandomResizedCrop(32, scale=(0.6, 1.0),
+                                                              antialias=True)(square)))
