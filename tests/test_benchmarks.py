@@ -285,3 +285,43 @@ def test_the_search_verdict_needs_a_best_clear_of_chance():
     missed = verdict(plain, [(9, 4, 0.4), (15, 8, 0.5)], 360, 6)
     assert missed[1].endswith("was 50.0% (ours 50.0%, +0.0 points)")
     assert missed[2] == "MISSED: ours never came within 0.5 points of plain TPE's best"
+
+
+def test_targets_read_exact_points_borrowed_runs_and_a_difference_of_two_accuracies():
+    """516 against 480 of 1,200 is 3 points exactly (2.9999999999999982 in floating point):
+    met. An hpo row that took the resolution scenario's final run (final_from) ran only its
+    tuning: measuring is a share of that. A 3-point claim compares two accuracies: the
+    test-set line gives the standard error of their difference."""
+    bench = _benchmark_module("scenarios")
+    base = {"scenario": "baseline", "test_acc": 480 / 1200, "total_s": 100.0, "n_test": 1200}
+    hpo = {"scenario": "hpo", "test_acc": 516 / 1200, "total_s": 90.0, "tuning_s": 30.0,
+           "final_from": "resolution", "autotune": {"seconds": 4.5}}
+    lines = bench.targets([base, hpo])
+    assert "met: hpo at least 3 points above the baseline (+3.0 points)" in lines
+    assert "MISSED: hpo measuring under 10% of its wall time (15.0%)" in lines
+    assert "test set: 1200 images, standard error of a 3-point difference 2.0 points " \
+           "(3 points < 2 SE: too small)" in lines
+
+
+def test_the_scenarios_benchmark_reads_only_its_own_runs_rows(tmp_path, monkeypatch, capsys):
+    """The output dir keeps every earlier run's rows, another data set's baseline among them:
+    a run of the tuned scenarios alone is not judged against it."""
+    bench = _benchmark_module("scenarios")
+    from modules import results
+    run = tmp_path / "bench" / "run"
+    run.mkdir(parents=True)
+    earlier = {"scenario": "baseline", "run_id": "old", "dataset": "synthetic", "test_acc": 0.4,
+               "test_acc_se": 0.01, "total_s": 100.0, "best_resolution": 64}
+    mine = {"scenario": "resolution", "run_id": "new", "dataset": "digits", "test_acc": 0.9,
+            "test_acc_se": 0.01, "total_s": 300.0, "tuning_s": 10.0, "best_resolution": 48}
+    (run / "results.json").write_text(json.dumps([earlier, mine]))
+    monkeypatch.setattr(bench, "latest_run", lambda out: {"run_id": "new"})
+    monkeypatch.setattr(bench.pipeline, "main", lambda argv: 0)
+    from conftest import make_folder
+    data = make_folder(tmp_path / "data", n_train=4, n_test=2)
+    assert bench.main(["--dataset", str(data), "--output-dir", str(tmp_path / "bench"), "--",
+                       "--scenarios", "resolution"]) == 0
+    printed = capsys.readouterr().out
+    assert "| baseline |" not in printed and "no baseline row: nothing to compare" in printed
+    assert "| resolution | 90.0% +- 1.0 | n/a |" in printed and "| n/a | 48 |" in printed
+    assert results.latest_run  # the real one, used when not replaced
