@@ -947,8 +947,10 @@ def same_setup(args: RunOptions, index: DatasetIndex, device: torch.device
         if recorded is not None and not same_data(recorded):
             return False  # other images in a folder of the same name
         if row.get("scenario") == "baseline":
-            return (settings.get("image_size"), settings.get("epochs")) == \
-                (base.image_size, base.epochs)
+            # What it learned: the start weights, lr, batch, schedule ... (--weights none against
+            # an ImageNet-weights baseline is another comparison); the seed is a draw, not a setup.
+            return all(settings.get(k) == v for k, v in base.learning_settings().items()
+                       if k != "seed")
         trials = row.get("resolution_trials")  # the baseline's size is always among them
         return not trials or any(t.get("image_size") == base.image_size for t in trials)
     return match

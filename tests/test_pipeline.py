@@ -976,10 +976,14 @@ def test_an_earlier_runs_rows_count_only_for_the_same_setup(tmp_path):
                             same_data=lambda recorded: recorded == "fp")
     cpu = torch.device("cpu")
 
-    def row(scenario, size, epochs, device="cpu", n_val=30, model="squeezenet1_1", trials=None):
+    quick_baseline = scenario.scenario_config("baseline", pipeline.parse_args(["--quick"]), cpu)
+
+    def row(scenario, size, epochs, device="cpu", n_val=30, model="squeezenet1_1", trials=None,
+            **settings):
         return {"scenario": scenario, "dataset": "d", "model": model, "n_val": n_val,
                 "n_test": 40, "best_resolution": 48 if trials else size,
-                "settings": {"device": device, "image_size": size, "epochs": epochs},
+                "settings": {**quick_baseline.to_dict(), "device": device, "image_size": size,
+                             "epochs": epochs, **settings},
                 **({"resolution_trials": [{"image_size": s} for s in trials]} if trials else {})}
     path = tmp_path / "results.json"
     quick = [row("baseline", 64, 12), row("resolution", 48, 21, trials=[48, 64, 96])]
@@ -990,10 +994,14 @@ def test_an_earlier_runs_rows_count_only_for_the_same_setup(tmp_path):
             == (found or [None, None])
     others = [row("baseline", 64, 12, device="cuda:0"), row("baseline", 64, 12, n_val=31),
               row("baseline", 64, 12, model="resnet18"), row("baseline", 64, 5),
-              {**row("baseline", 64, 12), "data_fingerprint": "another folder named d"}]
+              {**row("baseline", 64, 12), "data_fingerprint": "another folder named d"},
+              row("baseline", 64, 12, weights="none"), row("baseline", 64, 12, lr=0.01),
+              row("baseline", 64, 12, batch_size=64)]  # another start or learning setting
     path.write_text(json.dumps(others))
     match = scenario.same_setup(pipeline.parse_args(["--quick"]), index, cpu)
     assert previous_row(path, "baseline", "d", match=match) is None
+    path.write_text(json.dumps([row("baseline", 64, 12, seed=7)]))  # another draw: the same setup
+    assert previous_row(path, "baseline", "d", match=match) is not None
 
 
 def test_a_resumed_scenario_counts_the_tuning_of_earlier_sessions(small, tmp_path,
