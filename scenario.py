@@ -483,7 +483,11 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
         # here: rank 0's weights reach every rank at the start of training all the same.
         config = dataclasses.replace(config, weights="none")
     apply_process_settings(config, device)
+    # Building the model and its start weights, and decoding the images into the cache when
+    # the tuning did not at this size: before the training clock starts, but the run's time.
+    preparing = time.perf_counter()
     model, train_loader, val_loader, test_loader = prepare(index, config)
+    prepare_s = time.perf_counter() - preparing
     if device.type == "cuda":
         # The allocator's retry count is cumulative: the tuners' probes and out-of-memory
         # trials would read as this run's retries (diagnosis: memory-bound).
@@ -515,9 +519,11 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
                      data_path_of(train_loader), carried)
     if carried and carried.get("final_from"):
         row["final_from"] = carried["final_from"]  # that final run, found finished on --resume
+    row["prepare_s"] = prepare_s  # the hpo scenario counts it when it takes this final run
     if name == "resolution":
         tuned["final"] = {"scenario": name, "config": config, "row": copy.deepcopy(row)}
-    row.update(extra, run_id=args.run_id, tuning_s=tuning_s, total_s=tuning_s + result.wall_s,
+    row.update(extra, run_id=args.run_id, tuning_s=tuning_s,
+               total_s=tuning_s + prepare_s + result.wall_s,
                start_weights=start_weights(config.model, args.weights))
     if name == "hpo" and (kept := default_if_better(row, tuned.get("final") or _final_row(
             output_dir, index, args.run_id))) is not row:
@@ -568,7 +574,8 @@ def same_final(same: dict[str, Any], extra: dict[str, Any], args: RunOptions, ou
             log.warning("hpo: could not give it the %s final's checkpoint and scalars (%s): "
                         "--resume would train its final run", same["scenario"], first_line(exc))
     row.update(extra, scenario="hpo", run_id=args.run_id, tuning_s=tuning_s,
-               total_s=tuning_s + row["wall_s"], final_from=same["scenario"],
+               total_s=tuning_s + (row.get("prepare_s") or 0.0) + row["wall_s"],
+               final_from=same["scenario"],
                start_weights=start_weights(row["model"], args.weights))
     log_row(row)
     return row
@@ -606,7 +613,8 @@ def default_if_better(row: dict[str, Any], same: dict[str, Any] | None) -> dict[
         kept.pop(key, None)                          # from its start, not the hpo scenario's
     kept.update({k: row[k] for k in ("hpo", "autotune", "run_id", "start_weights") if k in row},
                 scenario="hpo", final_from=same["scenario"], tuning_s=row["total_s"],
-                total_s=row["total_s"] + kept["wall_s"],  # as same_final counts the model taken
+                # as same_final counts the model taken
+                total_s=row["total_s"] + (kept.get("prepare_s") or 0.0) + kept["wall_s"],
                 winner_final={k: row.get(k) for k in ("val_acc", "test_acc", "epochs",
                                                       "wall_s", "settings")})
     return kept

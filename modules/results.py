@@ -334,7 +334,8 @@ def compare_to_baseline(rows: list[dict[str, Any]], baseline: dict[str, Any] | N
         if reached is None and target is not None:
             final = next((h["elapsed_s"] for h in row.get("history") or []
                           if (h.get("val_acc") or 0) >= target), None)
-            reached = None if final is None else (row.get("tuning_s") or 0.0) + final
+            reached = None if final is None else \
+                (row.get("tuning_s") or 0.0) + (row.get("prepare_s") or 0.0) + final
             where = None if final is None else "final run"
         row["time_to_baseline_acc_s"], row["baseline_acc_reached_in"] = reached, where
         row["test_acc_vs_baseline"] = 100 * (row["test_acc"] - baseline["test_acc"])
