@@ -181,6 +181,11 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+class ReadFailed(UserError):
+    """A file that could not be read now (an I/O error on a network drive, no permission, no
+    memory): not proof that it is damaged, so nothing should set it aside or replace it."""
+
+
 def read_torch_file(path: Path, what: str) -> Any:
     """torch.load without code execution (weights_only); `what` names the file in errors."""
     path = Path(path)
@@ -188,9 +193,16 @@ def read_torch_file(path: Path, what: str) -> Any:
         raise UserError(f"no such {what} {str(path)!r}.")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
+    except (OSError, MemoryError) as exc:
+        raise ReadFailed(f"could not read {what} {str(path)!r} ({_error_name(exc)}).") from None
     except Exception as exc:
         raise UserError(f"{what} {str(path)!r} is not a readable PyTorch file "
                         f"({type(exc).__name__}).") from None
+
+
+def _error_name(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc.strerror}" if getattr(exc, "strerror", None) \
+        else type(exc).__name__
 
 
 class _RunLog(logging.FileHandler):

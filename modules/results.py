@@ -3,6 +3,7 @@ rows of every run merged (none lost), the run's id and folders, and the best mod
 set, replaced only by a better one."""
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -20,7 +21,7 @@ from modules.dataset import DatasetIndex
 from modules.device import native_bf16_cpu
 from modules.diagnosis import diagnose
 from modules.fastdata import CachedLoader
-from modules.files import atomic_write_text
+from modules.files import ReadFailed, atomic_write_text
 from modules.model_files import load_model, save_model
 from modules.selection import accuracy_se
 from modules.trainer import TrainResult
@@ -229,39 +230,55 @@ def result_row(name: str, config: TrainConfig, result: TrainResult, test: dict[s
 
 def keep_best_model(result: TrainResult, config: TrainConfig, index: DatasetIndex,
                      row: dict[str, Any], output_dir: Path) -> None:
-    """Save this scenario's model as <dataset>_model.pt only when it beats the one there on
-    validation accuracy (whichever run saved it, on the same data and so the same split); a model file that cannot be read,
-    or one trained on other data under the same folder name, is kept aside."""
+    """Save this scenario's model as <dataset>_model.pt only when it beats, on validation
+    accuracy, the best model of the same data there (whichever run saved it, on the same data
+    and so the same split). A model of other data under the same name (a --quick run's subset,
+    another folder named alike) is kept aside as <stem>.other-data-<its data>.pt, and comes
+    back when a run on its data does not beat it; a file that cannot be parsed is kept aside;
+    one that cannot be read now (an I/O error) stays where it is, and this model is not saved."""
     path = output_dir / f"{index.name}_model.pt"
     fingerprint = row["data_fingerprint"]
+    previous: dict[str, Any] = {}
     if path.exists():
-        stamp = time.strftime('%Y%m%d-%H%M%S')
         try:
             saved = load_model(path).meta
-            previous = saved.get("extra") or {}
+        except ReadFailed as exc:
+            log.warning("%s: it stays, and this %s model is not saved over it",
+                        str(exc).rstrip("."), row["scenario"])
+            return
         except UserError as exc:
-            aside = path.with_name(f"{path.stem}.unreadable-{stamp}.pt")
+            aside = _free_name(path.with_name(
+                f"{path.stem}.unreadable-{time.strftime('%Y%m%d-%H%M%S')}.pt"))
             path.rename(aside)
             log.warning("%s; kept it as %s", str(exc).rstrip("."), aside)
-            previous = {}
         else:
-            other = not index.same_data(previous.get("data_fingerprint", fingerprint)) or \
-                list(saved["class_names"]) != list(index.classes)
-            if other:  # its test accuracy was on other images: not comparable
-                aside = path.with_name(f"{path.stem}.other-data-{stamp}.pt")
+            previous = saved.get("extra") or {}
+            if not _of_this_data(saved, index, fingerprint):
+                # its test accuracy was on other images: not comparable
+                aside = _free_name(_aside_path(path, previous.get("data_fingerprint")))
                 path.rename(aside)
-                log.warning("%s was trained on other data named %r (run %s); kept it as %s",
-                            path, index.name, previous.get("run_id"), aside)
+                log.warning("%s was trained on other data named %r (run %s); kept it as %s, "
+                            "where a later run on that data compares with it", path, index.name,
+                            previous.get("run_id"), aside)
                 previous = {}
-        # Chosen by validation: a choice by test accuracy would make the test accuracy saved
-        # with the model an optimistic one, and the test set no longer held out.
-        best, mine = previous.get("val_acc"), row.get("val_acc")
-        if isinstance(best, (int, float)) and (mine is None or best >= mine):
-            log.info("kept %s (%s of run %s, validation accuracy %.1f%%): this %s model's "
-                     "%s is not better", path, previous.get("scenario"), previous.get("run_id"),
-                     100 * best, row["scenario"],
+    mine = row.get("val_acc")
+    if not previous:  # a model of this data set aside by a run on other data
+        aside, previous = _best_aside(path, index, fingerprint)
+        if aside is not None and not _beats(mine, previous.get("val_acc")):
+            aside.rename(path)
+            log.info("restored %s from %s (%s of run %s, validation accuracy %.1f%%): this %s "
+                     "model's %s is not better", path, aside.name, previous.get("scenario"),
+                     previous.get("run_id"), 100 * previous["val_acc"], row["scenario"],
                      "n/a" if mine is None else f"{100 * mine:.1f}%")
             return
+    elif not _beats(mine, previous.get("val_acc")):
+        # Chosen by validation: a choice by test accuracy would make the test accuracy saved
+        # with the model an optimistic one, and the test set no longer held out.
+        log.info("kept %s (%s of run %s, validation accuracy %.1f%%): this %s model's "
+                 "%s is not better", path, previous.get("scenario"), previous.get("run_id"),
+                 100 * previous["val_acc"], row["scenario"],
+                 "n/a" if mine is None else f"{100 * mine:.1f}%")
+        return
     save_model(result.model, path, arch=config.model, class_names=index.classes,
                image_size=config.image_size,
                extra={"scenario": row["scenario"], "dataset": index.name,
@@ -343,6 +360,51 @@ def compare_to_baseline(rows: list[dict[str, Any]], baseline: dict[str, Any] | N
         total = row.get("total_s") or row.get("wall_s")
         row["total_vs_baseline"] = total / base_total if total and base_total else None
         row["baseline_acc_target"] = target
+
+
+def _beats(mine: float | None, best: Any) -> bool:
+    """Whether a model of validation accuracy `mine` replaces the best so far (none: it does)."""
+    return not isinstance(best, (int, float)) or (mine is not None and mine > best)
+
+
+def _of_this_data(saved: dict[str, Any], index: DatasetIndex, fingerprint: str) -> bool:
+    extra = saved.get("extra") or {}
+    return index.same_data(extra.get("data_fingerprint", fingerprint)) and \
+        list(saved["class_names"]) == list(index.classes)
+
+
+def _aside_path(path: Path, fingerprint: str | None) -> Path:
+    """Where a model of other data is kept aside: named by its data, so that a run on that
+    data finds it."""
+    digest = hashlib.sha1(str(fingerprint).encode()).hexdigest()[:10]
+    return path.with_name(f"{path.stem}.other-data-{digest}.pt")
+
+
+def _free_name(path: Path) -> Path:
+    """path, or path with -2, -3 ... before its suffix: a file kept aside never overwrites
+    another."""
+    candidate, n = path, 1
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.stem}-{n}{path.suffix}")
+    return candidate
+
+
+def _best_aside(path: Path, index: DatasetIndex, fingerprint: str
+                ) -> tuple[Path | None, dict[str, Any]]:
+    """The best model of this data kept aside next to `path` (its file, its extra)."""
+    best: tuple[Path | None, dict[str, Any]] = (None, {})
+    for aside in sorted(path.parent.glob(f"{path.stem}.other-data-*.pt")):
+        try:
+            saved = load_model(aside).meta
+        except UserError:
+            continue
+        extra = saved.get("extra") or {}
+        if _of_this_data(saved, index, fingerprint) and \
+                isinstance(extra.get("val_acc"), (int, float)) and \
+                (best[0] is None or extra["val_acc"] > best[1]["val_acc"]):
+            best = (aside, extra)
+    return best
 
 
 def merge_results(path: Path, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -173,3 +173,38 @@ def test_worker_seeds_differ_by_process_unless_given(monkeypatch):
     args.worker_seed = 5
     assert scenario.worker_seed(args) == 5
     assert torch.tensor(first).dtype == torch.int64  # a plain int Optuna accepts
+
+
+def test_a_quick_run_sets_the_best_model_aside_and_the_next_full_run_brings_it_back(tmp_path):
+    """--quick trains on a subset of the same folder (other data to the model file): its
+    model takes the name, the full-data best is kept aside by its data, and a later full run
+    that does not beat that best brings it back. Two set aside in one second both stay."""
+    assert _keep(tmp_path, 0.90, "full", data="full")["scenario"] == "full"
+    assert _keep(tmp_path, 0.40, "quick", data="subset")["scenario"] == "quick"
+    assert _keep(tmp_path, 0.50, "full again", data="full")["scenario"] == "full"
+    assert _keep(tmp_path, 0.95, "better", data="full")["scenario"] == "better"
+    kept = {load_model(f).meta["extra"]["scenario"] for f in tmp_path.glob("d_model*.pt")}
+    assert kept == {"better", "quick"}  # the worse full-data run was never saved over a better
+    assert _keep(tmp_path, 0.30, "quick again", data="subset")["scenario"] == "quick"
+    a, b = tmp_path / "x.pt", tmp_path / "x-2.pt"
+    a.write_text("a")
+    from modules.results import _free_name
+    assert _free_name(a) == b
+
+
+def test_a_model_file_that_cannot_be_read_now_stays_and_is_not_replaced(tmp_path, monkeypatch):
+    """An I/O error reading the best model (a network drive's hiccup) is not damage: it stays
+    where it is, and a worse model does not take its name."""
+    assert _keep(tmp_path, 0.90, "best")["scenario"] == "best"
+    import modules.files as files
+    real_load = files.torch.load
+    failing = iter([OSError(5, "Input/output error")])
+
+    def flaky(*a, **k):
+        error = next(failing, None)
+        if error is not None:
+            raise error
+        return real_load(*a, **k)
+    monkeypatch.setattr(files.torch, "load", flaky)
+    assert _keep(tmp_path, 0.10, "worse")["scenario"] == "best"
+    assert not list(tmp_path.glob("d_model.unreadable-*.pt"))
