@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 CHECKPOINT_FORMAT = 1
 # Settings a checkpoint must share with the run that resumes it.
 RESUME_KEYS = ("model", "image_size", "batch_size", "grad_accum_steps", "optimizer", "scheduler",
-               "warmup_epochs", "epochs", "lr", "seed")
+               "warmup_epochs", "epochs", "lr", "seed", "momentum", "weight_decay",
+               "max_grad_norm")
 
 
 @dataclass
@@ -63,8 +64,12 @@ class CheckpointSaver:
     resume, `save` after every epoch (rank 0 only, atomically: a kill mid-write leaves the
     previous one intact). A None path saves and restores nothing."""
 
-    def __init__(self, path: str | Path | None, config: TrainConfig):
+    def __init__(self, path: str | Path | None, config: TrainConfig,
+                 steps_per_epoch: int | None = None):
         self.path, self.config = (Path(path) if path else None), config
+        # The learning-rate schedule is laid out in these (a torchrun run resumed in fewer
+        # processes has more per epoch, and another effective batch): a resume must match.
+        self.layout = {"world_size": distributed.world_size(), "steps_per_epoch": steps_per_epoch}
 
     def restore(self, model: nn.Module, optimizer, scheduler, scaler) -> Progress | None:
         """Load the checkpoint into the run's objects and the random streams; None when there
@@ -73,12 +78,31 @@ class CheckpointSaver:
             return None
         ckpt = load_checkpoint(self.path)
         check_resumable(ckpt, self.config, self.path)
+        saved = ckpt.get("layout") or {}  # absent from older checkpoints
+        if saved.get("world_size", self.layout["world_size"]) != self.layout["world_size"]:
+            raise UserError(f"cannot resume from {str(self.path)!r}: it was written by "
+                            f"{saved['world_size']} processes, and this run has "
+                            f"{self.layout['world_size']}; resume with as many (torchrun "
+                            "--nproc_per_node), or run without --resume to start over.")
+        if None not in (saved.get("steps_per_epoch"), self.layout["steps_per_epoch"]) and \
+                saved["steps_per_epoch"] != self.layout["steps_per_epoch"]:
+            raise UserError(f"cannot resume from {str(self.path)!r}: its epochs had "
+                            f"{saved['steps_per_epoch']} steps, this run's have "
+                            f"{self.layout['steps_per_epoch']}; run without --resume to start "
+                            "over.")
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
         if ckpt["scaler"]:  # empty from a run without fp16 (a CPU, bf16): a fresh scale here
             scaler.load_state_dict(ckpt["scaler"])
         set_rng_state(ckpt["rng"])
+        if distributed.rank() > 0:
+            # rank 0's streams were saved: the others continue on streams of their own
+            # (distinct, though not the ones they would have drawn uninterrupted)
+            rank_seed = self.config.seed + 1_000_003 * distributed.rank() + 7919 * ckpt["epoch"]
+            torch.manual_seed(rank_seed)
+            random.seed(rank_seed)
+            np.random.seed(rank_seed % 2**32)
         log.info("resuming from %s after epoch %d", self.path, ckpt["epoch"])
         return Progress(history=ckpt["history"], best=ckpt["best"], bad_epochs=ckpt["bad_epochs"],
                         nonfinite_steps=ckpt["nonfinite_steps"],
@@ -97,7 +121,8 @@ class CheckpointSaver:
             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
             "scaler": scaler.state_dict(), "rng": rng_state(), "history": progress.history,
             "best": progress.best, "bad_epochs": progress.bad_epochs,
-            "nonfinite_steps": progress.nonfinite_steps, "timing": timing})
+            "nonfinite_steps": progress.nonfinite_steps, "timing": timing,
+            "layout": self.layout})
 
 
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:

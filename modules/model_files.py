@@ -15,7 +15,7 @@ from torch import nn
 from modules.config import (IMAGENET_MEAN, IMAGENET_STD, MAX_IMAGE_SIZE, MIN_IMAGE_SIZE, MODELS,
                             UserError, first_line)
 from modules.files import atomic_torch_save, read_torch_file
-from modules.models import build_model
+from modules.models import build_model, strip_prefixes
 
 log = logging.getLogger(__name__)
 
@@ -130,25 +130,13 @@ def _unwrap(model: nn.Module) -> nn.Module:
             return model
 
 
-def _strip_prefixes(key: str) -> str:
-    # A state_dict taken from a wrapper (or saved by one earlier) carries these prefixes;
-    # build_model's plain module has none.
-    changed = True
-    while changed:
-        changed = False
-        for prefix in ("_orig_mod.", "module."):
-            if key.startswith(prefix):
-                key, changed = key[len(prefix):], True
-    return key
-
-
 def _cpu_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     if not isinstance(model, nn.Module):
         raise UserError(f"save_model needs a torch.nn.Module, but got {type(model).__name__}.")
     state = {}
     for key, tensor in _unwrap(model).state_dict().items():
         # clone: a CPU model's tensors would otherwise share storage with the live weights.
-        state[_strip_prefixes(key)] = tensor.detach().to("cpu", copy=True).contiguous()
+        state[strip_prefixes(key)] = tensor.detach().to("cpu", copy=True).contiguous()
     return state
 
 

@@ -176,6 +176,18 @@ def _load_imagenet(model: nn.Module, name: str) -> None:
     log.info("loaded ImageNet weights for %s", name)
 
 
+def strip_prefixes(key: str) -> str:
+    """A state_dict key without the prefixes a wrapper adds (torch.compile's `_orig_mod.`,
+    DataParallel's and DDP's `module.`): build_model's plain module has none."""
+    changed = True
+    while changed:
+        changed = False
+        for prefix in ("_orig_mod.", "module."):
+            if key.startswith(prefix):
+                key, changed = key[len(prefix):], True
+    return key
+
+
 def _fitting_tensors(model: nn.Module, path: Path) -> dict[str, torch.Tensor]:
     """The tensors of a weights file that fit `model`; a file that is not PyTorch's, or of
     which nothing fits, is refused in one line."""
@@ -188,6 +200,7 @@ def _fitting_tensors(model: nn.Module, path: Path) -> dict[str, torch.Tensor]:
         raise UserError(f"--weights: {str(path)!r} does not hold a state_dict.")
     own = model.state_dict()
     # The head may have another class count; every other tensor must fit.
+    state = {strip_prefixes(k): v for k, v in state.items() if isinstance(k, str)}
     usable = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
     if not usable:
         raise UserError(f"--weights: no tensor in {str(path)!r} fits this model; is it another "

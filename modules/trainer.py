@@ -167,7 +167,7 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
                                                             config.grad_accum_steps))
     # GradScaler only matters for fp16, whose narrow range underflows small gradients.
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    saver = CheckpointSaver(checkpoint_path, config)
+    saver = CheckpointSaver(checkpoint_path, config, len(train_loader))
     progress = (saver.restore(model, optimizer, scheduler, scaler) if resume else None) or Progress()
     # Under torchrun every rank trains the same model on its own shard of each batch; the
     # gradients are averaged once per optimizer step (distributed.average_gradients).

@@ -135,3 +135,17 @@ def test_bytemask_dropout_is_swapped_in_only_where_it_is_exact():
     assert not models.has_bytemask_dropout("resnet18")
     with pytest.raises(UserError, match="dropout_impl"):
         build_model("squeezenet1_1", 6, dropout_impl="fast")
+
+
+def test_weights_from_a_compiled_or_data_parallel_model_load(tmp_path):
+    """torch.compile's and DataParallel's state_dicts prefix every key; --weights takes them."""
+    from torch import nn
+    source = build_model("resnet18", 3, "none")
+    for wrapped, name in ((nn.DataParallel(source), "dp.pt"),):
+        torch.save(wrapped.state_dict(), tmp_path / name)
+        loaded = build_model("resnet18", 3, str(tmp_path / name))
+        for key, value in source.state_dict().items():
+            assert torch.equal(loaded.state_dict()[key], value), key
+    torch.save({f"_orig_mod.{k}": v for k, v in source.state_dict().items()}, tmp_path / "c.pt")
+    loaded = build_model("resnet18", 3, str(tmp_path / "c.pt"))
+    assert torch.equal(loaded.conv1.weight, source.conv1.weight)

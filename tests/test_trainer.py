@@ -465,3 +465,22 @@ def test_the_profilers_own_time_is_not_the_runs(monkeypatch):
     assert result.history[-1]["elapsed_s"] < took - 0.45
     assert result.timing["steps"] == 24 - TIMING_WARMUP_STEPS - 3  # the recorded three left out
     assert result.timing["avg_step_ms"] < 100
+
+
+def test_a_resume_with_other_steps_per_epoch_or_momentum_is_refused(tmp_path):
+    """The schedule is laid out in steps per epoch (a torchrun run resumed in one process has
+    twice as many): resumed with others it would anneal to zero mid-run and rise again. A
+    changed momentum would be silently the checkpoint's (its optimizer state holds it)."""
+    config = dataclasses.replace(BASE, epochs=2, scheduler="cosine")
+    path = tmp_path / "c.pt"
+
+    def stop(epoch, metrics):
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        fit(config, colour_data(24), checkpoint_path=path, on_epoch=stop)
+    with pytest.raises(UserError, match="its epochs had 3 steps, this run's have 6"):
+        fit(config, colour_data(48), checkpoint_path=path, resume=True)
+    with pytest.raises(UserError, match="momentum 0.9 -> 0.0"):
+        fit(dataclasses.replace(config, momentum=0.0), colour_data(24), checkpoint_path=path,
+            resume=True)
+    assert fit(config, colour_data(24), checkpoint_path=path, resume=True).resumed_from_epoch == 1
