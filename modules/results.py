@@ -285,7 +285,10 @@ def keep_best_model(result: TrainResult, config: TrainConfig, index: DatasetInde
                       "data_fingerprint": fingerprint, "run_id": row.get("run_id"),
                       "test_acc": row["test_acc"], "val_acc": row["val_acc"],
                       "per_class_test_acc": row["per_class_test_acc"],
-                      "confusion_matrix": row["confusion_matrix"]})
+                      "confusion_matrix": row["confusion_matrix"],
+                      # how its images were decoded (predict decodes new ones alike)
+                      "decode": "draft" if (row.get("settings") or {}).get("data_path") ==
+                      CachedLoader.data_path else "full"})
     log.info("saved %s: the best validation accuracy so far on %s (%s, %s; test %.1f%%)", path,
              index.name, "n/a" if row.get("val_acc") is None else f"{100 * row['val_acc']:.1f}%",
              row["scenario"], 100 * row["test_acc"])

@@ -124,12 +124,12 @@ def test_resume_with_another_seed_names_the_seed_to_pass(tmp_path, capsys):
 
 
 def _keep(out: Path, test_acc: float, scenario: str, data: str = "same data",
-          classes=("a", "b"), val_acc: float | None = None) -> dict:
+          classes=("a", "b"), val_acc: float | None = None, data_path: str = "streaming") -> dict:
     model = build_model("squeezenet1_1", len(classes), "none")
     row = {"scenario": scenario, "run_id": scenario, "test_acc": test_acc,
            "val_acc": test_acc if val_acc is None else val_acc,
            "per_class_test_acc": dict.fromkeys(classes, test_acc), "data_fingerprint": data,
-           "confusion_matrix": [[1, 0], [0, 1]]}
+           "confusion_matrix": [[1, 0], [0, 1]], "settings": {"data_path": data_path}}
     keep_best_model(SimpleNamespace(model=model),
                     TrainConfig(model="squeezenet1_1", image_size=32),
                     SimpleNamespace(name="d", classes=list(classes),
@@ -208,3 +208,8 @@ def test_a_model_file_that_cannot_be_read_now_stays_and_is_not_replaced(tmp_path
     monkeypatch.setattr(files.torch, "load", flaky)
     assert _keep(tmp_path, 0.10, "worse")["scenario"] == "best"
     assert not list(tmp_path.glob("d_model.unreadable-*.pt"))
+
+
+def test_a_model_of_the_decoded_cache_says_so_for_predict(tmp_path):
+    assert _keep(tmp_path, 0.5, "baseline")["decode"] == "full"
+    assert _keep(tmp_path, 0.9, "resolution", data_path="decoded cache")["decode"] == "draft"

@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from modules.config import UserError
+from modules.config import IMAGENET_MEAN, IMAGENET_STD, UserError
 from modules.models import build_model
 from modules.utility import (load_model, plot_comparison, predict, results_table, save_model,
                              table_markdown)
@@ -221,3 +221,26 @@ def test_class_names_that_read_as_numbers_plot_without_a_log_line(tmp_path, capl
         path = plot_confusion(row, tmp_path)
     assert path.read_bytes().startswith(PNG_MAGIC)
     assert not [r for r in caplog.records if r.name.startswith("matplotlib")]
+
+
+def test_predict_decodes_as_the_model_was_tested_on_the_decoded_cache(tmp_path):
+    """The tuned scenarios train and test on JPEGs decoded at reduced scale (draft) into the
+    cache; a model saved from them records it, and predict decodes new images alike: the
+    pixels it sees are the cache's, not a full decode's (up to 0.3 normalised units apart)."""
+    import numpy as np
+    from PIL import Image
+
+    from modules import fastdata, prediction
+    from modules.dataset import eval_transform
+    path = tmp_path / "photo.jpg"
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 255, (480, 640, 3), np.uint8)).save(path, quality=90)
+    size = 32
+    cached = torch.from_numpy(fastdata.decode_resized(str(path), size)).permute(2, 0, 1)
+    mean, std = torch.tensor(IMAGENET_MEAN)[:, None, None], torch.tensor(IMAGENET_STD)[:, None, None]
+    expected = (cached.float() / 255 - mean) / std
+    transform = eval_transform(size)
+    drafted = transform(prediction._decode(str(path), draft=size))
+    full = transform(prediction._decode(str(path)))
+    assert torch.allclose(drafted, expected, atol=1e-5)
+    assert (full - expected).abs().max() > 0.05
