@@ -591,8 +591,10 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
             return _with_run_fields(tuned, config), {**findings, "seconds": 0.0}
     known = known or {}
     if known:  # those measured before start where they were chosen, and are not raced again
+        # compile is set at the end: the probes measuring the rest run eager
         config = dataclasses.replace(config, **{k: v["choice"] for k, v in known.items()
-                                                if k not in ("batch_size", "num_workers")})
+                                                if k not in ("batch_size", "num_workers",
+                                                             "compile")})
         if "batch_size" in known:
             config = dataclasses.replace(config, batch_size=tuned.batch_size,
                                          grad_accum_steps=tuned.grad_accum_steps)
@@ -716,6 +718,8 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
         raise UserError(f"these settings could not train on this device: {warm['error']}")
     if "compile" in fixed:
         knobs["compile"] = given("compile")
+        if "compile" in known:
+            config = dataclasses.replace(config, compile=known["compile"]["choice"])
     else:
         mark = time.perf_counter()
         config, knobs["compile"] = _tune_compile(config, num_classes, current,

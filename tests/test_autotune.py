@@ -620,3 +620,25 @@ def test_the_deadline_child_does_not_run_an_unguarded_script_again(tmp_path):
                          timeout=120, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.splitlines() == ["script body runs", "(True, {'img_s': 1.5})"]
+
+
+def test_a_compile_choice_measured_before_is_kept_and_the_rest_measured_eager(monkeypatch):
+    """The earlier choice compiled; what it left unmeasured is raced on eager probes (a
+    compiled first probe would pay the compile's warm-up unbounded), and compile stays on."""
+    _fake_speeds(monkeypatch, lambda c: 1000.0)
+    built = []
+    init = at.ComputeProbe.__init__
+
+    def spy(self, config, *a, **kw):
+        built.append(config.compile)
+        init(self, dataclasses.replace(config, compile=False), *a, **kw)
+        self.config = config
+    monkeypatch.setattr(at.ComputeProbe, "__init__", spy)
+    key = at.speed_key(_config(), 3)
+    knobs = {"compile": {"choice": True, "reason": "compiled 2000 vs eager 1000", "img_s": {}},
+             "amp": {"choice": "off", "img_s": {}, "reason": "not measured: 0.1 s left"}}
+    at._RESULTS[key] = (dataclasses.replace(_config(), compile=True),
+                        {"knobs": knobs, "planned_steps": 10, "compute_img_s": 1000.0})
+    config, report = at.autotune(_config(), 3, planned_steps=100_000, budget_share=0.1)
+    assert built and not any(built) and config.compile is True
+    assert report["knobs"]["compile"]["reason"].endswith("(measured earlier)")
