@@ -75,14 +75,26 @@ def cache_bytes(n_images: int, size: int) -> int:
 
 def _key(samples: list[Sample], size: int) -> tuple[str, int]:
     """The samples' files, by path, size and modification time: images rewritten under the
-    same names (a notebook re-run on fixed or other data) are decoded again."""
-    def stamp(path: str) -> str:
-        try:
-            st = os.stat(path)
-            return f"{path}\0{st.st_size}\0{st.st_mtime_ns}"
-        except OSError:
-            return path
-    return hashlib.sha1(os.fsencode("\n".join(stamp(p) for p, _ in samples))).hexdigest(), size
+    same names (a notebook re-run on fixed or other data) are decoded again. Stated once per
+    split list (an index makes new lists), not at every trial: on a network drive a stat of
+    every image costs seconds."""
+    held = _STAMPS.get(id(samples))
+    if held is None or held[0] is not samples or held[1] != len(samples):
+        def stamp(path: str) -> str:
+            try:
+                st = os.stat(path)
+                return f"{path}\0{st.st_size}\0{st.st_mtime_ns}"
+            except OSError:
+                return path
+        digest = hashlib.sha1(os.fsencode("\n".join(stamp(p) for p, _ in samples))).hexdigest()
+        held = _STAMPS[id(samples)] = (samples, len(samples), digest)
+        while len(_STAMPS) > 16:  # the newest indexes' splits; each entry holds its list
+            _STAMPS.pop(next(iter(_STAMPS)))
+    return held[2], size
+
+
+# id(split list) -> (the list, its length, the digest of its files): see _key
+_STAMPS: dict[int, tuple[list, int, str]] = {}
 
 
 def image_means(images: torch.Tensor) -> torch.Tensor:
@@ -118,6 +130,7 @@ def decoded_images(samples: list[Sample], size: int) -> tuple[torch.Tensor, torc
 
 def clear_cache() -> None:
     _MEMO.clear()
+    _STAMPS.clear()
 
 
 # ----------------------------------------------------------------------------- augmentation
