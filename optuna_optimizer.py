@@ -556,10 +556,17 @@ class OptunaTuner:
         # Resumed without a count of its own: the count it was asked for, not a preset.
         n_trials = self.study.user_attrs[count_key] if self.resume and self.study_count and \
             count_key in self.study.user_attrs else self.n_trials
-        if ended and self.resume and self.study.trials and n_trials <= done():
-            log.info("study %r: its %d trials as they are, none added", self.study_name,
-                     len(self.study.trials))
-            return self.summary()
+        if ended and self.resume and self.study.trials:
+            # Its search ended (by its count or its time budget) when the final run started:
+            # only an explicit --n-trials grows it, and a growth cut short is finished by the
+            # next resume, which otherwise adds nothing.
+            grown_key = f"grown_to:{self.run_name}" if shared else "grown_to"
+            n_trials = self.study.user_attrs.get(grown_key) if self.study_count else n_trials
+            if n_trials is None or n_trials <= done():
+                log.info("study %r: its %d trials as they are, none added", self.study_name,
+                         len(self.study.trials))
+                return self.summary()
+            self.study.set_user_attr(grown_key, n_trials)
         reused = 0
         # A default trial stopped by Ctrl-C is FAIL, and queued again; a pruned one (it
         # diverged, ran out of memory, fell behind) stands.

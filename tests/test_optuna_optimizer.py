@@ -915,3 +915,20 @@ def test_a_resumed_worker_on_a_shared_study_counts_its_own_trials(index, tmp_pat
     same = worker("first", n_trials=99, resume=True, study_count=True)  # no --n-trials
     same.run(ended=True)
     assert same.new_trials == 0
+
+
+def test_a_search_its_time_budget_ended_is_not_resumed_once_its_final_run_started(
+        index, tmp_path, monkeypatch):
+    """Without --n-trials the search stops at the baseline's time, short of the preset count
+    it records: once its final run has started, a plain --resume adds no trial (it could only
+    change the best under the final run); an explicit --n-trials grows it."""
+    monkeypatch.setattr(optuna_optimizer, "fit", fake_fit)
+    first = tuner(index, tmp_path, n_trials=3)
+    first.run()
+    first.study.set_user_attr("n_trials", 20)  # the preset it was asked for, 3 trained in time
+    plain = tuner(index, tmp_path, n_trials=20, resume=True, study_count=True)
+    plain.run(ended=True)
+    assert plain.new_trials == 0
+    grown = tuner(index, tmp_path, n_trials=4, resume=True)
+    grown.run(ended=True)
+    assert grown.new_trials == 1
