@@ -560,7 +560,7 @@ class OptunaTuner:
             # Its search ended (by its count or its time budget) when the final run started:
             # only an explicit --n-trials grows it, and a growth cut short is finished by the
             # next resume, which otherwise adds nothing.
-            grown_key = f"grown_to:{self.run_name}" if shared else "grown_to"
+            grown_key, _ = self._growth_keys()
             n_trials = self.study.user_attrs.get(grown_key) if self.study_count else n_trials
             if n_trials is None or n_trials <= done():
                 log.info("study %r: its %d trials as they are, none added", self.study_name,
@@ -612,6 +612,26 @@ class OptunaTuner:
             log.info("study %r: the time budget (%.0f s) ended the search after %d of the %d "
                      "trials asked for", self.study_name, self.timeout_s, ran, to_run)
         return self.summary()
+
+    def _growth_keys(self) -> tuple[str, str]:
+        """The study's attributes for a growth after the final run started: the count it grew
+        to, and the count the final run was last decided for."""
+        suffix = f":{self.run_name}" if self.shared else ""
+        return f"grown_to{suffix}", f"final_for{suffix}"
+
+    def growth_pending(self) -> bool:
+        """Whether the study grew after its final run started, and the final run was not
+        decided again since (the session that grew it was cut short)."""
+        grown, final = self._growth_keys()
+        attrs = self._require_study().user_attrs
+        return grown in attrs and attrs.get(final) != attrs[grown]
+
+    def growth_settled(self) -> None:
+        """The final run was decided for the study as it is now."""
+        grown, final = self._growth_keys()
+        attrs = self._require_study().user_attrs
+        if grown in attrs:
+            self.study.set_user_attr(final, attrs[grown])
 
     def search_seconds(self) -> float:
         """Seconds the study's completed and pruned trials trained, over every session. Not

@@ -869,10 +869,9 @@ def tune_hyperparameters(config: TrainConfig, args: RunOptions, index: DatasetIn
                  "started with; the study grows only with --n-trials N above the count it was "
                  "asked for", final)
     summary = tuner.run(ended=started is not None)
-    # Grown in this session, or in an earlier one cut short before its final run was trained
-    # again (only this run's sessions change a study of its own; a shared study's other
-    # workers do not make a started final run train again).
-    grow = started is not None and (tuner.new_trials > 0 or not shared)
+    # Grown in this session, or in an earlier one cut short before its final run was decided
+    # again (trials another worker adds to a shared study do not make it train again).
+    grow = started is not None and (tuner.new_trials > 0 or tuner.growth_pending())
     tuner.save_plots()
     log.info("hpo: %s", summary["choice"])
     params = summary["chosen_params"] or {k: getattr(config, k) for k in OptunaTuner.SEARCHED}
@@ -897,6 +896,8 @@ def tune_hyperparameters(config: TrainConfig, args: RunOptions, index: DatasetIn
             final.rename(aside)
             log.info("hpo: the choice changed with the new trials: training the final run "
                      "again (the earlier one is kept as %s)", aside)
+        if distributed.is_main():
+            tuner.growth_settled()
     if trained_anew:
         weights, epochs, source = tuner.start_for(summary["chosen_params"])
         chosen, warm = warm_start(chosen, "hpo", source, weights, epochs,
