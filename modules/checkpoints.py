@@ -99,10 +99,7 @@ class CheckpointSaver:
         if distributed.rank() > 0:
             # rank 0's streams were saved: the others continue on streams of their own
             # (distinct, though not the ones they would have drawn uninterrupted)
-            rank_seed = self.config.seed + 1_000_003 * distributed.rank() + 7919 * ckpt["epoch"]
-            torch.manual_seed(rank_seed)
-            random.seed(rank_seed)
-            np.random.seed(rank_seed % 2**32)
+            set_seed(rank_seed(self.config.seed, ckpt["epoch"]))
         log.info("resuming from %s after epoch %d", self.path, ckpt["epoch"])
         return Progress(history=ckpt["history"], best=ckpt["best"], bad_epochs=ckpt["bad_epochs"],
                         nonfinite_steps=ckpt["nonfinite_steps"],
@@ -149,6 +146,20 @@ def check_resumable(ckpt: dict[str, Any], config: TrainConfig, path: Path) -> No
         diffs = ", ".join(f"{k} {saved[k]!r} -> {getattr(config, k)!r}" for k in changed)
         raise UserError(f"cannot resume from {str(path)!r}: settings changed ({diffs}); run "
                         "without --resume to start over.")
+
+
+def set_seed(seed: int) -> None:
+    """Seed every RNG a run draws from (Python, NumPy, torch on all devices)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def rank_seed(seed: int, epoch: int = 0) -> int:
+    """This process's seed under torchrun, from the run's seed (and, on a resume, the epochs
+    done): each rank draws its own augmentation and dropout; rank 0's is the seed itself."""
+    rank = distributed.rank()
+    return seed + 1_000_003 * rank + 7919 * epoch if rank > 0 else seed
 
 
 def rng_state() -> dict[str, Any]:

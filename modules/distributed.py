@@ -19,6 +19,11 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def local_world_size() -> int:
+    """Processes on this machine: torchrun's LOCAL_WORLD_SIZE, 1 outside a process group."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if world_size() > 1 else 1
+
+
 def rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 

@@ -368,8 +368,7 @@ def batches_per_pass(batch_size: int, size: int, device: torch.device) -> int:
 def _budget(index, size: int) -> tuple[int, int, int]:
     """(bytes the index's decoded images need at `size`, bytes cached now, the RAM budget).
     Under torchrun every process on the machine holds a whole cache: each counts them all."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if distributed.world_size() > 1 else 1
-    needed = local * sum(cache_bytes(len(s), size) for s in (index.train, index.val, index.test))
+    needed = distributed.local_world_size() * sum(cache_bytes(len(s), size) for s in (index.train, index.val, index.test))
     needed += 4 * cache_bytes(min(MEANS_CHUNK, len(index.train)), size)  # image_means' floats
     held = sum(images.numel() for images, _ in _MEMO.values())
     return needed, held, int(CACHE_RAM_FRACTION * (available_ram() + held))

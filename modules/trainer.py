@@ -6,14 +6,12 @@ from __future__ import annotations
 import logging
 import math
 import os
-import random
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,7 +19,8 @@ from tqdm.auto import tqdm
 
 from modules import distributed, hostmem
 # Re-exported: callers load checkpoints through the trainer.
-from modules.checkpoints import CheckpointSaver, Progress, load_checkpoint  # noqa: F401
+from modules.checkpoints import (CheckpointSaver, Progress, load_checkpoint,  # noqa: F401
+                                 rank_seed, set_seed)
 from modules.config import TrainConfig, UserError, first_line
 # Re-exported: callers have long imported these from here.
 from modules.device import (REGIONS, apply_process_settings, autocast_dtype,  # noqa: F401
@@ -59,13 +58,6 @@ class TrainResult:
     time_to_best_s: float               # training time until the best epoch ended, seconds
     timing: dict[str, float] = field(default_factory=dict)  # step-time breakdown, resumes included
     settings: dict[str, Any] = field(default_factory=dict)   # resolved device, dtype, ...
-
-
-def set_seed(seed: int) -> None:
-    """Seed every RNG a run draws from (Python, NumPy, torch on all devices)."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def make_optimizer(model: nn.Module, config: TrainConfig, device: torch.device
@@ -657,7 +649,7 @@ def prepare(index, config: TrainConfig) -> tuple[nn.Module, Any, Any, Any]:
         # Under torchrun each rank draws its own augmentation, dropout masks and worker seeds,
         # as the decoded cache's do; rank 0 draws as one process. The weights, drawn above
         # alike, are rank 0's anyway (train broadcasts them).
-        set_seed(config.seed + 1_000_003 * distributed.rank())
+        set_seed(rank_seed(config.seed))
     return (model, *make_loaders(index, config))
 
 
