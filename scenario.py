@@ -523,7 +523,7 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
     if name == "resolution":
         tuned["final"] = {"scenario": name, "config": config, "row": copy.deepcopy(row)}
     row.update(extra, run_id=args.run_id, tuning_s=tuning_s,
-               total_s=tuning_s + prepare_s + result.wall_s,
+               total_s=tuning_s + final_run_s(row),
                start_weights=start_weights(config.model, args.weights))
     if name == "hpo" and (kept := default_if_better(row, tuned.get("final") or _final_row(
             output_dir, index, args.run_id))) is not row:
@@ -533,6 +533,12 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
     if distributed.is_main():
         keep_best_model(result, config, index, row, output_dir)
     return row
+
+
+def final_run_s(row: dict[str, Any]) -> float:
+    """Seconds of a row's final run: its preparation (the model, the cache's decode) and its
+    training."""
+    return (row.get("prepare_s") or 0.0) + row["wall_s"]
 
 
 def final_to_reuse(name: str, config: TrainConfig, tuned: dict[str, Any]
@@ -574,7 +580,7 @@ def same_final(same: dict[str, Any], extra: dict[str, Any], args: RunOptions, ou
             log.warning("hpo: could not give it the %s final's checkpoint and scalars (%s): "
                         "--resume would train its final run", same["scenario"], first_line(exc))
     row.update(extra, scenario="hpo", run_id=args.run_id, tuning_s=tuning_s,
-               total_s=tuning_s + (row.get("prepare_s") or 0.0) + row["wall_s"],
+               total_s=tuning_s + final_run_s(row),
                final_from=same["scenario"],
                start_weights=start_weights(row["model"], args.weights))
     log_row(row)
@@ -614,7 +620,7 @@ def default_if_better(row: dict[str, Any], same: dict[str, Any] | None) -> dict[
     kept.update({k: row[k] for k in ("hpo", "autotune", "run_id", "start_weights") if k in row},
                 scenario="hpo", final_from=same["scenario"], tuning_s=row["total_s"],
                 # as same_final counts the model taken
-                total_s=row["total_s"] + (kept.get("prepare_s") or 0.0) + kept["wall_s"],
+                total_s=row["total_s"] + final_run_s(kept),
                 winner_final={k: row.get(k) for k in ("val_acc", "test_acc", "epochs",
                                                       "wall_s", "settings")})
     return kept

@@ -49,6 +49,15 @@ def save_model(model: nn.Module, path, *, arch: str, class_names, image_size: in
     return path
 
 
+def read_meta(path) -> dict:
+    """The metadata of a model file written by `save_model` (load_model's `model.meta`), the
+    file checked as load_model checks it, without building the model."""
+    path = Path(path)
+    payload = _read_payload(path)
+    _check_state_dict_fits(payload, path)
+    return _meta(payload)
+
+
 def load_model(path, device="cpu") -> nn.Module:
     """Rebuild a model written by `save_model`, in eval mode, with its metadata in `model.meta`."""
     path = Path(path)
@@ -62,7 +71,12 @@ def load_model(path, device="cpu") -> nn.Module:
         raise UserError(f"model file {str(path)!r} does not match architecture "
                         f"{payload['arch']!r}: {first}") from None
     model.to(device).eval()
-    model.meta = {
+    model.meta = _meta(payload)
+    return model
+
+
+def _meta(payload: dict) -> dict:
+    return {
         "arch": payload["arch"],
         "class_names": list(payload["class_names"]),
         "image_size": payload["image_size"],
@@ -70,7 +84,6 @@ def load_model(path, device="cpu") -> nn.Module:
         "std": tuple(payload["std"]),
         "extra": payload.get("extra"),
     }
-    return model
 
 
 # Values quoted in errors are abridged: a damaged or hostile file may hold huge ones.

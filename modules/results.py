@@ -22,7 +22,7 @@ from modules.device import native_bf16_cpu
 from modules.diagnosis import diagnose
 from modules.fastdata import CachedLoader
 from modules.files import ReadFailed, atomic_write_text
-from modules.model_files import load_model, save_model
+from modules.model_files import read_meta, save_model
 from modules.selection import accuracy_se
 from modules.trainer import TrainResult
 
@@ -241,43 +241,37 @@ def keep_best_model(result: TrainResult, config: TrainConfig, index: DatasetInde
     previous: dict[str, Any] = {}
     if path.exists():
         try:
-            saved = load_model(path).meta
+            saved = read_meta(path)
         except ReadFailed as exc:
             log.warning("%s: it stays, and this %s model is not saved over it",
                         str(exc).rstrip("."), row["scenario"])
             return
         except UserError as exc:
-            aside = _free_name(path.with_name(
-                f"{path.stem}.unreadable-{time.strftime('%Y%m%d-%H%M%S')}.pt"))
-            path.rename(aside)
+            aside = set_aside(path, f"unreadable-{time.strftime('%Y%m%d-%H%M%S')}")
             log.warning("%s; kept it as %s", str(exc).rstrip("."), aside)
         else:
             previous = saved.get("extra") or {}
             if not _of_this_data(saved, index, fingerprint):
                 # its test accuracy was on other images: not comparable
-                aside = _free_name(_aside_path(path, previous.get("data_fingerprint")))
-                path.rename(aside)
+                aside = set_aside(path, _other_data(previous.get("data_fingerprint")))
                 log.warning("%s was trained on other data named %r (run %s); kept it as %s, "
                             "where a later run on that data compares with it", path, index.name,
                             previous.get("run_id"), aside)
                 previous = {}
     mine = row.get("val_acc")
+    mine_shown = "n/a" if mine is None else f"{100 * mine:.1f}%"
+    kept_from = None
     if not previous:  # a model of this data set aside by a run on other data
-        aside, previous = _best_aside(path, index, fingerprint)
-        if aside is not None and not _beats(mine, previous.get("val_acc")):
-            aside.rename(path)
-            log.info("restored %s from %s (%s of run %s, validation accuracy %.1f%%): this %s "
-                     "model's %s is not better", path, aside.name, previous.get("scenario"),
-                     previous.get("run_id"), 100 * previous["val_acc"], row["scenario"],
-                     "n/a" if mine is None else f"{100 * mine:.1f}%")
-            return
-    elif not _beats(mine, previous.get("val_acc")):
-        # Chosen by validation: a choice by test accuracy would make the test accuracy saved
-        # with the model an optimistic one, and the test set no longer held out.
-        log.info("kept %s (%s of run %s, validation accuracy %.1f%%): this %s model's "
-                 "%s is not better", path, previous.get("scenario"), previous.get("run_id"),
-                 100 * previous["val_acc"], row["scenario"],
-                 "n/a" if mine is None else f"{100 * mine:.1f}%")
+        kept_from, previous = _best_aside(path, index, fingerprint)
+    # Chosen by validation: a choice by test accuracy would make the test accuracy saved with
+    # the model an optimistic one, and the test set no longer held out.
+    if previous and not _beats(mine, previous.get("val_acc")):
+        if kept_from is not None:
+            kept_from.rename(path)
+        log.info("%s %s (%s of run %s, validation accuracy %.1f%%): this %s model's %s is not "
+                 "better", "kept" if kept_from is None else f"restored from {kept_from.name}",
+                 path, previous.get("scenario"), previous.get("run_id"),
+                 100 * previous["val_acc"], row["scenario"], mine_shown)
         return
     save_model(result.model, path, arch=config.model, class_names=index.classes,
                image_size=config.image_size,
@@ -290,8 +284,7 @@ def keep_best_model(result: TrainResult, config: TrainConfig, index: DatasetInde
                       "decode": "draft" if (row.get("settings") or {}).get("data_path") ==
                       CachedLoader.data_path else "full"})
     log.info("saved %s: the best validation accuracy so far on %s (%s, %s; test %.1f%%)", path,
-             index.name, "n/a" if row.get("val_acc") is None else f"{100 * row['val_acc']:.1f}%",
-             row["scenario"], 100 * row["test_acc"])
+             index.name, mine_shown, row["scenario"], 100 * row["test_acc"])
 
 
 def json_safe(value):
@@ -376,21 +369,22 @@ def _of_this_data(saved: dict[str, Any], index: DatasetIndex, fingerprint: str) 
         list(saved["class_names"]) == list(index.classes)
 
 
-def _aside_path(path: Path, fingerprint: str | None) -> Path:
-    """Where a model of other data is kept aside: named by its data, so that a run on that
-    data finds it."""
-    digest = hashlib.sha1(str(fingerprint).encode()).hexdigest()[:10]
-    return path.with_name(f"{path.stem}.other-data-{digest}.pt")
+def _other_data(fingerprint: str | None) -> str:
+    """The label of a model of other data kept aside: named by its data, so that a run on
+    that data finds it."""
+    return f"other-data-{hashlib.sha1(str(fingerprint).encode()).hexdigest()[:10]}"
 
 
-def _free_name(path: Path) -> Path:
-    """path, or path with -2, -3 ... before its suffix: a file kept aside never overwrites
-    another."""
-    candidate, n = path, 1
-    while candidate.exists():
+def set_aside(path: Path, label: str) -> Path:
+    """Rename `path` to <stem>.<label><suffix>, or with -2, -3 ... after the label: a file kept
+    aside never overwrites another. Returns where it went."""
+    aside = path.with_name(f"{path.stem}.{label}{path.suffix}")
+    n = 1
+    while aside.exists():
         n += 1
-        candidate = path.with_name(f"{path.stem}-{n}{path.suffix}")
-    return candidate
+        aside = path.with_name(f"{path.stem}.{label}-{n}{path.suffix}")
+    path.rename(aside)
+    return aside
 
 
 def _best_aside(path: Path, index: DatasetIndex, fingerprint: str
@@ -399,7 +393,7 @@ def _best_aside(path: Path, index: DatasetIndex, fingerprint: str
     best: tuple[Path | None, dict[str, Any]] = (None, {})
     for aside in sorted(path.parent.glob(f"{path.stem}.other-data-*.pt")):
         try:
-            saved = load_model(aside).meta
+            saved = read_meta(aside)
         except UserError:
             continue
         extra = saved.get("extra") or {}
@@ -417,8 +411,7 @@ def merge_results(path: Path, rows: list[dict[str, Any]]) -> list[dict[str, Any]
     # A read that fails (a network drive's hiccup) stops here: it is not damage.
     earlier = _parse_rows(path.read_bytes()) if path.exists() else []
     if earlier is None:  # hand-edited or damaged: kept for the user, never overwritten
-        aside = path.with_name(f"{path.stem}.unreadable-{time.strftime('%Y%m%d-%H%M%S')}.json")
-        path.rename(aside)
+        aside = set_aside(path, f"unreadable-{time.strftime('%Y%m%d-%H%M%S')}")
         log.warning("%s could not be read as a list of results; kept it as %s and started a "
                     "new one (its rows can be copied back once mended)", path, aside)
         earlier = []

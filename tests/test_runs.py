@@ -186,10 +186,12 @@ def test_a_quick_run_sets_the_best_model_aside_and_the_next_full_run_brings_it_b
     kept = {load_model(f).meta["extra"]["scenario"] for f in tmp_path.glob("d_model*.pt")}
     assert kept == {"better", "quick"}  # the worse full-data run was never saved over a better
     assert _keep(tmp_path, 0.30, "quick again", data="subset")["scenario"] == "quick"
-    a, b = tmp_path / "x.pt", tmp_path / "x-2.pt"
-    a.write_text("a")
-    from modules.results import _free_name
-    assert _free_name(a) == b
+    from modules.results import set_aside
+    first, second = tmp_path / "x.pt", tmp_path / "x.lab.pt"
+    second.write_text("set aside before, in the same second")
+    first.write_text("a")
+    assert set_aside(first, "lab") == tmp_path / "x.lab-2.pt"
+    assert second.read_text() == "set aside before, in the same second"
 
 
 def test_a_model_file_that_cannot_be_read_now_stays_and_is_not_replaced(tmp_path, monkeypatch):
