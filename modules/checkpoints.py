@@ -38,6 +38,9 @@ class Progress:
                                                           "state": None})
     bad_epochs: int = 0                 # epochs since the best one
     nonfinite_steps: int = 0            # loader batches whose loss was NaN/inf
+    # NaN/inf batches since the last applied update, across epochs (a small set's epoch can
+    # hold fewer batches than max_nonfinite_steps) and across a resume
+    consecutive_bad: int = 0
     start_epoch: int = 0                # the first epoch (0-based) this process trains
     resumed_from: int | None = None     # epochs the checkpoint held, on resume
     timing: dict[str, Any] = field(default_factory=dict)  # the step timing saved with them
@@ -103,6 +106,7 @@ class CheckpointSaver:
         log.info("resuming from %s after epoch %d", self.path, ckpt["epoch"])
         return Progress(history=ckpt["history"], best=ckpt["best"], bad_epochs=ckpt["bad_epochs"],
                         nonfinite_steps=ckpt["nonfinite_steps"],
+                        consecutive_bad=ckpt.get("consecutive_bad", 0),  # older checkpoints
                         # finished: nothing left to train; the caller restores the best epoch
                         start_epoch=self.config.epochs if ckpt["finished"] else ckpt["epoch"],
                         resumed_from=ckpt["epoch"],
@@ -118,7 +122,8 @@ class CheckpointSaver:
             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
             "scaler": scaler.state_dict(), "rng": rng_state(), "history": progress.history,
             "best": progress.best, "bad_epochs": progress.bad_epochs,
-            "nonfinite_steps": progress.nonfinite_steps, "timing": timing,
+            "nonfinite_steps": progress.nonfinite_steps,
+            "consecutive_bad": progress.consecutive_bad, "timing": timing,
             "layout": self.layout})
 
 

@@ -64,7 +64,7 @@ class TrainConfig:
     warmup_epochs: float = 0.0         # linear ramp of the lr before cosine/constant (onecycle has its own)
     max_grad_norm: float | None = None  # clip the global L2 norm of gradients; None = no clipping
     early_stopping_patience: int | None = None  # epochs without a better val accuracy; None = off
-    max_nonfinite_steps: int = 5       # consecutive NaN/inf losses tolerated before giving up
+    max_nonfinite_steps: int = 5       # NaN/inf batches with no update between them before giving up
     # speed knobs
     amp: str = "off"                   # "auto" picks fp16 (CUDA) / bf16 (CUDA sm80+) / off (CPU)
     channels_last: bool = False

@@ -244,9 +244,6 @@ class _Epochs:
         # After running out of memory every loader batch goes through in `splits` chunks (x2 per
         # recovery); the optimizer step still sees the same samples, so the effective batch stays.
         self.splits, self.oom_recoveries = 1, 0
-        # Non-finite batches in a row, across epochs: a small set's epoch can hold fewer
-        # batches than max_nonfinite_steps.
-        self.consecutive_bad = 0
         # BatchNorm's running statistics are updated in the forward pass, before the loss is
         # checked: a window skipped for a NaN/inf puts them back as the window found them
         # (else they stay NaN, and so does every later evaluation).
@@ -324,7 +321,7 @@ class _Epochs:
                     log.warning("torch.compile failed here (%s): training without it",
                                 self.compile_failed)
                     self.forward = self.model
-                    self.optimizer.zero_grad(set_to_none=True)
+                    self._restart_window()
                     first = 0
                     continue
                 # Under torchrun too: nothing here is a collective, so this rank alone replays
@@ -333,11 +330,18 @@ class _Epochs:
                     raise
             # Recover outside the except block: its traceback holds the failed pass's frames
             # and with them its activations; by now they are released.
-            self.optimizer.zero_grad(set_to_none=True)  # the window's partial gradient
+            self._restart_window()
             release(self.device)
             self.splits = _more_splits(self.splits, window_batches[-1][1], self.config)
             self.oom_recoveries += 1
             first = 0  # the whole window again, from its first batch
+
+    def _restart_window(self) -> None:
+        """Undo what a failed pass of the window left: its partial gradient, and the BatchNorm
+        statistics its forwards updated (the replay updates them again)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.norm_buffers:
+            torch._foreach_copy_(self.norm_buffers, self.norm_saved)
 
     def _step(self, pending: list[tuple[Any, list]], metrics: _EpochMetrics, epoch: int) -> None:
         """The window's end: count its batches' metrics and take the optimizer step, or skip it
@@ -354,13 +358,19 @@ class _Epochs:
         for flag, parts in pending:  # commit each batch's metrics exactly once
             if flag:
                 metrics.add(parts)
+        progress = self.progress
         for flag in flags:
-            self.consecutive_bad = 0 if flag else self.consecutive_bad + 1
-            self.progress.nonfinite_steps += 0 if flag else 1
-            if self.consecutive_bad >= self.config.max_nonfinite_steps:
+            # A finite batch in a window skipped for another's NaN applied no update either:
+            # only an applied one ends the run of bad batches (with accumulation, a NaN in
+            # every window would otherwise train nothing and never stop).
+            progress.consecutive_bad = 0 if flag and step_ok else progress.consecutive_bad + (
+                not flag)
+            progress.nonfinite_steps += 0 if flag else 1
+            if progress.consecutive_bad >= self.config.max_nonfinite_steps:
                 raise DivergedError(
-                    f"training diverged: the loss was NaN/inf for {self.consecutive_bad} batches "
-                    f"in a row in epoch {epoch + 1} (lr={self.config.lr:g}); lower --lr"
+                    f"training diverged: the loss was NaN/inf in {progress.consecutive_bad} "
+                    f"batches with no update applied between them, up to epoch {epoch + 1} "
+                    f"(lr={self.config.lr:g}); lower --lr"
                     + ("" if self.config.max_grad_norm else " or set --max-grad-norm 1.0") + ".")
         with region("optimizer_step"):
             if step_ok:  # a NaN/inf anywhere in the window skips its whole update

@@ -177,6 +177,38 @@ def test_the_nonfinite_guard_works_on_chunked_batches():
             train_data=broken)
 
 
+class FailsAfterItsNorm(TinyNet):
+    """BatchNorm, then the error CUDA raises, once, on the `at`-th training forward of a whole
+    batch: the failed pass has already moved the running statistics."""
+
+    def __init__(self, at: int):
+        super().__init__()
+        self.norm, self.at, self.calls = nn.BatchNorm2d(4), at, 0
+
+    def forward(self, x):
+        h = torch.relu(self.norm(self.conv(x)))
+        if self.training and x.shape[0] == 8:
+            self.calls += 1
+            if self.calls == self.at:
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return self.fc(h.mean(dim=(2, 3)))
+
+
+@pytest.mark.parametrize("accum, trained_forwards", [
+    (1, 1 + 3 * 2),  # batch 1 whole; the failed batch 2 and batches 3-4 in halves
+    (2, 4 + 4),      # batch 2 fails: its window is replayed in halves, then window 2
+])
+def test_an_oom_replay_leaves_batchnorm_as_if_only_the_replay_ran(accum, trained_forwards):
+    config = dataclasses.replace(BASE, model="resnet18", image_size=16, epochs=1, batch_size=8,
+                                 grad_accum_steps=accum)
+    set_seed(0)
+    model = FailsAfterItsNorm(at=2)
+    result = train(model, DataLoader(data(32, 16), batch_size=8),
+                   DataLoader(data(12, 16, seed=1), batch_size=8), config)
+    assert result.settings["oom_recoveries"] == 1
+    assert model.norm.num_batches_tracked.item() == trained_forwards
+
+
 @pytest.mark.parametrize("optimizer", ["adam", "adamw", "sgd"])
 @pytest.mark.parametrize("impl, flags", [("auto", {"fused": None, "foreach": None}),
                                          ("fused", {"fused": True}),

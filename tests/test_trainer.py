@@ -171,8 +171,38 @@ def test_a_diverging_run_stops_with_a_clear_message():
     # a small set: two batches an epoch, fewer than the limit; the count goes on across epochs
     small = colour_data(16)
     small.tensors[0][:] = float("inf")
-    with pytest.raises(DivergedError, match=r"3 batches in a row in epoch 2"):
+    with pytest.raises(DivergedError, match=r"3 batches with no update .* up to epoch 2"):
         fit(dataclasses.replace(BASE, epochs=4, batch_size=8, max_nonfinite_steps=3), small)
+
+
+def test_with_accumulation_a_nan_in_every_window_stops_the_run():
+    """A finite batch in a window skipped for another's NaN applies no update: it must not
+    reset the count, or a run that never steps trains on, unchanged, to its end."""
+    data = colour_data(32)
+    data.tensors[0][torch.arange(32) % 16 == 0] = float("nan")
+    config = dataclasses.replace(BASE, epochs=5, batch_size=8, grad_accum_steps=2,
+                                 max_nonfinite_steps=5)
+    set_seed(config.seed)
+    plain = DataLoader(data, batch_size=8, shuffle=False)  # a NaN leads every window
+    with pytest.raises(DivergedError, match=r"5 batches with no update .* up to epoch 3"):
+        train(TinyNet(), plain, loader(colour_data(12, seed=1), config, False), config)
+
+
+def test_a_resumed_run_diverges_where_the_uninterrupted_one_does(tmp_path):
+    small = colour_data(16)
+    small.tensors[0][:] = float("inf")  # two batches an epoch, every one bad
+    config = dataclasses.replace(BASE, epochs=4, batch_size=8, max_nonfinite_steps=3)
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_1(epoch, _row):
+        if epoch == 1:
+            raise Stop
+    with pytest.raises(Stop):
+        fit(config, small, checkpoint_path=tmp_path / "ck.pt", on_epoch=stop_after_1)
+    with pytest.raises(DivergedError, match=r"up to epoch 2"):
+        fit(config, small, checkpoint_path=tmp_path / "ck.pt", resume=True)
 
 
 def test_a_skipped_batch_leaves_batchnorms_statistics_as_they_were():
