@@ -6,7 +6,9 @@ size is stopped at half its compute when a size trained before it was clearly ah
 more compute (successive halving with compute as the resource). It reports what each size costs.
 With a journal, every size tried is written down (a stopped one with where it stopped), and a
 resumed run trains only the sizes it has no result for; with a weights folder each finished
-size's trained weights are kept, so the final run can continue from the picked size's trial."""
+size's trained weights are kept, so the final run can continue from the picked size's trial.
+A size other than the default whose trial diverges or does not fit in memory is recorded as
+failed, left out of the pick, and not tried again on resume."""
 from __future__ import annotations
 
 import dataclasses
@@ -22,10 +24,12 @@ from modules import distributed
 from modules.checkpoints import save_weights
 from modules.config import TrainConfig, UserError
 from modules.dataset import DatasetIndex
+from modules.device import resolve_device
 from modules.files import atomic_write_text
+from modules.oom import is_out_of_memory, release
 from modules.report import figure, finite_number
 from modules.selection import accuracy_se, clearly_ahead, informative, tie_margin
-from modules.trainer import fit
+from modules.trainer import DivergedError, fit
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +49,7 @@ class ResolutionTrial:
     val_curve: list[float] = field(default_factory=list)  # validation accuracy after each epoch
     stopped_after: int | None = None  # the epoch it was stopped at, behind (None: it finished)
     epoch_end_at: list[float] = field(default_factory=list)  # time.time() after each epoch
+    failed: str | None = None  # why it could not train (diverged, out of memory); None: it did
 
 
 class _Behind(Exception):
@@ -130,19 +135,35 @@ class ResolutionTuner:
                     raise _Behind(*by)
 
         started = time.perf_counter()
+        stop = failed = None
         try:
             result = fit(self.index, config, on_epoch=on_epoch)
-            stop = None
         except _Behind as behind:
             result, stop = None, behind.args
+        except (DivergedError, RuntimeError) as exc:  # torch's OutOfMemoryError: a RuntimeError
+            # The default size has no fallback; under torchrun an out-of-memory is one rank's,
+            # while the others may wait inside the trial's collectives: the job stops.
+            if size == self.default_size or not isinstance(exc, DivergedError) and (
+                    not is_out_of_memory(exc) or distributed.world_size() > 1):
+                raise
+            result, failed = None, "diverged" if isinstance(exc, DivergedError) else \
+                "out of memory"
+            log.warning("resolution %d px: %s; left out of the pick (%s)", size, failed,
+                        str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        if failed is not None:
+            # Outside the except block, whose traceback holds the trial's model and batches.
+            release(resolve_device(config.device))
         curve = [r["val_acc"] for r in rows]
         trial = ResolutionTrial(
             image_size=size, val_acc=max(curve, default=0.0),
-            samples_per_s=finite_number((result.timing if result else rows[-1])
+            samples_per_s=finite_number((result.timing if result else rows[-1] if rows else {})
                                         .get("samples_per_s")) or 0.0,
             epoch_s=sum(r["epoch_s"] for r in rows) / max(1, len(rows)),
             wall_s=result.wall_s if result else time.perf_counter() - started,
-            val_curve=curve, stopped_after=None if result else len(rows), epoch_end_at=ended)
+            val_curve=curve, stopped_after=None if result or failed else len(rows),
+            epoch_end_at=ended, failed=failed)
+        if failed is not None:
+            return trial
         if stop is not None:
             log.info("resolution %d px: stopped after epoch %d of %d at %.1f%%: %d px had %.1f%% "
                      "with no more compute, ahead by more than one standard error of the "
@@ -181,6 +202,7 @@ class ResolutionTuner:
         `size` had by its rung is clearly ahead of `acc` (clearly_ahead); None when there is
         none."""
         compute = self._rung_compute(size)
+        earlier = [t for t in earlier if t.failed is None]  # a diverged curve leads nothing
         top = max(earlier, key=lambda t: self._best_within(t, compute), default=None)
         at = self._best_within(top, compute) if top is not None else 0.0
         return top if clearly_ahead(at, acc, self.n_val, len(self.index.classes)) else None
@@ -241,7 +263,8 @@ class ResolutionTuner:
         The default size also stays when its own trial is still at chance and no other size
         has left chance ahead of it (num_classes given): then the short trials rank nothing.
         A size that has left chance at the same compute is ahead, as the final run spends it."""
-        trials = [t for t in trials if t.stopped_after is None]  # judged already: behind
+        # a stopped size was judged already (behind); a failed one has nothing to judge
+        trials = [t for t in trials if t.stopped_after is None and t.failed is None]
         if not trials:
             raise UserError("no resolution was tried.")
         default = next((t for t in trials if t.image_size == default_size), None)
@@ -262,12 +285,15 @@ class ResolutionTuner:
 
     def tradeoff(self) -> list[dict[str, Any]]:
         """Per size: accuracy, speed, and accuracy gained per extra second of epoch time
-        relative to the smallest size that finished (none for a stopped size: its accuracy
-        is from half its compute, and its speed from its first epochs, warm-up included)."""
+        relative to the smallest size that finished (none for a stopped or failed size: its
+        accuracy is from part of its compute, and its speed from its first epochs, warm-up
+        included)."""
         rows = []
-        first = next((t for t in self.trials if t.stopped_after is None), None)
+        first = next((t for t in self.trials if t.stopped_after is None and t.failed is None),
+                     None)
         for t in self.trials:
-            extra_s = t.epoch_s - first.epoch_s if t.stopped_after is None else 0
+            extra_s = t.epoch_s - first.epoch_s if t.stopped_after is None and \
+                t.failed is None else 0
             gain = (t.val_acc - first.val_acc) / extra_s if extra_s > 0 else None
             trial = {k: v for k, v in dataclasses.asdict(t).items() if k != "epoch_end_at"}
             rows.append({**trial, "points_per_extra_epoch_s":
@@ -281,12 +307,14 @@ class ResolutionTuner:
             return None
         fig = figure(6, 4.5, dpi=120)
         ax = fig.add_subplot()
-        xs = [t.epoch_s for t in self.trials]
-        ys = [100 * t.val_acc for t in self.trials]
+        shown = [t for t in self.trials if t.val_curve]  # a size that failed in its first epoch
+        xs = [t.epoch_s for t in shown]
+        ys = [100 * t.val_acc for t in shown]
         ax.plot(xs, ys, "-o")
-        for t, x, y in zip(self.trials, xs, ys):
-            label = f"{t.image_size} px" + ("" if t.stopped_after is None else
-                                            f" (stopped after epoch {t.stopped_after})")
+        for t, x, y in zip(shown, xs, ys):
+            label = f"{t.image_size} px" + (
+                f" ({t.failed})" if t.failed else "" if t.stopped_after is None else
+                f" (stopped after epoch {t.stopped_after})")
             ax.annotate(label, (x, y), textcoords="offset points", xytext=(5, 5))
         ax.set_xlabel("seconds per epoch")
         ax.set_ylabel("validation accuracy (%)")

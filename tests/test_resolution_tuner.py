@@ -232,3 +232,47 @@ def test_the_least_the_trials_train_counts_each_size_to_its_rung(tmp_path):
     # 48 px: 4 of 7 epochs, 2.25 at 64 px; 96 px: 1 of 2, 2.25; 256 px: its single epoch, 16
     assert ResolutionTuner(index, base, [48, 96], epochs=4).least_compute() == 4 + 2.25 + 2.25
     assert ResolutionTuner(index, base, [256], epochs=4).least_compute() == 4 + 16
+
+
+def failing(fit, sizes, error):
+    """fit, but the trial at each size in `sizes` raises error() after its first epoch."""
+    def run(index, config, on_epoch=None):
+        if config.image_size not in sizes:
+            return fit(index, config, on_epoch=on_epoch)
+        on_epoch(1, {"val_acc": 0.76, "epoch_s": 1.0, "samples_per_s": 100.0})  # not behind
+        raise error()
+    return run
+
+
+@pytest.mark.parametrize("error, reason", [
+    (lambda: __import__("modules.trainer").trainer.DivergedError("training diverged: NaN"),
+     "diverged"),
+    (lambda: torch.OutOfMemoryError("CUDA out of memory (simulated)"), "out of memory"),
+])
+def test_a_size_that_diverges_or_does_not_fit_is_left_out_not_the_whole_scenario(
+        tmp_path, monkeypatch, error, reason):
+    """The finished sizes still pick; the failed one is journaled, so a resume does not train
+    it again to fail again. The default size has no fallback: its failure is the run's."""
+    import resolution_tuner
+    index = index_dataset(make_folder(tmp_path / "d", n_train=4, n_test=2))
+    base = BASE.__class__(**{**BASE.to_dict(), "image_size": 64})
+    calls = []
+    curves = {64: [0.50, 0.60, 0.70, 0.75], 48: [0.50, 0.60, 0.70, 0.75, 0.76, 0.77, 0.78]}
+    monkeypatch.setattr(resolution_tuner, "fit", failing(replay(curves, calls), {96}, error))
+    journal = tmp_path / "resolution.tuning.json"
+    tuner = ResolutionTuner(index, base, [48, 96], epochs=4, journal=journal)
+    tuner.n_val = 360
+    assert tuner.run() == 64
+    failed = tuner.trials[2]
+    assert (failed.image_size, failed.failed, failed.stopped_after) == (96, reason, None)
+    assert tuner.tradeoff()[2]["failed"] == reason
+    assert tuner.save_plot(tmp_path / "tradeoff.png").exists()
+
+    calls.clear()
+    resumed = ResolutionTuner(index, base, [48, 96], epochs=4, journal=journal, resume=True)
+    resumed.n_val = 360
+    assert resumed.run() == 64 and calls == [] and resumed.trials == tuner.trials
+
+    monkeypatch.setattr(resolution_tuner, "fit", failing(replay(curves, calls), {64}, error))
+    with pytest.raises(type(error())):
+        ResolutionTuner(index, base, [48], epochs=4).run()
