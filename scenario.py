@@ -358,19 +358,18 @@ def short_budget(config: TrainConfig) -> int:
 
 def search_epochs(config: TrainConfig, default_size: int | None = None) -> int:
     """Epochs for each of the search's trials at config.image_size: short_budget, and at a
-    size below the scenario's default (the baseline's) the epochs that cost what those do
-    there. The resolution tuner's trial at that size trained as many, and the final run
+    size other than the scenario's default (the baseline's) the epochs that cost what those
+    do there. The resolution tuner's trial at that size trained as many, and the final run
     trains the default's compute (fill_time): so trials stay a third of the final run, and
     the resolution trial is the search's default trial as it is."""
     return epochs_at_size(short_budget(config), config.image_size, default_size)
 
 
 def epochs_at_size(epochs: int, size: int, default_size: int | None) -> int:
-    """`epochs` at the default size, as a run at `size` trains them: below the default, the
-    epochs that cost the same (equal_compute_epochs); at or above it, as they are."""
-    if default_size and size < default_size:
-        return equal_compute_epochs(epochs, default_size, size)
-    return epochs
+    """`epochs` at the default size, as a run at `size` trains them: the epochs that cost the
+    same there (equal_compute_epochs), as the resolution tuner compared the sizes; more at a
+    smaller size, fewer at a larger one (then --match-time fills what the time allows)."""
+    return equal_compute_epochs(epochs, default_size, size) if default_size else epochs
 
 
 def quick_per_class(n_classes: int) -> dict[str, int]:

@@ -672,10 +672,11 @@ def test_a_tuned_final_run_fills_the_baselines_time_with_epochs(tmp_path):
     assert fill(epoch_s=None).epochs == 10 and fill(tuned={}).epochs == 10  # nothing to go by
 
 
-def test_a_smaller_size_trains_the_epochs_that_cost_what_the_defaults_do(tmp_path):
-    """The resolution tuner compares sizes at equal compute, so a final run at a smaller size
+def test_another_size_trains_the_epochs_that_cost_what_the_defaults_do(tmp_path):
+    """The resolution tuner compares sizes at equal compute, so a final run at another size
     than the baseline's trains the epochs that cost what the baseline's do: 48 px for 64 px's
-    10 is about 18 (x (64 / 48)^2), and time-matching fills from there, up to 3x that."""
+    10 is about 18 (x (64 / 48)^2), 96 px about 4, and time-matching fills from there, up to
+    3x that."""
     index = type("Index", (), {"name": "d"})()
     small = scenario.TrainConfig(epochs=10, image_size=48, device="cpu")
 
@@ -686,7 +687,9 @@ def test_a_smaller_size_trains_the_epochs_that_cost_what_the_defaults_do(tmp_pat
     assert fill() == 18                            # no time left: the default's compute
     assert fill(tuned={}) == 18 and fill(epoch_s=None) == 18  # nothing to time by
     assert fill(tuning_s=0.0) == 54                # 80 epochs fit: capped at 3x its 18
-    assert fill(scenario.TrainConfig(epochs=10, image_size=96, device="cpu")) == 10  # larger
+    larger = scenario.TrainConfig(epochs=10, image_size=96, device="cpu")
+    assert fill(larger, tuning_s=78.0) == 4          # 10 x (64 / 96)^2: the compute compared
+    assert fill(larger) == 10                        # time-matching fills what 10 s allow
     assert fill(args={"epochs": 10}) == 10 and fill(args={"match_time": False}) == 10
 
 
@@ -719,11 +722,13 @@ def test_the_search_trains_trials_a_third_of_the_final_runs_compute():
     assert scenario.search_epochs(config) == 4                   # no default size: a third
     assert scenario.search_epochs(config, 48) == 4
     assert scenario.search_epochs(config, 64) == 7               # 4 x (64 / 48)^2
-    assert scenario.search_epochs(dataclasses.replace(config, image_size=96), 64) == 4  # larger
+    assert scenario.search_epochs(dataclasses.replace(config, image_size=96), 64) == 2  # larger
     from types import SimpleNamespace
     tuner = ResolutionTuner(SimpleNamespace(val=[]), dataclasses.replace(config, image_size=64),
                             (48, 96), epochs=scenario.short_budget(config))
     assert tuner.epochs_for(48) == scenario.search_epochs(config, 64)
+    assert tuner.epochs_for(96) == scenario.search_epochs(
+        dataclasses.replace(config, image_size=96), 64)
 
 
 def test_each_row_is_compared_with_the_baseline():
