@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from modules import distributed
-from modules.config import (CPU_ALLOCATORS, DROPOUT_IMPLS, MAX_IMAGE_SIZE, MIN_IMAGE_SIZE, MODELS,
-                            SCHEDULERS, TrainConfig, UserError)
+from modules.config import (CPU_ALLOCATORS, DROPOUT_IMPLS, MAX_IMAGE_SIZE, MAX_SEED, MIN_IMAGE_SIZE,
+                            MODELS, SCHEDULERS, TrainConfig, UserError)
 from modules.device import autocast_dtype
 from modules.files import write_error
 from modules.models import check_weights_file
@@ -50,7 +50,8 @@ def _bounded(kind, low, high=None, strict=False):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+            raise argparse.ArgumentTypeError(
+                f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
         if isinstance(value, float) and not math.isfinite(value):
             raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
         if value < low or (strict and value == low) or (high is not None and value > high):
@@ -104,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="synthetic: generated offline (default); intel: Kaggle's Intel Image "
                            "Classification via kagglehub")
     data.add_argument("--data-dir", metavar="PATH", help="any image folder: Intel's layout, "
-                      "train/<class> + test/<class> (+ val/), or <class>/ folders; overrides --dataset")
+                      "train/<class> + test/<class> (+ val/ or valid/), or <class>/ folders; overrides --dataset")
     run = p.add_argument_group("run")
     run.add_argument("--scenarios", type=_scenario_list, default=list(SCENARIOS),
                      help=f"comma-separated, run in order (default: {','.join(SCENARIOS)})")
@@ -120,8 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "dir after every trial: for an output dir on a network drive such as "
                           "Google Drive, where SQLite is slow and unsafe; --resume restores it "
                           "from the output dir when DIR lost it")
-    run.add_argument("--seed", type=_bounded(int, 0), default=42)
-    run.add_argument("--worker-seed", type=_bounded(int, 0), metavar="N",
+    run.add_argument("--seed", type=_bounded(int, 0, MAX_SEED), default=42)
+    run.add_argument("--worker-seed", type=_bounded(int, 0, MAX_SEED), metavar="N",
                      help="this worker's sampler seed on a shared --storage study (default: "
                           "from --seed, the host and the process, so workers differ)")
     run.add_argument("--profile", action="store_true",
@@ -213,6 +214,9 @@ def parse_args(argv: list[str] | None = None) -> RunOptions:
         raise UserError(f"--data-dir {args.data_dir!r} does not exist or is not a folder.")
     if not args.output_dir.strip():
         raise UserError("--output-dir is empty; name a folder (default: others).")
+    for option, value in (("--data-dir", args.data_dir), ("--local-dir", args.local_dir)):
+        if value is not None and not value.strip():
+            raise UserError(f"{option} is empty; name a folder.")
     for option, folder in (("--output-dir", args.output_dir), ("--local-dir", args.local_dir)):
         if args.data_dir is not None and folder is not None and \
                 Path(folder).expanduser().resolve().is_relative_to(
@@ -298,10 +302,24 @@ def user_error(exc: BaseException) -> str | None:
     """The one line for a mistake of the user's (a UserError, a folder the run cannot write);
     None for anything else, a bug that keeps its traceback."""
     if isinstance(exc, UserError):
-        return str(exc)
+        return _worker_free(str(exc), exc)
     if isinstance(exc, OSError) and exc.errno in UNWRITABLE:
         return str(write_error(exc.filename, exc))
     return None
+
+
+def _worker_free(message: str, exc: BaseException) -> str:
+    """A UserError raised in a DataLoader worker comes back with the worker's traceback in its
+    message ("Caught UserError in DataLoader worker process 0. Original Traceback ..."): its
+    own line is the last."""
+    if not (message.startswith("Caught ") and "Original Traceback" in message):
+        return message
+    last = message.rstrip().splitlines()[-1]
+    for cls in type(exc).__mro__:
+        for name in (f"{cls.__module__}.{cls.__qualname__}: ", f"{cls.__qualname__}: "):
+            if last.startswith(name):
+                return last[len(name):]
+    return last
 
 
 def quiet_user_errors() -> None:

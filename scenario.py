@@ -999,6 +999,8 @@ def prepare_output_dir(path: str, option: str = "--output-dir") -> Path:
     """The folder the user named with `option`, created and checked writable; a write that
     later fails under it names that option (files.write_error)."""
     out = Path(path).expanduser()
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{option} {str(out)!r} is a file, not a folder.")
     try:
         out.mkdir(parents=True, exist_ok=True)
         # A uniquely named probe: torchrun's processes check the same folder at once.

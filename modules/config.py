@@ -15,6 +15,10 @@ MODELS = ("squeezenet1_1", "resnet18", "mobilenet_v3_small")
 # Smallest input side, pixels, whose feature map survives each model's downsampling.
 MIN_IMAGE_SIZE = {"squeezenet1_1": 17, "resnet18": 16, "mobilenet_v3_small": 16}
 MAX_IMAGE_SIZE = 2048  # largest input side, pixels: training's and a model file's
+MAX_SEED = 2**32 - 1  # the samplers derive their generators' seeds from it, within 64 bits
+# Models whose BatchNorm, in training, needs more than one value per channel: up to this input
+# side their last feature map is 1x1, so a single-image batch cannot train.
+BATCHNORM_MODELS_ONE_PIXEL_UP_TO = {"resnet18": 32, "mobilenet_v3_small": 32}
 OPTIMIZERS = ("adam", "adamw", "sgd")
 SCHEDULERS = ("cosine", "onecycle", "none")
 AMP_MODES = ("auto", "off", "fp16", "bf16")
@@ -126,8 +130,14 @@ class TrainConfig:
                 raise UserError("prefetch_factor needs num_workers > 0.")
         if self.persistent_workers and self.num_workers == 0:
             raise UserError("persistent_workers needs num_workers > 0.")
-        if not isinstance(self.seed, int) or self.seed < 0:
-            raise UserError(f"seed must be an integer >= 0, but got {self.seed=}.")
+        if not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED:
+            raise UserError(f"seed must be an integer in 0..{MAX_SEED}, but got {self.seed=}.")
+        if self.batch_size == 1 and self.image_size <= BATCHNORM_MODELS_ONE_PIXEL_UP_TO.get(
+                self.model, 0):
+            raise UserError(f"batch_size 1 cannot train {self.model} at {self.image_size} px: "
+                            "its BatchNorm needs more than one value per channel; use a batch "
+                            f"of 2 or more, or an image size above "
+                            f"{BATCHNORM_MODELS_ONE_PIXEL_UP_TO[self.model]}.")
 
     @property
     def effective_batch_size(self) -> int:

@@ -251,6 +251,10 @@ def resolve_source(dataset: str, data_dir: str | os.PathLike | None, cache_dir: 
 
 # ----------------------------------------------------------------------------- indexing
 
+# The folder names a validation split is read from, beside train/ and test/.
+VAL_NAMES = ("val", "valid", "validation")
+
+
 def find_splits(root: Path) -> tuple[str, dict[str, Path]]:
     """Which layout a folder has: (layout name, {split: folder of class folders})."""
     def first_dir(*candidates: Path) -> Path | None:
@@ -263,13 +267,15 @@ def find_splits(root: Path) -> tuple[str, dict[str, Path]]:
             raise UserError(f"{str(root)!r} has seg_train but no seg_test folder (Intel layout).")
         return "intel", {"train": intel_train, "test": intel_test}
     folders = _class_dirs(root)
-    if len(folders) == 1 and folders[0].name.lower() in ("test", "val"):
+    if len(folders) == 1 and folders[0].name.lower() in ("test", *VAL_NAMES):
         raise UserError(f"{str(root)!r} has {folders[0].name}/ but no train/ folder; add "
                         "train/<class>/ images or pass a folder of class folders to split "
                         "automatically.")
-    train, test, val = (_child(root, name) for name in ("train", "test", "val"))
+    train, test = _child(root, "train"), _child(root, "test")
+    val = next((v for v in (_child(root, name) for name in VAL_NAMES) if v.is_dir()),
+               _child(root, "val"))
     # train/ in any case, but a class folder named Train (beside Bus/, Car/) is not a split
-    others = [f.name for f in folders if f.name.lower() not in ("train", "test", "val")]
+    others = [f.name for f in folders if f.name.lower() not in ("train", "test", *VAL_NAMES)]
     if (root / "train").is_dir() and not test.is_dir() and others:
         log.info("%r has no test/ folder: train/ is taken as a class beside %s", str(root),
                  ", ".join(others[:3]) + (" ..." if len(others) > 3 else ""))
@@ -281,6 +287,10 @@ def find_splits(root: Path) -> tuple[str, dict[str, Path]]:
         splits = {"train": train, "test": test}
         if val.is_dir():
             splits["val"] = val
+        if others:
+            log.warning("%r: %s beside train/ and test/ %s not used (a validation split is "
+                        "read from %s/)", str(root), ", ".join(f"{o}/" for o in others),
+                        "is" if len(others) == 1 else "are", "/, ".join(VAL_NAMES))
         return "train/test", splits
     if folders:
         return "class folders", {"all": root}

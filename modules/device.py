@@ -10,7 +10,7 @@ import torch
 from torch.profiler import record_function
 
 from modules import hostmem
-from modules.config import TrainConfig, UserError
+from modules.config import TrainConfig, UserError, first_line
 
 
 def resolve_device(name: str) -> torch.device:
@@ -20,6 +20,23 @@ def resolve_device(name: str) -> torch.device:
         raise UserError("--device cuda was asked for, but PyTorch sees no CUDA GPU here "
                         "(use --device auto or cpu).")
     return torch.device(name)
+
+
+def library_device(device) -> torch.device:
+    """A `device` argument of the library's functions (load_model, predict): a torch.device or
+    its name ("cpu", "cuda:0", "auto"); one that does not exist here is a one-line UserError."""
+    if isinstance(device, str) and device.strip() == "auto":
+        return resolve_device("auto")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise UserError(f"device {device!r} is not one PyTorch knows ({first_line(exc)}).") \
+            from None
+    if device.type == "cuda" and (not torch.cuda.is_available() or (
+            device.index is not None and device.index >= torch.cuda.device_count())):
+        raise UserError(f"device {str(device)!r} was asked for, but PyTorch sees "
+                        f"{torch.cuda.device_count()} CUDA GPU(s) here (use 'cpu' or 'auto').")
+    return device
 
 
 # The record_function regions each training step is split into (in a trace, and in TensorBoard).

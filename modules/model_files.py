@@ -14,6 +14,7 @@ from torch import nn
 
 from modules.config import (IMAGENET_MEAN, IMAGENET_STD, MAX_IMAGE_SIZE, MIN_IMAGE_SIZE, MODELS,
                             UserError, first_line)
+from modules.device import library_device
 from modules.files import atomic_torch_save, read_torch_file
 from modules.models import build_model, strip_prefixes
 
@@ -61,6 +62,7 @@ def read_meta(path) -> dict:
 def load_model(path, device="cpu") -> nn.Module:
     """Rebuild a model written by `save_model`, in eval mode, with its metadata in `model.meta`."""
     path = Path(path)
+    device = library_device(device)
     payload = _read_payload(path)
     _check_state_dict_fits(payload, path)
     model = build_model(payload["arch"], payload["num_classes"], weights="none")

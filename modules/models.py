@@ -199,13 +199,34 @@ def _fitting_tensors(model: nn.Module, path: Path) -> dict[str, torch.Tensor]:
     if not isinstance(state, dict):
         raise UserError(f"--weights: {str(path)!r} does not hold a state_dict.")
     own = model.state_dict()
-    # The head may have another class count; every other tensor must fit.
-    state = {strip_prefixes(k): v for k, v in state.items() if isinstance(k, str)}
+    state = {strip_prefixes(k): v for k, v in state.items()
+             if isinstance(k, str) and isinstance(v, torch.Tensor)}
     usable = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
     if not usable:
         raise UserError(f"--weights: no tensor in {str(path)!r} fits this model; is it another "
                         "architecture?")
+    # The head may have another class count; every other tensor must fit, or the file is
+    # another architecture whose tensors fit only here and there by shape.
+    head = set(_head_keys(model))
+    missing = [k for k in own if k not in usable and k not in head and _learned(own[k])]
+    if missing:
+        raise UserError(f"--weights: {str(path)!r} does not fit this model: {len(missing)} of "
+                        f"its tensors are missing or another shape (first: {missing[0]}); is it "
+                        "another architecture?")
     return usable
+
+
+def _head_keys(model: nn.Module) -> list[str]:
+    """The state_dict keys of the classification layer: the last module with parameters."""
+    last = [name for name, m in model.named_modules() if next(m.parameters(recurse=False), None)
+            is not None][-1]
+    return [f"{last}.{k}" for k, _ in model.get_submodule(last).named_parameters(recurse=False)]
+
+
+def _learned(tensor: torch.Tensor) -> bool:
+    """A weight or running statistic; not a counter such as BatchNorm's num_batches_tracked,
+    which a file written elsewhere may leave out."""
+    return tensor.is_floating_point()
 
 
 def check_weights_file(name: str, path: Path) -> None:

@@ -24,9 +24,11 @@ class OutOfMemoryError(UserError, TORCH_OOM):
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
-    """CUDA (or any device's) allocator failure; older torch raised a plain RuntimeError."""
-    return isinstance(exc, TORCH_OOM) or (isinstance(exc, RuntimeError)
-                                          and "out of memory" in str(exc).lower())
+    """CUDA (or any device's) allocator failure; older torch raised a plain RuntimeError, and
+    the CPU's allocator still does ("DefaultCPUAllocator: can't allocate memory")."""
+    text = str(exc).lower() if isinstance(exc, RuntimeError) else ""
+    return isinstance(exc, TORCH_OOM) or "out of memory" in text or \
+        "can't allocate memory" in text
 
 
 def release(device: torch.device) -> None:

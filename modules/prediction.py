@@ -8,6 +8,7 @@ from torch import nn
 
 from modules.config import UserError, first_line
 from modules.dataset import eval_transform, load_rgb
+from modules.device import library_device
 
 
 def predict(model: nn.Module, image_paths, *, batch_size: int = 32, device=None) -> list[dict]:
@@ -26,7 +27,7 @@ def predict(model: nn.Module, image_paths, *, batch_size: int = 32, device=None)
         image_paths = [image_paths]
     paths = [str(p) for p in image_paths]
     if device is not None:
-        model.to(device)
+        model.to(library_device(device))
     device = _model_device(model)
     transform = eval_transform(meta["image_size"], meta["mean"], meta["std"])
     # A model trained and tested on the decoded cache saw JPEGs decoded at reduced scale (PIL's

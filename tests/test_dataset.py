@@ -26,11 +26,22 @@ def test_layouts_are_found_and_split(tmp_path, layout):
     assert not {p for p, _ in index.train} & {p for p, _ in index.val}
 
 
-def test_val_folder_is_used_when_present(folder):
+@pytest.mark.parametrize("name", ["val", "valid", "Validation"])
+def test_val_folder_is_used_when_present(folder, name):
     for c in COLOURS:
-        write_image(folder / "val" / c / "v.png", COLOURS[c])
+        write_image(folder / name / c / "v.png", COLOURS[c])
     index = index_dataset(folder)
     assert len(index.val) == 3 and len(index.train) == 36
+
+
+def test_a_folder_beside_train_and_test_is_named_not_silently_dropped(folder, caplog):
+    for c in COLOURS:
+        write_image(folder / "extra" / c / "v.png", COLOURS[c])
+    with caplog.at_level(logging.WARNING):
+        index = index_dataset(folder)
+    assert len(index.train) + len(index.val) == 36
+    assert any("extra/ beside train/ and test/ is not used" in r.getMessage()
+               for r in caplog.records)
 
 
 def test_seeded_split_is_reproducible_and_differs_by_seed(folder):

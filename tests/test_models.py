@@ -90,6 +90,18 @@ def test_weights_of_another_architecture_are_refused(tmp_path):
     torch.save(build_model("resnet18", 3).state_dict(), tmp_path / "w.pt")
     with pytest.raises(UserError, match="no tensor"):
         build_model("squeezenet1_1", 3, str(tmp_path / "w.pt"))
+    # SqueezeNet 1.0: 30 of 1.1's 52 tensors fit by shape alone; the rest do not
+    torch.save(torchvision.models.squeezenet1_0().state_dict(), tmp_path / "w10.pt")
+    with pytest.raises(UserError, match=r"does not fit this model: \d+ of its tensors"):
+        build_model("squeezenet1_1", 3, str(tmp_path / "w10.pt"))
+    # a dict whose values are not tensors is no state_dict; BatchNorm's counters may be absent
+    torch.save({"features.0.weight": 5}, tmp_path / "ints.pt")
+    with pytest.raises(UserError, match="no tensor"):
+        build_model("squeezenet1_1", 3, str(tmp_path / "ints.pt"))
+    state = {k: v for k, v in build_model("resnet18", 3).state_dict().items()
+             if not k.endswith("num_batches_tracked")}
+    torch.save(state, tmp_path / "r.pt")
+    build_model("resnet18", 5, str(tmp_path / "r.pt"))
 
 
 def test_bytemask_dropout_keeps_dropouts_distribution_scale_and_gradient():

@@ -152,6 +152,15 @@ def test_evaluation_out_of_memory_goes_on_in_smaller_pieces_with_the_same_figure
     assert isinstance(err.value, torch.OutOfMemoryError) and model.training  # mode restored
 
 
+def test_the_cpu_allocators_failure_is_out_of_memory():
+    from modules.oom import is_out_of_memory
+    assert is_out_of_memory(RuntimeError(
+        "[enforce fail at alloc_cpu.cpp:127] data. DefaultCPUAllocator: can't allocate memory: "
+        "you tried to allocate 68719476736 bytes. Error code 12 (Cannot allocate memory)"))
+    assert not is_out_of_memory(RuntimeError("shape mismatch"))
+    assert not is_out_of_memory(ValueError("out of memory"))
+
+
 def test_an_older_torch_oom_runtime_error_is_recovered_and_other_errors_are_not():
     config = dataclasses.replace(BASE, epochs=1)
     result = run(config, limit=8, make=lambda: TinyNet(),

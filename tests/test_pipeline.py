@@ -115,7 +115,11 @@ def test_each_finished_scenario_is_in_results_json_before_the_next_one_runs(smal
     (["--lr", "-0.1"], "argument --lr: must be > 0.0"),
     (["--lr", "abc"], "argument --lr: expected a number"),
     (["--batch-size", "0"], "argument --batch-size: must be >= 1"),
-    (["--epochs", "1e9"], "argument --epochs: expected a number"),
+    (["--epochs", "1e9"], "argument --epochs: expected an integer"),
+    (["--seed", str(2**64)], "argument --seed: must be >= 0 and <= 4294967295"),
+    (["--data-dir", ""], "--data-dir is empty; name a folder"),
+    (["--model", "resnet18", "--image-size", "32", "--batch-size", "1"],
+     "batch_size 1 cannot train resnet18 at 32 px"),
     (["--image-size", "16"], "image_size 16 is too small for squeezenet1_1: its layers need at least 17"),
     (["--model", "resnet999"], "argument --model: invalid choice"),
     (["--data-dir", "/no/such/folder"], "--data-dir '/no/such/folder' does not exist"),
@@ -200,11 +204,31 @@ def test_user_errors_in_a_real_process_have_no_traceback(tmp_path):
         "error: class 'a' in the train split has no usable images."
 
 
+def test_a_user_error_raised_in_a_dataloader_worker_is_its_own_line():
+    """An image that became unreadable is found in a DataLoader worker: torch re-raises it in
+    the main process with the worker's traceback inside the message."""
+    from torch.utils.data import DataLoader, Dataset
+
+    class Unreadable(Dataset):
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, i):
+            raise pipeline.UserError("image 'a.jpg' became unreadable during training")
+    with pytest.raises(pipeline.UserError) as err:
+        next(iter(DataLoader(Unreadable(), num_workers=1)))
+    assert "Original Traceback" in str(err.value)
+    assert pipeline.user_error(err.value) == "image 'a.jpg' became unreadable during training"
+    assert pipeline.user_error(pipeline.UserError("plain")) == "plain"
+
+
 def test_unwritable_output_dir_is_one_clear_line(small, tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     assert run_main("--data-dir", str(small), "--output-dir", str(blocker / "out")) == 2
     assert "cannot write to --output-dir" in capsys.readouterr().err
+    assert run_main("--data-dir", str(small), "--output-dir", str(blocker)) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err
 
 
 def test_quick_is_the_small_cpu_preset():

@@ -71,6 +71,17 @@ def test_predict_names_undecodable_file(saved, tmp_path):
         predict(load_model(saved[1]), [bad])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_a_device_that_is_not_here_is_a_one_line_user_error(saved, tmp_path):
+    model = load_model(saved[1], device="auto")
+    for device in ("cuda", "cuda:1", "gpu0"):
+        with pytest.raises(UserError, match=repr(device)):
+            load_model(saved[1], device=device)
+        with pytest.raises(UserError, match=repr(device)):
+            predict(model, _write_images(tmp_path), device=device)
+    assert predict(model, _write_images(tmp_path), device=torch.device("cpu"))
+
+
 def test_saved_file_loads_with_weights_only(saved):
     payload = torch.load(saved[1], weights_only=True)
     assert payload["arch"] == "squeezenet1_1"
