@@ -66,10 +66,14 @@ def _scenario_list(text: str) -> list[str]:
     names = [s.strip() for s in text.split(",") if s.strip()]
     if len(set(names)) < len(names):
         raise argparse.ArgumentTypeError(f"{text!r} names a scenario twice")
-    unknown = [s for s in names if s not in SCENARIOS]
-    if unknown or not names:
+    if not names:
         raise argparse.ArgumentTypeError(
-            f"unknown scenario {', '.join(unknown) if unknown else repr(text)}; available: "
+            f"no scenario named; name at least one of {', '.join(SCENARIOS)} (in the notebook: "
+            "tick RUN_BASELINE, RUN_RESOLUTION_TUNING or RUN_OPTUNA_HP_TUNING)")
+    unknown = [s for s in names if s not in SCENARIOS]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown scenario {', '.join(unknown)}; available: "
             f"{', '.join(SCENARIOS)}")
     return names
 

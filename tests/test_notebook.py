@@ -197,7 +197,7 @@ def test_a_mistake_in_the_parameters_is_one_line_without_a_traceback(tmp_path):
                         "OUTPUT_DIR": str(tmp_path / "out")})
     notebook = json.loads((tmp_path / "executed.ipynb").read_text())
     text = printed(notebook)
-    assert "error: " in text and "scenario" in text
+    assert "error: " in text and "tick RUN_BASELINE, RUN_RESOLUTION_TUNING or" in text
     assert "Traceback" not in text and not (tmp_path / "out").exists()
     # Google Drive asked for outside Colab
     with pytest.raises(papermill.PapermillExecutionError):
