@@ -20,6 +20,7 @@ from pathlib import Path
 
 import optuna
 import sqlalchemy
+from matplotlib.ticker import MaxNLocator
 
 from modules import distributed
 from modules.checkpoints import save_weights
@@ -838,6 +839,7 @@ class OptunaTuner:
         kept = {k: summary[k] for k in ("best_params", "best_value", "keeps_default", "choice",
                                         "n_trials", "n_complete", "n_pruned")}
         kept["trained_params"] = summary["chosen_params"] or self.default_params()
+        kept["study_name"] = self.study_name  # hpo-<dataset>-<run>: which run's search
         path.write_text(json.dumps(kept, indent=2, sort_keys=True))
         written.append(path)
         return written
@@ -858,12 +860,13 @@ class OptunaTuner:
         fig = figure(6, 4)
         ax = fig.add_subplot()
         numbers = [t.number for t in complete]
-        values = [t.value for t in complete]
+        values = [100 * t.value for t in complete]  # percent, as every other chart
         best = [max(values[:i + 1]) for i in range(len(values))]
         ax.scatter(numbers, values, label="trial val acc", s=18)
         ax.step(numbers, best, where="post", color="tab:red", label="best so far")
-        ax.set(xlabel="trial", ylabel="validation accuracy", title=f"Optuna: {self.study_name}")
-        ax.legend(loc="lower right")
+        ax.set(xlabel="trial", ylabel="validation accuracy (%)", title=f"Optuna: {self.study_name}")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.legend(loc="best")
         path = self.output_dir / "optuna_history.png"
         fig.savefig(path, dpi=100, bbox_inches="tight")
         return path

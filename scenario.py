@@ -408,8 +408,14 @@ def tune_scenario(name: str, config: TrainConfig, args: RunOptions, index: Datas
     if name == "hpo":
         budget = search_budget(args, baseline_seconds(args, output_dir, index, tuned, device))
         if args.image_size is None:
-            size = tuned.get("image_size") or distributed.from_main(
-                _previous_resolution(output_dir, args, index, device))
+            size = tuned.get("image_size")
+            if size is None:
+                size, run_id = distributed.from_main(
+                    _previous_resolution(output_dir, args, index, device))
+                if size is not None:
+                    log.info("hpo: at %d px, the resolution scenario's pick in run %s (the same "
+                             "data and settings)", size, run_id)
+                    extra["resolution_from"] = run_id
             config = dataclasses.replace(config, image_size=size or config.image_size)
     if name != "baseline":
         # The measuring budget is a share of the least the scenario trains (the tuners may stop
@@ -515,7 +521,9 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
         log.info("%s had finished; %s", name, "keeping the figures measured while it trained"
                  if carried else "its machine figures cover only the test evaluation")
     row = result_row(name, config, result, test, index, device, system,
-                     data_path_of(train_loader), carried)
+                     data_path_of(train_loader), carried,
+                     amp_raced=((extra.get("autotune") or {}).get("knobs") or {}).get(
+                         "amp", {}).get("img_s"))
     if carried and carried.get("final_from"):
         row["final_from"] = carried["final_from"]  # that final run, found finished on --resume
     row["prepare_s"] = prepare_s  # the hpo scenario counts it when it takes this final run
@@ -946,6 +954,10 @@ def same_setup(args: RunOptions, index: DatasetIndex, device: torch.device
     def baseline() -> TrainConfig:
         return scenario_config("baseline", args, device)
 
+    @functools.cache
+    def resolution() -> TrainConfig:
+        return scenario_config("resolution", args, device)
+
     @functools.cache  # the rows share a fingerprint or two
     def same_data(recorded: str) -> bool:
         return index.same_data(recorded)
@@ -965,17 +977,29 @@ def same_setup(args: RunOptions, index: DatasetIndex, device: torch.device
             # an ImageNet-weights baseline is another comparison); the seed is a draw, not a setup.
             return all(settings.get(k) == v for k, v in base.learning_settings().items()
                        if k != "seed")
-        trials = row.get("resolution_trials")  # the baseline's size is always among them
-        return not trials or any(t.get("image_size") == base.image_size for t in trials)
+        # A picked size: from trials of this run's settings and compute (the baseline's size,
+        # always among them, trained short_budget epochs), started from the same weights.
+        tuned = resolution()
+        default = next((t for t in row.get("resolution_trials") or []
+                        if t.get("image_size") == base.image_size), None)
+        return default is not None and len(default.get("val_curve") or []) == short_budget(
+            tuned) and row.get("start_weights") == start_weights(tuned.model, args.weights) and \
+            all(settings.get(k) == getattr(tuned, k) for k in PICK_SETTINGS)
     return match
 
 
+# What the resolution tuner's trials learned with besides their size and epochs: a pick made
+# with other values is not this run's (the start weights and trial epochs are checked too).
+PICK_SETTINGS = ("lr", "optimizer", "weight_decay", "momentum", "scheduler", "max_grad_norm")
+
+
 def _previous_resolution(output_dir: Path, args: RunOptions, index: DatasetIndex,
-                         device: torch.device) -> int | None:
-    """The resolution scenario's pick from an earlier run of the same setup, if any."""
+                         device: torch.device) -> tuple[int | None, str | None]:
+    """The resolution scenario's pick from an earlier run of the same setup, and that run's
+    id; (None, None) when there is none."""
     row = previous_row(output_dir / "results.json", "resolution", index.name,
                        match=same_setup(args, index, device))
-    return row.get("best_resolution") if row else None
+    return (row.get("best_resolution"), row.get("run_id")) if row else (None, None)
 
 
 def _cuda_index(device: torch.device) -> int | None:
@@ -984,13 +1008,20 @@ def _cuda_index(device: torch.device) -> int | None:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def write_outputs(results: list[dict[str, Any]], output_dir: Path, run_id: str | None = None
-                  ) -> list[dict[str, Any]]:
+def write_outputs(results: list[dict[str, Any]], output_dir: Path, run_id: str | None = None,
+                  unfinished: list[str] | None = None) -> list[dict[str, Any]]:
     """Plots, report and table of run `run_id`'s rows in results.json (all rows when None);
-    the report lists the earlier runs. Returns the run's rows."""
+    the report lists the earlier runs, and `unfinished`, the scenarios this run did not
+    finish. Returns the run's rows."""
     current = [r for r in results if run_id is None or r.get("run_id") == run_id]
     plot_comparison({r["scenario"]: r["history"] for r in current}, output_dir)
-    write_report(current, output_dir, earlier=[r for r in results if r not in current])
+    ran = {r["scenario"] for r in current}
+    also = (("resolution_tradeoff.png",) if "resolution" in ran else ()) + ((
+        "best_params.json", "optuna_history.png", "optuna_importance.png") if "hpo" in ran else ())
+    # The top level shows the newest run; its own copy stays in runs/<run>/report.
+    write_report(current, output_dir, earlier=[r for r in results if r not in current],
+                 unfinished=unfinished, also=also,
+                 copy_to=output_dir / "runs" / run_id / "report" if run_id else None)
     print(table_markdown(results_table(current)))
     return current
 
@@ -1074,18 +1105,29 @@ def _run_scenarios(args: RunOptions, index: DatasetIndex, output_dir: Path,
     tuned: dict[str, Any] = {}  # what one scenario hands the next (the picked resolution)
     rows: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []
-    for name in args.scenarios:
-        rows.append(run_scenario(name, args, index, output_dir, device, tuned))
-        if name == "baseline":
-            tuned["baseline_total_s"] = rows[-1]["total_s"]
-        baseline = next((r for r in rows if r["scenario"] == "baseline"), None) or \
-            previous_row(output_dir / "results.json", "baseline", index.name,
-                         match=same_setup(args, index, device))
-        compare_to_baseline(rows, baseline)
-        if distributed.is_main():  # as each scenario ends: a crash in the next one loses no row
-            path = output_dir / "results.json"
-            results = merge_results(path, rows)
-            write_json(path, results)
+    try:
+        for name in args.scenarios:
+            rows.append(run_scenario(name, args, index, output_dir, device, tuned))
+            if name == "baseline":
+                tuned["baseline_total_s"] = rows[-1]["total_s"]
+            baseline = next((r for r in rows if r["scenario"] == "baseline"), None) or \
+                previous_row(output_dir / "results.json", "baseline", index.name,
+                             match=same_setup(args, index, device))
+            compare_to_baseline(rows, baseline)
+            if distributed.is_main():  # as each scenario ends: a crash in the next loses no row
+                path = output_dir / "results.json"
+                results = merge_results(path, rows)
+                write_json(path, results)
+    except BaseException:  # Ctrl-C or a failure: the finished scenarios' table and report
+        if distributed.is_main() and rows and results:
+            done = {r["scenario"] for r in rows}
+            try:
+                write_outputs(results, output_dir, args.run_id,
+                              unfinished=[n for n in args.scenarios if n not in done])
+            except Exception as exc:  # the first error is the one to see
+                log.warning("could not write the finished scenarios' report (%s)",
+                            first_line(exc))
+        raise
     return write_outputs(results, output_dir, args.run_id) if distributed.is_main() else rows
 
 

@@ -82,8 +82,11 @@ def autocast_dtype(amp: str, device: torch.device) -> torch.dtype | None:
 
 
 def native_bf16_cpu() -> bool:
-    """Whether /proc/cpuinfo lists native bf16 units (AVX512-BF16 or AMX-BF16). A hint only:
-    measured speed with and without bf16 autocast is what counts. False off Linux."""
+    """Whether /proc/cpuinfo lists native bf16 units (AVX512-BF16 or AMX-BF16) that PyTorch
+    may use: not when its kernels are capped below AVX-512 (ATEN_CPU_CAPABILITY=avx2). A hint
+    only: measured speed with and without bf16 autocast is what counts. False off Linux."""
+    if not torch.backends.cpu.get_cpu_capability().upper().startswith("AVX512"):
+        return False
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

@@ -204,7 +204,12 @@ def _cpu_compute_recs(f: _Figures, basis: str) -> list[str]:
         recs.append(f"Try channels_last (--channels-last): oneDNN's convolutions on CPU are faster in NHWC layout "
                     f"({basis}).")
     amp, native = f.get("amp_dtype"), f.get("native_bf16")
-    if native:
+    raced = f.get("amp_raced") or {}
+    if isinstance(raced.get("bf16"), (int, float)) and isinstance(raced.get("off"), (int, float)) \
+            and amp != "bfloat16" and raced["bf16"] <= raced["off"]:
+        recs.append(f"bf16 autocast was measured slower here ({raced['bf16']:.0f} against "
+                    f"{raced['off']:.0f} img/s without it): keep it off ({basis}).")
+    elif native:
         if amp != "bfloat16":
             recs.append(f"Try --amp bf16: this CPU has native bf16 units (AVX512-BF16/AMX); keep "
                         f"it only if samples/s beats today's ({basis}).")

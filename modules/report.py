@@ -4,6 +4,7 @@ scenario's diagnosis."""
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -204,7 +205,9 @@ def earlier_runs_lines(rows: list[dict[str, Any]]) -> list[str]:
     for row in rows:
         runs.setdefault(row.get("run_id"), []).append(row)
     lines = []
-    for run_id, members in sorted(runs.items(), key=lambda kv: str(kv[0]), reverse=True):
+    # ids are UTC times: newest first, then rows written before runs had ids
+    for run_id, members in sorted(runs.items(), key=lambda kv: (kv[0] is not None, str(kv[0])),
+                                  reverse=True):
         best = best_row(members)
         lines.append(f"- {run_id or 'before run ids'}: {members[0].get('dataset')}, "
                      + ", ".join(r["scenario"] for r in members)
@@ -214,12 +217,18 @@ def earlier_runs_lines(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def render_report(rows: list[dict[str, Any]], charts: list[str],
-                  earlier: list[dict[str, Any]] | None = None) -> str:
-    """The markdown text of report.md: this run's rows; earlier runs listed at the end."""
+                  earlier: list[dict[str, Any]] | None = None,
+                  unfinished: list[str] | None = None) -> str:
+    """The markdown text of report.md: this run's rows; earlier runs listed at the end.
+    unfinished: the scenarios the run was to train that did not finish (stopped or failed)."""
     run_id = rows[0].get("run_id") if rows else None
-    lines = ["# Training report" + (f": run {run_id}" if run_id else ""), "",
-             table_markdown(results_table(rows)), "",
-             "Accuracies and data wait in percent; n/a = not measured on this hardware.", ""]
+    lines = ["# Training report" + (f": run {run_id}" if run_id else ""), ""]
+    if unfinished:
+        lines += [f"**Incomplete run:** {', '.join(unfinished)} did not finish (stopped or "
+                  "failed); `--resume` continues it.", ""]
+    lines += [table_markdown(results_table(rows)), "",
+              "Accuracies and data wait in percent; CPU Exec is host CPU time per step; n/a = "
+              "not measured on this hardware, or no baseline to compare with.", ""]
     lines += ["## Diagnosis", ""]
     for row in rows:
         diag = row.get("diagnosis") or {}
@@ -230,7 +239,9 @@ def render_report(rows: list[dict[str, Any]], charts: list[str],
                      f"{settings.get('batch_size')}, {settings.get('amp_dtype', 'fp32')} on "
                      f"{settings.get('device', '?')}."
                      + (f" Its final run is the {row['final_from']} scenario's, trained once: "
-                        "the same settings, start and epochs; its time counts in this total."
+                        "the same learning settings, start and epochs; its time counts in this "
+                        "total, and its figures are that run's (the speed settings below were "
+                        "measured for this scenario, not used)."
                         if row.get("final_from") else "")
                      + (f" Started from {row['start_weights']}."
                         if str(row.get("start_weights", "")).startswith("random") else ""))
@@ -252,7 +263,11 @@ def render_report(rows: list[dict[str, Any]], charts: list[str],
 
 
 def write_report(rows: list[dict[str, Any]], out_dir: Path,
-                 earlier: list[dict[str, Any]] | None = None) -> Path:
+                 earlier: list[dict[str, Any]] | None = None,
+                 unfinished: list[str] | None = None, also: tuple[str, ...] = (),
+                 copy_to: Path | None = None) -> Path:
+    """report.md and its charts in out_dir; with copy_to, a copy of them there too (with
+    `also`, further files of this run in out_dir), which the next run does not write over."""
     out_dir = Path(out_dir)
     charts = [name for name in (LOSS_PNG, ACCURACY_PNG) if (out_dir / name).exists()]
     best = best_row(rows)
@@ -260,7 +275,12 @@ def write_report(rows: list[dict[str, Any]], out_dir: Path,
         if chart is not None:
             charts.append(chart.name)
     path = out_dir / REPORT_MD
-    path.write_text(render_report(rows, charts, earlier))
+    path.write_text(render_report(rows, charts, earlier, unfinished))
+    if copy_to is not None:
+        copy_to.mkdir(parents=True, exist_ok=True)
+        for name in (REPORT_MD, *charts, *also):
+            if (out_dir / name).is_file():
+                shutil.copy2(out_dir / name, copy_to / name)
     return path
 
 
@@ -277,7 +297,7 @@ _COLUMNS = (
     ("epochs", "Epochs", "int"),
     ("gpu_util_pct", "GPU Util (%)", "1f"),
     ("cpu_util_pct", "CPU Util (%)", "1f"),
-    ("cpu_exec_us", "CPU Exec (us)", "0f"),
+    ("cpu_exec_us", "CPU Exec (us/step)", "0f"),
     ("avg_step_ms", "Step (ms)", "2f"),
     ("samples_per_s", "Throughput (img/s)", "1f"),
     ("peak_mem_mb", "Peak Mem (MB)", "0f"),

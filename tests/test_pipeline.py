@@ -109,6 +109,16 @@ def test_each_finished_scenario_is_in_results_json_before_the_next_one_runs(smal
                     "--output-dir", str(out)) == 2
     rows = json.loads((out / "results.json").read_text())
     assert [r["scenario"] for r in rows] == ["baseline"] and rows[0]["samples_per_s"] > 0
+    # the finished scenario's report and charts are written all the same, marked incomplete
+    report = (out / "report.md").read_text()
+    assert f"run {rows[0]['run_id']}" in report
+    assert "**Incomplete run:** resolution did not finish" in report
+    assert (out / "training_accuracy_comparison.png").exists()
+    # the run's own copy, which the next run does not write over
+    kept = out / "runs" / rows[0]["run_id"] / "report"
+    assert (kept / "report.md").read_text() == report
+    assert (kept / "training_accuracy_comparison.png").exists()
+    assert not (kept / "resolution_tradeoff.png").exists()
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -1013,13 +1023,21 @@ def test_an_earlier_runs_rows_count_only_for_the_same_setup(tmp_path):
 
     quick_baseline = scenario.scenario_config("baseline", pipeline.parse_args(["--quick"]), cpu)
 
+    from modules.models import start_weights
+    started = start_weights("squeezenet1_1", "imagenet")
+
     def row(scenario, size, epochs, device="cpu", n_val=30, model="squeezenet1_1", trials=None,
-            **settings):
+            trial_epochs=4, begun=started, **settings):
         return {"scenario": scenario, "dataset": "d", "model": model, "n_val": n_val,
-                "n_test": 40, "best_resolution": 48 if trials else size,
+                "n_test": 40, "best_resolution": 48 if trials else size, "start_weights": begun,
                 "settings": {**quick_baseline.to_dict(), "device": device, "image_size": size,
                              "epochs": epochs, **settings},
-                **({"resolution_trials": [{"image_size": s} for s in trials]} if trials else {})}
+                **({"resolution_trials": [
+                    {"image_size": s, "val_curve": [0.5] * scenario_epochs(trial_epochs, s)}
+                    for s in trials]} if trials else {})}
+
+    def scenario_epochs(epochs, size):  # the resolution trials' equal compute, 64 px default
+        return max(1, round(epochs * (64 / size) ** 2))
     path = tmp_path / "results.json"
     quick = [row("baseline", 64, 12), row("resolution", 48, 21, trials=[48, 64, 96])]
     path.write_text(json.dumps(quick))
@@ -1037,6 +1055,13 @@ def test_an_earlier_runs_rows_count_only_for_the_same_setup(tmp_path):
     assert previous_row(path, "baseline", "d", match=match) is None
     path.write_text(json.dumps([row("baseline", 64, 12, seed=7)]))  # another draw: the same setup
     assert previous_row(path, "baseline", "d", match=match) is not None
+    # a pick from trials of other epochs (--epochs 6: 2 at 64 px), other start weights or
+    # another lr is not this run's
+    picks = [row("resolution", 48, 21, trials=[48, 64, 96], trial_epochs=2),
+             row("resolution", 48, 21, trials=[48, 64, 96], begun="none"),
+             row("resolution", 48, 21, trials=[48, 64, 96], lr=0.01)]
+    path.write_text(json.dumps(picks))
+    assert previous_row(path, "resolution", "d", match=match) is None
 
 
 def test_a_resumed_scenario_counts_the_tuning_of_earlier_sessions(small, tmp_path,

@@ -207,8 +207,22 @@ def test_diagnose_all_none_does_not_crash():
         assert d["bottleneck"] in BOTTLENECKS and d["summary"] and d["recommendations"]
 
 
-def test_native_bf16_cpu_is_a_bool():
+def test_native_bf16_cpu_is_a_bool(monkeypatch):
     assert isinstance(native_bf16_cpu(), bool)
+    # kernels capped below AVX-512 (ATEN_CPU_CAPABILITY=avx2) do not use the bf16 units
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert native_bf16_cpu() is False
+
+
+def test_bf16_is_not_advised_where_the_autotuner_measured_it_slower():
+    cpu = {"data_wait_frac": 0.02, "avg_step_ms": 42, "samples_per_s": 762, "device": "cpu",
+           "channels_last": True, "amp_dtype": "fp32", "native_bf16": True}
+    assert any("Try --amp bf16" in r for r in diagnose(cpu)["recommendations"])
+    raced = diagnose({**cpu, "amp_raced": {"off": 1062.6, "bf16": 195.8}})["recommendations"]
+    assert not any("Try --amp bf16" in r for r in raced)
+    assert any("measured slower here (196 against 1063 img/s" in r for r in raced)
+    faster = diagnose({**cpu, "amp_raced": {"off": 500.0, "bf16": 900.0}})["recommendations"]
+    assert any("Try --amp bf16" in r for r in faster)
 
 
 # ----------------------------------------------------------------------------- end to end

@@ -135,7 +135,7 @@ def test_results_table_formats_percentages_and_na():
     assert df.loc["fast", "Test Acc vs Baseline (pts)"] == "-37.7"  # signed points
     assert df.loc["fast", "Time vs Baseline (x)"] == "0.50"
     assert df.loc["baseline", "To Baseline Val Acc (s)"] == "n/a"
-    for header in ("Best Resolution", "CPU Exec (us)", "Step (ms)", "Throughput (img/s)",
+    for header in ("Best Resolution", "CPU Exec (us/step)", "Step (ms)", "Throughput (img/s)",
                    "Peak Mem (MB)", "Data Wait (%)"):
         assert header in df.columns
 
@@ -255,3 +255,13 @@ def test_predict_decodes_as_the_model_was_tested_on_the_decoded_cache(tmp_path):
     full = transform(prediction._decode(str(path)))
     assert torch.allclose(drafted, expected, atol=1e-5)
     assert (full - expected).abs().max() > 0.05
+
+
+def test_earlier_runs_are_listed_newest_first_rows_without_an_id_last():
+    from modules.report import earlier_runs_lines
+    rows = [{"run_id": None, "dataset": "d", "scenario": "baseline", "test_acc": 0.5},
+            {"run_id": "20261128-090000", "dataset": "d", "scenario": "baseline", "test_acc": 0.6},
+            {"run_id": "20261129-090000", "dataset": "d", "scenario": "hpo", "test_acc": 0.7}]
+    lines = earlier_runs_lines(rows)
+    assert [line.split(":")[0] for line in lines] == ["- 20261129-090000", "- 20261128-090000",
+                                                      "- before run ids"]
