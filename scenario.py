@@ -159,6 +159,8 @@ def scenario_config(name: str, args: RunOptions, device: torch.device) -> TrainC
                  "compile": args.compile or None, "channels_last": args.channels_last or None,
                  "num_workers": args.num_workers, "pin_memory": args.pin_memory or None,
                  "cpu_allocator": args.cpu_allocator, "dropout_impl": args.dropout_impl}
+    if args.num_workers == 0:  # no workers to keep alive between epochs, or to prefetch
+        config = dataclasses.replace(config, persistent_workers=False, prefetch_factor=None)
     return dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
 
 
@@ -386,13 +388,17 @@ def load_data(args: RunOptions, output_dir: Path) -> DatasetIndex:
     cache = Path(args.local_dir).expanduser() if args.local_dir else output_dir
     if (output_dir / "data" / "synthetic").is_dir():
         cache = output_dir  # a run made before this moved: its images' paths are its data's
+    if args.data_dir is None and args.dataset == "intel" and distributed.world_size() > 1:
+        # kagglehub has no lock: torchrun's processes downloading into one cache at once
+        # truncate and remove each other's archive. Rank 0 downloads; the others then find it.
+        on_main(lambda: resolve_source(args.dataset, None, cache / "data", per_class))
     root, name = resolve_source(args.dataset, args.data_dir, cache / "data", per_class)
     generated = args.data_dir is None and args.dataset == "synthetic"
     # --quick and the full preset share the generated folder; each sees only its own counts.
     index = index_dataset(root, name, seed=args.seed, numbered_below=dict(
         zip(("train", "test"), per_class)) if generated else None)
     if args.quick:
-        index = subset(index, quick_per_class(len(index.classes)))
+        index = subset(index, quick_per_class(len(index.classes)), seed=args.seed)
     log.info("data: %s", index.summary())
     return index
 

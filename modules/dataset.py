@@ -6,6 +6,7 @@ import functools
 import hashlib
 import logging
 import os
+import random
 import re
 import warnings
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from torchvision import transforms as T
 from torchvision.transforms import functional as TF
 
 from modules import distributed
-from modules.config import IMAGENET_MEAN, IMAGENET_STD, TrainConfig, UserError
+from modules.config import IMAGENET_MEAN, IMAGENET_STD, TrainConfig, UserError, first_line
 
 # Images between PIL's limit and twice it are used (beyond, they are skipped as bombs); its
 # warning for each one says nothing the user can act on.
@@ -224,9 +225,11 @@ def download_intel() -> Path:
                 "KAGGLE_API_TOKEN to a token from kaggle.com > Settings > API > Generate New "
                 "Token (in Colab as a secret), or the legacy KAGGLE_USERNAME and KAGGLE_KEY, or "
                 "run kagglehub.login().") from None
-        raise UserError(f"the Intel dataset cannot be reached on Kaggle ({reason}); download it "
-                        "once with network access, or pass --data-dir PATH to a local copy, or "
-                        "use --dataset synthetic.") from None
+        said = first_line(exc, 100)
+        raise UserError(f"the Intel dataset cannot be reached on Kaggle ({reason}"
+                        f"{': ' + said if said and said != reason else ''}); download it once "
+                        "with network access, or pass --data-dir PATH to a local copy, or use "
+                        "--dataset synthetic.") from None
 
 
 def resolve_source(dataset: str, data_dir: str | os.PathLike | None, cache_dir: Path,
@@ -251,8 +254,10 @@ def resolve_source(dataset: str, data_dir: str | os.PathLike | None, cache_dir: 
 
 # ----------------------------------------------------------------------------- indexing
 
-# The folder names a validation split is read from, beside train/ and test/.
+# The folder names each split is read from (in any case).
+TRAIN_NAMES, TEST_NAMES = ("train", "training"), ("test", "testing")
 VAL_NAMES = ("val", "valid", "validation")
+SPLIT_NAMES = TRAIN_NAMES + TEST_NAMES + VAL_NAMES
 
 
 def find_splits(root: Path) -> tuple[str, dict[str, Path]]:
@@ -267,20 +272,23 @@ def find_splits(root: Path) -> tuple[str, dict[str, Path]]:
             raise UserError(f"{str(root)!r} has seg_train but no seg_test folder (Intel layout).")
         return "intel", {"train": intel_train, "test": intel_test}
     folders = _class_dirs(root)
-    if len(folders) == 1 and folders[0].name.lower() in ("test", *VAL_NAMES):
+    if len(folders) == 1 and folders[0].name.lower() in TEST_NAMES + VAL_NAMES:
         raise UserError(f"{str(root)!r} has {folders[0].name}/ but no train/ folder; add "
                         "train/<class>/ images or pass a folder of class folders to split "
                         "automatically.")
-    train, test = _child(root, "train"), _child(root, "test")
-    val = next((v for v in (_child(root, name) for name in VAL_NAMES) if v.is_dir()),
-               _child(root, "val"))
+
+    def split_dir(names: tuple[str, ...]) -> Path:
+        return next((d for d in (_child(root, name) for name in names) if d.is_dir()),
+                    _child(root, names[0]))
+    train, test, val = split_dir(TRAIN_NAMES), split_dir(TEST_NAMES), split_dir(VAL_NAMES)
     # train/ in any case, but a class folder named Train (beside Bus/, Car/) is not a split
-    others = [f.name for f in folders if f.name.lower() not in ("train", "test", *VAL_NAMES)]
-    if (root / "train").is_dir() and not test.is_dir() and others:
+    others = [f.name for f in folders if f.name.lower() not in SPLIT_NAMES]
+    lower_train = any((root / name).is_dir() for name in TRAIN_NAMES)
+    if lower_train and not test.is_dir() and others:
         log.info("%r has no test/ folder: train/ is taken as a class beside %s", str(root),
                  ", ".join(others[:3]) + (" ..." if len(others) > 3 else ""))
         return "class folders", {"all": root}
-    if (root / "train").is_dir() or (train.is_dir() and test.is_dir()):
+    if lower_train or (train.is_dir() and test.is_dir()):
         if not test.is_dir():
             raise UserError(f"{str(root)!r} has train/ but no test/ folder; add test/<class>/ "
                             "images or pass a folder of class folders to split automatically.")
@@ -292,6 +300,11 @@ def find_splits(root: Path) -> tuple[str, dict[str, Path]]:
                         "read from %s/)", str(root), ", ".join(f"{o}/" for o in others),
                         "is" if len(others) == 1 else "are", "/, ".join(VAL_NAMES))
         return "train/test", splits
+    if folders and all(f.name.lower() in SPLIT_NAMES for f in folders):
+        # Train/ + Val/ without a test split: training them as two classes learns nothing.
+        raise UserError(f"{str(root)!r} holds {', '.join(f.name + '/' for f in folders)}: split "
+                        "folders, not classes, and no test split; expected train/<class> + "
+                        "test/<class> (+ val/<class>), or a folder of class folders.")
     if folders:
         return "class folders", {"all": root}
     raise UserError(f"{str(root)!r} has no class folders: expected seg_train/seg_train/<class> "
@@ -530,17 +543,21 @@ def index_dataset(root: Path, name: str | None = None, *, seed: int = 0, check: 
     return index
 
 
-def subset(index: DatasetIndex, per_class: dict[str, int]) -> DatasetIndex:
-    """The first n images of each class in each split, e.g. {"train": 60, "val": 12, "test": 30}."""
-    def take(samples: list[Sample], n: int) -> list[Sample]:
-        counts: dict[int, int] = {}
-        out = []
-        for path, label in samples:
-            if counts.get(label, 0) < n:
-                counts[label] = counts.get(label, 0) + 1
-                out.append((path, label))
-        return out
-    return replace(index, **{split: take(getattr(index, split), n) for split, n in per_class.items()})
+def subset(index: DatasetIndex, per_class: dict[str, int], seed: int = 0) -> DatasetIndex:
+    """n images of each class in each split, e.g. {"train": 60, "val": 12, "test": 30}: a
+    seeded sample, in the split's order (the first n by name could be one camera's, one
+    source's). The test split's is drawn with seed 0 whatever `seed`, so runs of other seeds
+    test on the same images."""
+    def take(split: str, samples: list[Sample], n: int) -> list[Sample]:
+        rng = random.Random(f"{0 if split == 'test' else seed}:{split}")
+        by_class: dict[int, list[int]] = {}
+        for i, (_, label) in enumerate(samples):
+            by_class.setdefault(label, []).append(i)
+        keep = {i for members in by_class.values()
+                for i in (members if len(members) <= n else rng.sample(members, n))}
+        return [s for i, s in enumerate(samples) if i in keep]
+    return replace(index, **{split: take(split, getattr(index, split), n)
+                             for split, n in per_class.items()})
 
 
 # ----------------------------------------------------------------------------- loading

@@ -34,6 +34,38 @@ def test_val_folder_is_used_when_present(folder, name):
     assert len(index.val) == 3 and len(index.train) == 36
 
 
+def test_split_folders_in_other_names_and_cases(tmp_path):
+    """Training/ + Testing/ (Kaggle's Brain Tumor MRI) are splits; Train/ + Val/ without a test
+    split are not two classes to learn."""
+    for split in ("Training", "Testing"):
+        for c in COLOURS:
+            for i in range(3):
+                write_image(tmp_path / "mri" / split / c / f"{i}.png", COLOURS[c])
+    index = index_dataset(tmp_path / "mri")
+    assert index.layout == "train/test" and len(index.test) == 9 and index.classes == \
+        sorted(COLOURS)
+    for split in ("Train", "Val"):
+        for c in COLOURS:
+            write_image(tmp_path / "tv" / split / c / "0.png", COLOURS[c])
+    with pytest.raises(UserError, match="split folders, not classes"):
+        index_dataset(tmp_path / "tv")
+
+
+def test_the_quick_subset_is_a_seeded_sample_and_its_test_part_the_same_for_every_seed(tmp_path):
+    """By name, the first images of a class can all be one source's (camA_ before camB_)."""
+    for split, n in (("train", 40), ("test", 20)):
+        for c in ("red", "blue"):
+            for source in ("camA", "camB"):
+                for i in range(n):
+                    write_image(tmp_path / "d" / split / c / f"{source}_{i:03d}.png", COLOURS[c])
+    index = index_dataset(tmp_path / "d")
+    one, same, other = (subset(index, {"train": 20, "test": 10}, seed=s) for s in (1, 1, 2))
+    sources = {Path(p).name[:4] for p, _ in one.train}
+    assert sources == {"camA", "camB"} and one.train == same.train and one.train != other.train
+    assert one.test == other.test and len(one.test) == 20
+    assert {Path(p).name[:4] for p, _ in one.test} == {"camA", "camB"}
+
+
 def test_a_folder_beside_train_and_test_is_named_not_silently_dropped(folder, caplog):
     for c in COLOURS:
         write_image(folder / "extra" / c / "v.png", COLOURS[c])

@@ -241,6 +241,32 @@ def test_unwritable_output_dir_is_one_clear_line(small, tmp_path, capsys):
     assert "is a file, not a folder" in capsys.readouterr().err
 
 
+def test_no_workers_asked_for_is_no_workers_on_any_cpu(monkeypatch):
+    """The tuned scenarios keep their workers alive between epochs on a CPU of more than two
+    cores; --num-workers 0 asks for none, and nothing is left to keep alive."""
+    monkeypatch.setattr(scenario.os, "cpu_count", lambda: 8)
+    args = pipeline.parse_args(["--num-workers", "0", "--device", "cpu"])
+    for name in pipeline.SCENARIOS:
+        config = pipeline.scenario_config(name, args, torch.device("cpu"))
+        assert (config.num_workers, config.persistent_workers) == (0, False)
+    tuned = pipeline.scenario_config("hpo", pipeline.parse_args([]), torch.device("cpu"))
+    assert tuned.num_workers == 4 and tuned.persistent_workers
+
+
+def test_under_torchrun_rank_0_downloads_the_intel_set_before_the_others_read_it(
+        tmp_path, monkeypatch):
+    """kagglehub has no lock: processes downloading into one cache at once remove each other's
+    archive."""
+    said = []
+    monkeypatch.setattr(scenario.distributed, "world_size", lambda: 2)
+    monkeypatch.setattr(scenario, "on_main", lambda action: said.append("rank 0 first") or
+                        action())
+    monkeypatch.setattr(scenario, "resolve_source", lambda *a: said.append("download") or (
+        make_folder(tmp_path / "intel"), "intel"))
+    scenario.load_data(pipeline.parse_args(["--dataset", "intel"]), tmp_path / "out")
+    assert said == ["rank 0 first", "download", "download"]
+
+
 def test_quick_is_the_small_cpu_preset():
     """What --quick means on a CPU; the end-to-end test below runs it on less data and fewer
     epochs, and benchmarks/scenarios.py measures what the preset itself reaches."""
