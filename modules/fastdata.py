@@ -38,7 +38,8 @@ CACHE_GPU_FRACTION = 0.25
 # copy, the colour transform's output, the sampling grid, grid_sample's output, the memory
 # format's copy; the previous pass's output is freed by then unless the step still holds it).
 PASS_WORKING_SET = 5
-# Augmentation ranges, as in dataset.train_transform (RandomResizedCrop scale, ColorJitter 0.2).
+# Augmentation ranges, as in dataset.train_transform (RandomResizedCrop scale, ColorJitter 0.2);
+# a crop side past the image is clipped, not drawn again (docs/speed.md).
 CROP_SCALE = (0.6, 1.0)
 CROP_RATIO = (3 / 4, 4 / 3)
 JITTER = 0.2
