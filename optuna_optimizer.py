@@ -82,7 +82,12 @@ class _Storage(optuna.storages.RDBStorage):
     heartbeat after the whole grace period is dead. (Its start is the creating process's
     local time: workers sharing a study should share a clock and time zone.)"""
 
+    all_stale = False  # every RUNNING trial is stale (OptunaTuner._retry_cut_off)
+
     def _get_stale_trial_ids(self, study_id: int) -> list[int]:
+        if self.all_stale:
+            return [t._trial_id for t in self.get_all_trials(
+                study_id, deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))]
         stale = super()._get_stale_trial_ids(study_id)
         grace = timedelta(seconds=self.grace_period or 2 * self.heartbeat_interval)
         now = datetime.now()
@@ -199,7 +204,8 @@ class OptunaTuner:
                  overwrite: bool = False, weights_dir: str | Path | None = None,
                  earlier: EarlierTrial | None = None, study_count: bool = False,
                  shared: bool = False, final_size: int | None = None,
-                 keep_study_size: bool = False, run_name: str | None = None):
+                 keep_study_size: bool = False, run_name: str | None = None,
+                 sole_user: bool = False):
         """n_trials: the study's size (on a shared --storage, this worker's trials); with
         study_count and resume, a study's own count (what it was asked for) wins over it.
         shared: other workers search the study too (the user gave --storage, whatever the
@@ -210,7 +216,10 @@ class OptunaTuner:
         the trials' size was not the user's choice, so a resumed or joined study whose trials
         trained at another size (a version with another rule) goes on at that size.
         run_name: names this run over its sessions (output dir and run id), so that on a
-        shared study a resumed worker counts the trials it ran before as its own."""
+        shared study a resumed worker counts the trials it ran before as its own.
+        sole_user: no other process can be running the study's trials (the pipeline holds the
+        output dir's lock on a study of its own): a trial still RUNNING on resume was cut off
+        with the last session and is retried at once, not after the heartbeat's grace."""
         if isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials < 1:
             raise UserError(f"n_trials must be an integer >= 1, but got n_trials={n_trials!r}.")
         if timeout_s is not None and (isinstance(timeout_s, bool)
@@ -235,7 +244,7 @@ class OptunaTuner:
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.n_trials, self.timeout_s, self.resume = n_trials, timeout_s, resume
-        self.study_count, self.shared = study_count, shared
+        self.study_count, self.shared, self.sole_user = study_count, shared, sole_user
         self.keep_study_size = keep_study_size
         self.new_trials = 0  # trials the last run() added
         # Marks the trials this process trains: on a shared study others train beside it.
@@ -568,6 +577,8 @@ class OptunaTuner:
                          len(self.study.trials))
                 return self.summary()
             self.study.set_user_attr(grown_key, n_trials)
+        if self.sole_user and not shared:
+            self._retry_cut_off()
         reused = 0
         # A default trial stopped by Ctrl-C is FAIL, and queued again; a pruned one (it
         # diverged, ran out of memory, fell behind) stands.
@@ -613,6 +624,26 @@ class OptunaTuner:
             log.info("study %r: the time budget (%.0f s) ended the search after %d of the %d "
                      "trials asked for", self.study_name, self.timeout_s, ran, to_run)
         return self.summary()
+
+    def _retry_cut_off(self) -> None:
+        """A study no other process uses (sole_user): a trial still RUNNING was cut off with
+        the last session (a killed kernel, a lost Colab VM). It is failed and queued again
+        with its parameters and attributes at once, as the heartbeat's retry would after its
+        grace period, which a short resumed search can end before."""
+        storage = getattr(self.study._storage, "_backend", self.study._storage)  # Optuna's cache
+        cut_off = [t.number for t in self.study.get_trials(
+            deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))]
+        if not cut_off or not isinstance(storage, _Storage):
+            return
+        storage.all_stale = True
+        try:
+            with warnings.catch_warnings():  # flagged experimental
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                optuna.storages.fail_stale_trials(self.study)
+        finally:
+            storage.all_stale = False
+        log.info("trial(s) %s cut off with the last session: trained again with the same "
+                 "parameters", ", ".join(map(str, cut_off)))
 
     def _growth_keys(self) -> tuple[str, str]:
         """The study's attributes for a growth after the final run started: the count it grew

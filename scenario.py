@@ -875,7 +875,8 @@ def tune_hyperparameters(config: TrainConfig, args: RunOptions, index: DatasetIn
                         data_fingerprint=index.fingerprint(),
                         weights_dir=run_folder(output_dir, "checkpoints", args.run_id),
                         earlier=earlier, study_count=args.n_trials is None, shared=shared,
-                        run_name=f"{Path(output_dir).resolve()}#{args.run_id}")
+                        run_name=f"{Path(output_dir).resolve()}#{args.run_id}",
+                        sole_user=not shared)  # run() holds the output dir's lock
     # Once the final run has started, its checkpoint holds the parameters it trains with: more
     # trials (this process's, or another worker's on a shared --storage) could only change the
     # study's best, and the checkpoint would then refuse to resume. `--resume --n-trials N`

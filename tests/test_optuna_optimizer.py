@@ -292,6 +292,27 @@ def test_a_trial_killed_before_its_first_heartbeat_is_retried_too(index, tmp_pat
     assert retries[0].params["lr"] == trials[dead.number].params["lr"]
 
 
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")  # our study.ask() plays the dead run
+def test_a_study_of_its_own_retries_a_cut_off_trial_at_once(index, tmp_path, monkeypatch):
+    """The pipeline's study of its own (the output dir locked): a trial RUNNING on resume was cut
+    off with the last session, and is retried before the heartbeat's grace period is out,
+    which a short resumed search could end before; the default trial keeps its mark."""
+    monkeypatch.setattr(optuna_optimizer, "fit", fake_fit)
+    t = tuner(index, tmp_path, n_trials=1)
+    study = optuna.create_study(storage=t.storage, study_name=t.study_name, direction="maximize")
+    study.enqueue_trial(t.default_params(), user_attrs={"default": True})
+    dead = study.ask(t.distributions())  # killed a second ago, its heartbeat fresh
+    t.storage.record_heartbeat(dead._trial_id)
+    t = tuner(index, tmp_path, n_trials=2, resume=True, sole_user=True)
+    t.run()
+    trials = t.study.trials
+    assert trials[0].state == optuna.trial.TrialState.FAIL
+    retried = [x for x in trials if x.system_attrs.get("failed_trial") == 0]
+    assert len(retried) == 1 and retried[0].state == optuna.trial.TrialState.COMPLETE
+    assert retried[0].user_attrs.get("default") and retried[0].params == trials[0].params
+    assert sum(x.user_attrs.get("default", False) for x in trials) == 2  # not queued a third time
+
+
 def test_out_of_memory_is_a_pruned_trial(index, tmp_path, monkeypatch):
     def oom(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
