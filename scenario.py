@@ -43,8 +43,8 @@ from modules.oom import is_out_of_memory, release
 from modules.profiler import TorchProfiler
 from modules.report import plot_comparison, results_table, table_markdown, write_report
 from modules.results import (CLOCK_SUFFIX, checkpoint_file, compare_to_baseline, forget_refused_run,
-                             json_safe, keep_best_model, merge_results, previous_row, result_row,
-                             run_folder, start_run, write_json)
+                             json_safe, keep_best_model, mark_finished, merge_results,
+                             previous_row, result_row, run_folder, start_run, write_json)
 from modules.trainer import load_checkpoint, prepare, train
 from optuna_optimizer import (BATCH_SIZES, EarlierTrial, OptunaTuner, check_storage, end_trials,
                               follow_trials, shown_argv)
@@ -1074,7 +1074,9 @@ def run(args: RunOptions, index: DatasetIndex | None = None) -> list[dict[str, A
             log.info("run %s: outputs in %s (earlier runs stay in results.json)", args.run_id,
                      output_dir)
             try:
-                return _run_scenarios(args, index, output_dir, device)
+                rows = _run_scenarios(args, index, output_dir, device)
+                mark_finished(output_dir, args.run_id)
+                return rows
             except UserError:
                 if distributed.is_main():  # refused before it made anything: not a run to resume
                     forget_refused_run(output_dir, args.run_id)

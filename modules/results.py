@@ -116,9 +116,11 @@ def start_run(output_dir: Path, index: DatasetIndex, *, resume: bool, command: s
     newest = runs[0] if runs else None
     # --resume continues the newest run that left something to continue, when one did: a run
     # stopped before its first checkpoint (Ctrl-C on one started without --resume) would hide
-    # the one that has
+    # the one that has. A run that finished has nothing left: the newer one is continued.
     latest = next((r for r in runs if _has_progress(output_dir, r["run_id"])), newest) \
         if resume else newest
+    if latest is not None and latest is not newest and latest.get("finished"):
+        latest = newest
     fingerprint = index.fingerprint()
     if resume and latest is not None:
         if not index.same_data(latest.get("data_fingerprint")):
@@ -158,6 +160,19 @@ def start_run(output_dir: Path, index: DatasetIndex, *, resume: bool, command: s
         write_json(_record_path(output_dir, run_id), record)  # makes the run's folder
         write_json(output_dir / RUN_FILE, record)
     return run_id
+
+
+def mark_finished(output_dir: Path, run_id: str) -> None:
+    """Record that run `run_id` trained every scenario it was asked for (start_run)."""
+    path = _record_path(output_dir, run_id)
+    record = _run_record(path)
+    if record is None or not distributed.is_main():
+        return
+    record = {**record, "finished": True}
+    write_json(path, record)
+    newest = _run_record(Path(output_dir) / RUN_FILE)
+    if newest is not None and newest.get("run_id") == run_id:
+        write_json(Path(output_dir) / RUN_FILE, record)
 
 
 # results.json fields measured while a scenario trains: the step timing (the checkpoint

@@ -627,3 +627,28 @@ def test_an_ignored_ctrl_c_stays_ignored(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_resume_does_not_replay_a_finished_run_past_the_newer_one(tmp_path):
+    """Run A finished; run B was cut off before its first checkpoint (a Colab disconnect in
+    its first epoch). --resume continues B, not A, which has nothing left to train."""
+    from types import SimpleNamespace
+    from modules.results import RUN_FILE, mark_finished, start_run
+    out = tmp_path / "out"
+    for run_id, started in (("20261127-100000", "2026-11-27T10:00:00Z"),
+                            ("20261127-110000", "2026-11-27T11:00:00Z")):
+        folder = out / "checkpoints" / run_id
+        folder.mkdir(parents=True)
+        record = json.dumps({"run_id": run_id, "started": started, "data_fingerprint": "fp"})
+        (folder / "run.json").write_text(record)
+        (out / RUN_FILE).write_text(record)
+        if run_id.endswith("100000"):
+            (folder / "baseline.pt").write_bytes(b"a checkpoint")
+            mark_finished(out, run_id)
+    index = SimpleNamespace(name="d", n_images=lambda: 9, fingerprint=lambda: "fp",
+                            same_data=lambda recorded: recorded == "fp")
+    assert start_run(out, index=index, resume=True, command="") == "20261127-110000"
+    # unfinished, A would be continued (the test above)
+    record = out / "checkpoints" / "20261127-100000" / "run.json"
+    record.write_text(json.dumps({**json.loads(record.read_text()), "finished": False}))
+    assert start_run(out, index=index, resume=True, command="") == "20261127-100000"
