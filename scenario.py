@@ -18,6 +18,7 @@ import socket
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -449,11 +450,33 @@ def tune_scenario(name: str, config: TrainConfig, args: RunOptions, index: Datas
 def read_clock(path: Path) -> float:
     """Seconds earlier sessions of this run spent tuning the scenario (their tuning_s), so
     that a resumed row's time counts them; 0 when none was recorded. A session killed outside
-    Python (a lost Colab VM) records nothing: its tuning time is not counted."""
+    Python (a lost Colab VM) recorded them up to CLOCK_EVERY_S before it ended (ticking)."""
     try:
         return max(0.0, float(json.loads(path.read_text())["tuning_s"]))
     except (OSError, ValueError, KeyError, TypeError):
         return 0.0
+
+
+CLOCK_EVERY_S = 10.0  # how often a tuning session records its seconds so far
+
+
+@contextlib.contextmanager
+def ticking(path: Path, earlier_s: float, started: float):
+    """While tuning, the clock is written every CLOCK_EVERY_S from a background thread, so a
+    session killed outside Python (kill -9, a lost Colab VM: no finally runs) leaves its
+    seconds up to then for the resumed row."""
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.wait(CLOCK_EVERY_S):
+            write_clock(path, earlier_s + time.perf_counter() - started)
+    thread = threading.Thread(target=tick, name="tuning-clock", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def write_clock(path: Path, tuning_s: float) -> None:
@@ -473,7 +496,9 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
     clock = checkpoint_file(output_dir, name, CLOCK_SUFFIX, args.run_id)
     earlier_s = read_clock(clock) if args.resume and name != "baseline" else 0.0
     try:
-        config, extra = tune_scenario(name, config, args, index, output_dir, device, tuned)
+        with (ticking(clock, earlier_s, started) if name != "baseline" and distributed.is_main()
+              else contextlib.nullcontext()):
+            config, extra = tune_scenario(name, config, args, index, output_dir, device, tuned)
     finally:  # Ctrl-C and errors too: --resume then adds this session's tuning to the next's
         tuning_s = earlier_s + time.perf_counter() - started
         if name != "baseline" and distributed.is_main():

@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -1146,3 +1147,17 @@ def test_the_time_to_the_baselines_accuracy_counts_the_final_runs_preparation():
            "history": [{"elapsed_s": 2.0, "val_acc": 0.5}, {"elapsed_s": 3.0, "val_acc": 0.65}]}
     compare_to_baseline([row], baseline)
     assert row["time_to_baseline_acc_s"] == 18.0 and row["baseline_acc_reached_in"] == "final run"
+
+
+def test_the_tuning_clock_is_written_while_tuning(tmp_path, monkeypatch):
+    """kill -9 (a lost Colab VM) runs no finally: the seconds tuned so far are on disk already,
+    for the resumed row's tuning_s."""
+    monkeypatch.setattr(scenario, "CLOCK_EVERY_S", 0.05)
+    clock = tmp_path / "hpo.clock.json"
+    started = time.perf_counter()
+    with scenario.ticking(clock, 30.0, started):
+        deadline = time.monotonic() + 10
+        while not clock.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert scenario.read_clock(clock) >= 30.0  # earlier sessions' seconds and this one's
+    assert scenario.read_clock(clock) >= 30.0
