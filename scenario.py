@@ -1041,10 +1041,11 @@ def _cuda_index(device: torch.device) -> int | None:
 
 
 def write_outputs(results: list[dict[str, Any]], output_dir: Path, run_id: str | None = None,
-                  unfinished: list[str] | None = None) -> list[dict[str, Any]]:
-    """Plots, report and table of run `run_id`'s rows in results.json (all rows when None);
-    the report lists the earlier runs, and `unfinished`, the scenarios this run did not
-    finish. Returns the run's rows."""
+                  unfinished: list[str] | None = None, show: bool = True
+                  ) -> list[dict[str, Any]]:
+    """Plots, report and table (printed when `show`) of run `run_id`'s rows in results.json
+    (all rows when None); the report lists the earlier runs, and `unfinished`, the scenarios
+    this run did not finish. Returns the run's rows."""
     current = [r for r in results if run_id is None or r.get("run_id") == run_id]
     plot_comparison({r["scenario"]: r["history"] for r in current}, output_dir)
     ran = {r["scenario"] for r in current}
@@ -1054,7 +1055,8 @@ def write_outputs(results: list[dict[str, Any]], output_dir: Path, run_id: str |
     write_report(current, output_dir, earlier=[r for r in results if r not in current],
                  unfinished=unfinished, also=also,
                  copy_to=output_dir / "runs" / run_id / "report" if run_id else None)
-    print(table_markdown(results_table(current)))
+    if show:
+        print(table_markdown(results_table(current)))
     return current
 
 
@@ -1152,6 +1154,9 @@ def _run_scenarios(args: RunOptions, index: DatasetIndex, output_dir: Path,
                 path = output_dir / "results.json"
                 results = merge_results(path, rows)
                 write_json(path, results)
+                left = args.scenarios[len(rows):]
+                if left:  # and its report, which a lost VM (no except below) leaves as it is
+                    write_outputs(results, output_dir, args.run_id, unfinished=left, show=False)
     except BaseException:  # Ctrl-C or a failure: the finished scenarios' table and report
         if distributed.is_main() and rows and results:
             done = {r["scenario"] for r in rows}

@@ -101,7 +101,11 @@ def test_resume_after_a_finished_run_trains_nothing_more(small, tmp_path):
 
 def test_each_finished_scenario_is_in_results_json_before_the_next_one_runs(small, tmp_path,
                                                                             monkeypatch):
+    seen = []
+
     def crash(*_, **__):
+        # a lost VM would end the process here: the finished scenario's report is written
+        seen.append((out / "report.md").read_text())
         raise pipeline.UserError("simulated crash in the second scenario")
     monkeypatch.setattr(scenario, "tune_resolution", crash)
     out = tmp_path / "out"
@@ -114,6 +118,7 @@ def test_each_finished_scenario_is_in_results_json_before_the_next_one_runs(smal
     report = (out / "report.md").read_text()
     assert f"run {rows[0]['run_id']}" in report
     assert "**Incomplete run:** resolution did not finish" in report
+    assert "**Incomplete run:** resolution did not finish" in seen[0]
     assert (out / "training_accuracy_comparison.png").exists()
     # the run's own copy, which the next run does not write over
     kept = out / "runs" / rows[0]["run_id"] / "report"
