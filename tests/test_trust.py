@@ -395,6 +395,9 @@ def test_the_saved_and_logged_command_line_has_no_storage_secret(tmp_path, monke
     import pipeline
     from conftest import make_folder
     from optuna_optimizer import shown_argv
+    # Log to this test's stderr: a handler an earlier test left writes to a closed stream, and
+    # logging's error report quotes the source line, password included.
+    pipeline.setup_logging()
     url = "postgresql+psycopg://alice:S3cretPw@dbhost/optuna?password=S3cretPw"
     assert shown_argv(["--storage", url, f"--storage={url}", "--seed", "1"]) == [
         "--storage", "postgresql+psycopg://dbhost/optuna",
