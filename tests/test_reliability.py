@@ -409,13 +409,11 @@ def test_resume_finds_the_interrupted_run_past_a_mistake_and_a_lost_record(tmp_p
     assert latest_run(out)["run_id"] == "20261127-100000"
 
 
-def test_resume_continues_the_run_with_progress_past_a_newer_empty_one(tmp_path, caplog):
-    """Run A was interrupted with checkpoints; run B, started without --resume by mistake,
-    was stopped before its first checkpoint. --resume continues A (B left nothing to
-    continue) and latest_run.json names A again; with no run that has progress, the newest."""
+def two_runs(out: Path):
+    """Run records of an older run A (20261127-100000) and a newer run B (-110000) in `out`,
+    neither with progress, B named newest; returns an index of their data."""
     from types import SimpleNamespace
-    from modules.results import RUN_FILE, latest_run, start_run
-    out = tmp_path / "out"
+    from modules.results import RUN_FILE
     for run_id, started in (("20261127-100000", "2026-11-27T10:00:00Z"),
                             ("20261127-110000", "2026-11-27T11:00:00Z")):
         folder = out / "checkpoints" / run_id
@@ -423,8 +421,17 @@ def test_resume_continues_the_run_with_progress_past_a_newer_empty_one(tmp_path,
         record = json.dumps({"run_id": run_id, "started": started, "data_fingerprint": "fp"})
         (folder / "run.json").write_text(record)
         (out / RUN_FILE).write_text(record)
-    index = SimpleNamespace(name="d", n_images=lambda: 9, fingerprint=lambda: "fp",
-                            same_data=lambda recorded: recorded == "fp")
+    return SimpleNamespace(name="d", n_images=lambda: 9, fingerprint=lambda: "fp",
+                           same_data=lambda recorded: recorded == "fp")
+
+
+def test_resume_continues_the_run_with_progress_past_a_newer_empty_one(tmp_path, caplog):
+    """Run A was interrupted with checkpoints; run B, started without --resume by mistake,
+    was stopped before its first checkpoint. --resume continues A (B left nothing to
+    continue) and latest_run.json names A again; with no run that has progress, the newest."""
+    from modules.results import RUN_FILE, latest_run, start_run
+    out = tmp_path / "out"
+    index = two_runs(out)
     resume = dict(index=index, resume=True, command="python pipeline.py --resume")
     assert start_run(out, **resume) == "20261127-110000"  # neither has progress: the newest
     (out / "checkpoints" / "20261127-100000" / "baseline.pt").write_bytes(b"a checkpoint")
@@ -632,21 +639,11 @@ def test_an_ignored_ctrl_c_stays_ignored(tmp_path):
 def test_resume_does_not_replay_a_finished_run_past_the_newer_one(tmp_path):
     """Run A finished; run B was cut off before its first checkpoint (a Colab disconnect in
     its first epoch). --resume continues B, not A, which has nothing left to train."""
-    from types import SimpleNamespace
-    from modules.results import RUN_FILE, mark_finished, start_run
+    from modules.results import mark_finished, start_run
     out = tmp_path / "out"
-    for run_id, started in (("20261127-100000", "2026-11-27T10:00:00Z"),
-                            ("20261127-110000", "2026-11-27T11:00:00Z")):
-        folder = out / "checkpoints" / run_id
-        folder.mkdir(parents=True)
-        record = json.dumps({"run_id": run_id, "started": started, "data_fingerprint": "fp"})
-        (folder / "run.json").write_text(record)
-        (out / RUN_FILE).write_text(record)
-        if run_id.endswith("100000"):
-            (folder / "baseline.pt").write_bytes(b"a checkpoint")
-            mark_finished(out, run_id)
-    index = SimpleNamespace(name="d", n_images=lambda: 9, fingerprint=lambda: "fp",
-                            same_data=lambda recorded: recorded == "fp")
+    index = two_runs(out)
+    (out / "checkpoints" / "20261127-100000" / "baseline.pt").write_bytes(b"a checkpoint")
+    mark_finished(out, "20261127-100000")
     assert start_run(out, index=index, resume=True, command="") == "20261127-110000"
     # unfinished, A would be continued (the test above)
     record = out / "checkpoints" / "20261127-100000" / "run.json"

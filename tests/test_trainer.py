@@ -49,6 +49,18 @@ def loader(data, config, train=True):
                       sampler=EpochSampler(len(data), config.seed) if train else None)
 
 
+class Interrupted(Exception):
+    """Raised from an epoch hook: the run stops there, as Ctrl-C would."""
+
+
+def interrupt_after(stop_epoch: int):
+    """An on_epoch hook that raises Interrupted after epoch `stop_epoch` (1-based)."""
+    def hook(epoch, _row):
+        if epoch == stop_epoch:
+            raise Interrupted
+    return hook
+
+
 def fit(config=BASE, train_data=None, val_data=None, **kwargs):
     set_seed(config.seed)
     model = TinyNet()
@@ -192,15 +204,8 @@ def test_a_resumed_run_diverges_where_the_uninterrupted_one_does(tmp_path):
     small = colour_data(16)
     small.tensors[0][:] = float("inf")  # two batches an epoch, every one bad
     config = dataclasses.replace(BASE, epochs=4, batch_size=8, max_nonfinite_steps=3)
-
-    class Stop(Exception):
-        pass
-
-    def stop_after_1(epoch, _row):
-        if epoch == 1:
-            raise Stop
-    with pytest.raises(Stop):
-        fit(config, small, checkpoint_path=tmp_path / "ck.pt", on_epoch=stop_after_1)
+    with pytest.raises(Interrupted):
+        fit(config, small, checkpoint_path=tmp_path / "ck.pt", on_epoch=interrupt_after(1))
     with pytest.raises(DivergedError, match=r"up to epoch 2"):
         fit(config, small, checkpoint_path=tmp_path / "ck.pt", resume=True)
 
@@ -305,15 +310,8 @@ def test_a_checkpoint_from_before_the_warm_up_setting_resumes(tmp_path):
 def test_resume_continues_and_matches_an_uninterrupted_run(tmp_path):
     config = dataclasses.replace(BASE, epochs=4, optimizer="adam", lr=0.01, scheduler="cosine")
     full = fit(config, checkpoint_path=tmp_path / "full.pt")
-
-    class Interrupted(Exception):
-        pass
-
-    def stop_after_two(epoch, metrics):
-        if epoch == 2:
-            raise Interrupted
     with pytest.raises(Interrupted):
-        fit(config, checkpoint_path=tmp_path / "part.pt", on_epoch=stop_after_two)
+        fit(config, checkpoint_path=tmp_path / "part.pt", on_epoch=interrupt_after(2))
     assert load_checkpoint(tmp_path / "part.pt")["epoch"] == 2
 
     # the same state, as if its first epochs had been timed on another device
