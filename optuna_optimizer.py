@@ -26,11 +26,11 @@ from modules import distributed
 from modules.checkpoints import save_weights
 from modules.config import OPTIMIZERS, TrainConfig, UserError, first_line
 from modules.files import kept_file
-from modules.oom import is_out_of_memory, release
+from modules.oom import release
 from modules.report import figure
 from modules.selection import accuracy_se, beats, informative, tie_margin
 from modules.device import resolve_device
-from modules.trainer import DivergedError, fit
+from modules.trainer import DivergedError, fit, trial_failure
 
 log = logging.getLogger(__name__)
 
@@ -349,14 +349,13 @@ class OptunaTuner:
 
         try:
             result = fit(self.index, config, on_epoch=on_epoch)
-        except DivergedError as exc:
-            trial.set_user_attr("pruned_reason", str(exc))
-            raise optuna.TrialPruned(str(exc)) from None
-        except RuntimeError as exc:  # torch.cuda.OutOfMemoryError is a RuntimeError too
-            # Under torchrun the other ranks may still be inside the trial's collectives: the
-            # job stops (training already splits batches; this is one image not fitting).
-            if not is_out_of_memory(exc) or distributed.world_size() > 1:
+        except (DivergedError, RuntimeError) as exc:  # torch's OutOfMemoryError: a RuntimeError
+            failed = trial_failure(exc)
+            if failed is None:
                 raise
+            if failed == "diverged":
+                trial.set_user_attr("pruned_reason", str(exc))
+                raise optuna.TrialPruned(str(exc)) from None
             result = None
         if result is None:
             # Outside the except block, whose traceback holds the trial's model: so the next

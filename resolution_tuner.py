@@ -22,14 +22,14 @@ from typing import Any
 
 from modules import distributed
 from modules.checkpoints import save_weights
-from modules.config import TrainConfig, UserError
+from modules.config import TrainConfig, UserError, first_line
 from modules.dataset import DatasetIndex
 from modules.device import resolve_device
 from modules.files import atomic_write_text
-from modules.oom import is_out_of_memory, release
+from modules.oom import release
 from modules.report import figure, finite_number
 from modules.selection import accuracy_se, clearly_ahead, informative, tie_margin
-from modules.trainer import DivergedError, fit
+from modules.trainer import DivergedError, fit, trial_failure
 
 log = logging.getLogger(__name__)
 
@@ -141,15 +141,12 @@ class ResolutionTuner:
         except _Behind as behind:
             result, stop = None, behind.args
         except (DivergedError, RuntimeError) as exc:  # torch's OutOfMemoryError: a RuntimeError
-            # The default size has no fallback; under torchrun an out-of-memory is one rank's,
-            # while the others may wait inside the trial's collectives: the job stops.
-            if size == self.default_size or not isinstance(exc, DivergedError) and (
-                    not is_out_of_memory(exc) or distributed.world_size() > 1):
+            failed = trial_failure(exc)
+            if failed is None or size == self.default_size:  # the default has no fallback
                 raise
-            result, failed = None, "diverged" if isinstance(exc, DivergedError) else \
-                "out of memory"
+            result = None
             log.warning("resolution %d px: %s; left out of the pick (%s)", size, failed,
-                        str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                        first_line(exc))
         if failed is not None:
             # Outside the except block, whose traceback holds the trial's model and batches.
             release(resolve_device(config.device))

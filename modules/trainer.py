@@ -44,6 +44,18 @@ class DivergedError(UserError):
     """The loss stayed NaN/inf for too many steps in a row."""
 
 
+def trial_failure(exc: BaseException) -> str | None:
+    """Why a tuner's short run failed in a way that rules out only its setting: "diverged", or
+    "out of memory" (one image did not fit, the trainer having split its batches already).
+    None for any other error, and for out of memory under torchrun, where the other ranks may
+    be waiting inside the run's collectives: those stop the job."""
+    if isinstance(exc, DivergedError):
+        return "diverged"
+    if is_out_of_memory(exc) and distributed.world_size() == 1:
+        return "out of memory"
+    return None
+
+
 @dataclass
 class TrainResult:
     model: nn.Module                    # with the best validation epoch's weights
