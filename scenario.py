@@ -555,9 +555,9 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
                      data_path_of(train_loader), carried,
                      amp_raced=((extra.get("autotune") or {}).get("knobs") or {}).get(
                          "amp", {}).get("img_s"))
-    if carried and carried.get("final_from"):
-        row["final_from"] = carried["final_from"]  # that final run, found finished on --resume
     row["prepare_s"] = prepare_s  # the hpo scenario counts it when it takes this final run
+    if carried:
+        keep_timeline(row, carried, extra.get("warm_start"))
     if name == "resolution":
         tuned["final"] = {"scenario": name, "config": config, "row": copy.deepcopy(row)}
     row.update(extra, run_id=args.run_id, tuning_s=tuning_s,
@@ -571,6 +571,19 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
     if distributed.is_main():
         keep_best_model(result, config, index, row, output_dir)
     return row
+
+
+def keep_timeline(row: dict[str, Any], carried: dict[str, Any],
+                  warm: dict[str, Any] | None) -> None:
+    """A final run found finished on --resume: its seconds are those of the session that
+    trained it, in place. This session only evaluated; its preparation (a decode the tuning
+    had done then) and the start trial's epochs, trained in that session (lineage leaves
+    them out), would change when the row reaches the baseline's accuracy."""
+    row.update({k: carried[k] for k in ("final_from", "prepare_s", "wall_s", "time_to_best_s")
+                if carried.get(k) is not None})
+    before = carried.get("warm_start") or {}
+    if warm is not None and before.get("weights") == warm.get("weights"):
+        warm["curve"] = before.get("curve") or []
 
 
 def final_run_s(row: dict[str, Any]) -> float:

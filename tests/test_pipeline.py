@@ -99,6 +99,28 @@ def test_resume_after_a_finished_run_trains_nothing_more(small, tmp_path):
         assert old[key] == first[key], key
 
 
+def test_resume_after_a_finished_run_keeps_each_rows_timeline(small, tmp_path):
+    """Only evaluated, the resumed process would time its own preparation (a decode the tuning
+    had done) and lose the start trial's epochs: the row would reach the baseline's accuracy
+    later than the run that trained it did."""
+    out = tmp_path / "out"
+    args = ["--data-dir", str(small), "--scenarios", "baseline,resolution", "--resolutions",
+            "24,32", "--image-size", "32", "--epochs", "2", "--weights", "none",
+            "--no-progress", "--output-dir", str(out)]
+    assert run_main(*args) == 0
+    first = json.loads((out / "results.json").read_text())[-1]
+    assert first["scenario"] == "resolution" and first["warm_start"]["curve"]
+    assert run_main(*args, "--resume") == 0
+    again = json.loads((out / "results.json").read_text())[-1]
+    assert again["resumed_from_epoch"] == 2
+    for key in ("prepare_s", "wall_s", "time_to_best_s", "warm_start", "baseline_acc_reached_in"):
+        assert again[key] == first[key], key
+    # the resumed session's own seconds in the tuning code (reading its journal) count
+    assert again["tuning_s"] >= first["tuning_s"]
+    assert again["total_s"] - first["total_s"] == pytest.approx(
+        again["tuning_s"] - first["tuning_s"])
+
+
 def test_each_finished_scenario_is_in_results_json_before_the_next_one_runs(small, tmp_path,
                                                                             monkeypatch):
     seen = []
