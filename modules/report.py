@@ -178,9 +178,31 @@ def versus_baseline_lines(rows: list[dict[str, Any]]) -> list[str]:
                      if reached is not None
                      else "; never reached the baseline's validation accuracy")
         if row.get("final_from"):
-            line += f"; its final run is the {row['final_from']} scenario's, trained once"
+            line += "; " + final_from_text(row)
         lines.append(line)
     return lines
+
+
+def final_from_text(row: dict[str, Any], detail: bool = False) -> str:
+    """What a row that took another scenario's final run is: that run reused instead of
+    training it twice, or that run kept over the search winner's own final run, which
+    validated below it (scenario.default_if_better)."""
+    source = row["final_from"]
+    winner = row.get("winner_final")
+    if winner:
+        text = (f"the search's winner was trained in full and validated at "
+                f"{100 * (winner.get('val_acc') or 0):.1f}% (test "
+                f"{100 * (winner.get('test_acc') or 0):.1f}%), below the {source} scenario's "
+                f"final run, whose model and figures these are; the winner's run counts as tuning")
+    else:
+        text = f"its final run is the {source} scenario's, trained once"
+        if detail:
+            text += (": the same learning settings, start and epochs; its time counts in this "
+                     "total, and its figures are that run's")
+    if detail:
+        text = text[0].upper() + text[1:] + (" (the speed settings below were measured for this "
+                                             "scenario, not used).")
+    return text
 
 
 def autotune_lines(report: dict[str, Any] | None) -> list[str]:
@@ -238,11 +260,8 @@ def render_report(rows: list[dict[str, Any]], charts: list[str],
         lines.append(f"{settings.get('model', '?')} at {row.get('best_resolution')} px, batch "
                      f"{settings.get('batch_size')}, {settings.get('amp_dtype', 'fp32')} on "
                      f"{settings.get('device', '?')}."
-                     + (f" Its final run is the {row['final_from']} scenario's, trained once: "
-                        "the same learning settings, start and epochs; its time counts in this "
-                        "total, and its figures are that run's (the speed settings below were "
-                        "measured for this scenario, not used)."
-                        if row.get("final_from") else "")
+                     + (f" {final_from_text(row, detail=True)}" if row.get("final_from")
+                        else "")
                      + (f" Started from {row['start_weights']}."
                         if str(row.get("start_weights", "")).startswith("random") else ""))
         lines.append("")

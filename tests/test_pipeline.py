@@ -730,6 +730,10 @@ def test_a_winner_whose_final_run_validates_below_the_defaults_gives_way_to_it(t
     assert kept["winner_final"]["val_acc"] == 0.928 and kept["winner_final"]["test_acc"] == 0.90
     assert (kept["tuning_s"], kept["total_s"]) == (54.0, 79.0)  # its own final run counted
     assert kept["hpo"] == lower["hpo"] and resolution["scenario"] == "resolution"
+    # the report says the winner was trained and lost, not that the run was reused
+    told = " ".join(report.versus_baseline_lines([{**resolution, "scenario": "baseline"}, kept]))
+    assert "winner was trained in full and validated at 92.8% (test 90.0%)" in told
+    assert "trained once" not in told
     for row in (hpo_row(0.98), hpo_row(0.972), hpo_row(0.9, keeps_default=True),
                 hpo_row(0.9, reused=None)):  # higher, a tie, kept default, another default
         assert scenario.default_if_better(row, same) is row
