@@ -36,6 +36,13 @@ def library_device(device) -> torch.device:
             device.index is not None and device.index >= torch.cuda.device_count())):
         raise UserError(f"device {str(device)!r} was asked for, but PyTorch sees "
                         f"{torch.cuda.device_count()} CUDA GPU(s) here (use 'cpu' or 'auto').")
+    # Any other type would fail inside model.to() with its own traceback, and "meta" would
+    # empty the model's weights there first.
+    if device.type not in ("cpu", "cuda") and not (
+            device.type == "mps" and torch.backends.mps.is_available() or
+            device.type == "xpu" and hasattr(torch, "xpu") and torch.xpu.is_available()):
+        raise UserError(f"device {str(device)!r} is not one that can run a model here "
+                        "(use 'cpu', 'cuda' or 'auto').")
     return device
 
 

@@ -74,12 +74,13 @@ def test_predict_names_undecodable_file(saved, tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
 def test_a_device_that_is_not_here_is_a_one_line_user_error(saved, tmp_path):
     model = load_model(saved[1], device="auto")
-    for device in ("cuda", "cuda:1", "gpu0"):
+    for device in ("cuda", "cuda:1", "gpu0", "mps", "xpu", "meta"):
         with pytest.raises(UserError, match=repr(device)):
             load_model(saved[1], device=device)
         with pytest.raises(UserError, match=repr(device)):
             predict(model, _write_images(tmp_path), device=device)
     assert predict(model, _write_images(tmp_path), device=torch.device("cpu"))
+    assert predict(model, _write_images(tmp_path))  # the refused "meta" left its weights
 
 
 def test_saved_file_loads_with_weights_only(saved):
