@@ -6,15 +6,19 @@ import contextlib
 import errno
 import logging
 import os
+import re
 import secrets
 import shutil
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from modules.config import UserError, first_line
+
+log = logging.getLogger(__name__)
 
 
 def atomic_torch_save(payload: dict, path: Path) -> None:
@@ -41,9 +45,10 @@ def share_file(source: Path, path: Path) -> None:
         return
     try:
         os.replace(temp, path)
-    except OSError:
+    finally:
+        # rename() between two links to one file does nothing and succeeds: `path` already
+        # was `source` (a resumed run shares it again), and `temp` would stay behind.
         temp.unlink(missing_ok=True)
-        raise
 
 
 def _atomic_write(path: Path, write, mode: str) -> None:
@@ -238,7 +243,37 @@ def folder_lock(folder: Path):
         handle.truncate(0)
         handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
         handle.flush()
+        sweep_unfinished_writes(Path(folder))
         yield
+
+
+UNFINISHED = re.compile(r"^\..+\.[0-9a-f]{8}\.(tmp|link)$")  # _create_temp's, share_file's
+UNFINISHED_AFTER_S = 600.0  # no write takes this long; a younger file may be a live writer's
+
+
+def sweep_unfinished_writes(folder: Path) -> None:
+    """Delete the temporary files of writes a kill cut short (no except block ran), a whole
+    checkpoint's size each, under `folder` while its lock is held: no run of ours writes there
+    meanwhile. The generated data and anything of the user's is left alone."""
+    removed, size = 0, 0
+    now = time.time()
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = [d for d in dirs if not (Path(root) == folder and d == "data")]
+        for name in files:
+            if not UNFINISHED.match(name):
+                continue
+            path = Path(root) / name
+            try:
+                stat = path.lstat()
+                if now - stat.st_mtime < UNFINISHED_AFTER_S:
+                    continue
+                path.unlink()
+            except OSError:
+                continue
+            removed, size = removed + 1, size + stat.st_size
+    if removed:
+        log.info("removed %d unfinished write(s) an interrupted run left in %s (%.0f MB)",
+                 removed, folder, size / 2**20)
 
 
 @contextlib.contextmanager

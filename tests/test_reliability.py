@@ -573,6 +573,34 @@ def test_a_second_run_into_a_folder_in_use_stops_in_one_line(tmp_path):
         worker.kill()
 
 
+def test_writes_a_kill_cut_short_are_swept_when_the_folder_is_next_locked(tmp_path):
+    """A kill -9 during a checkpoint's save leaves its temporary file, a checkpoint's size, that
+    no except block removed; a resumed run sharing a checkpoint it shared before (a hard link
+    renamed onto a link of the same file) left its temporary link."""
+    from modules.files import folder_lock, share_file
+    run = tmp_path / "checkpoints" / "r1"
+    run.mkdir(parents=True)
+    (run / "resolution.pt").write_bytes(b"weights")
+    for _ in range(2):
+        share_file(run / "resolution.pt", run / "hpo.pt")
+    assert sorted(p.name for p in run.iterdir()) == ["hpo.pt", "resolution.pt"]
+    stale = [run / ".hpo.pt.0a1b2c3d.tmp", tmp_path / ".results.json.deadbeef.tmp",
+             run / ".hpo.pt.ce6b6a91.link"]
+    kept = [run / ".hpo.pt.0123abcd.tmp",           # young: a live writer's, maybe
+            tmp_path / ".notes.tmp",                # not a name of ours
+            tmp_path / "data" / ".x.png.0a1b2c3d.tmp"]  # the generated data is not swept
+    for path in stale + kept:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"x" * 10)
+    hour_ago = time.time() - 3600
+    for path in stale + kept[1:]:
+        os.utime(path, (hour_ago, hour_ago))
+    with folder_lock(tmp_path):
+        assert not any(p.exists() for p in stale)
+        assert all(p.exists() for p in kept)
+    assert (run / "hpo.pt").read_bytes() == b"weights"
+
+
 def test_a_class_named_train_is_a_class(tmp_path):
     root = make_folder(tmp_path / "d", layout="class folders", n_train=3, n_test=2,
                        classes=("red", "green", "blue"))
