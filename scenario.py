@@ -553,8 +553,7 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
                  if carried else "its machine figures cover only the test evaluation")
     row = result_row(name, config, result, test, index, device, system,
                      data_path_of(train_loader), carried,
-                     amp_raced=((extra.get("autotune") or {}).get("knobs") or {}).get(
-                         "amp", {}).get("img_s"))
+                     raced=measured_speeds(extra.get("autotune")))
     row["prepare_s"] = prepare_s  # the hpo scenario counts it when it takes this final run
     if carried:
         keep_timeline(row, carried, extra.get("warm_start"))
@@ -571,6 +570,15 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
     if distributed.is_main():
         keep_best_model(result, config, index, row, output_dir)
     return row
+
+
+def measured_speeds(autotune_report: dict[str, Any] | None) -> dict[str, Any]:
+    """img/s per value of each knob the autotuner raced (a report reused from a cache file may
+    be of another shape: what is not a knob's dict is left out)."""
+    knobs = (autotune_report or {}).get("knobs")
+    return {k: v["img_s"] for k, v in knobs.items()
+            if isinstance(v, dict) and isinstance(v.get("img_s"), dict)} \
+        if isinstance(knobs, dict) else {}
 
 
 def keep_timeline(row: dict[str, Any], carried: dict[str, Any],

@@ -157,9 +157,13 @@ def _overhead_bound(f: _Figures) -> dict[str, Any] | None:
     batch = f.num("batch_size")
     recs = [f"Raise batch_size{f' from {batch:.0f}' if batch else ''} so fixed per-step costs "
             f"are shared by more samples: {why_txt}."]
+    compiled = _measured_slower(f, "compile")
     if f.get("compile"):
         recs.append(f"torch.compile is on already: what is left per step is launch and Python "
                     f"overhead that a larger batch or input size spreads ({why_txt}).")
+    elif compiled:
+        recs.append(f"torch.compile was measured no faster here ({compiled}): leave it off "
+                    f"({why_txt}).")
     elif f.cuda:
         recs.append(f"Try --compile (torch.compile) to fuse small kernels and cut kernel-launch "
                     f"and Python overhead: {why_txt}.")
@@ -198,17 +202,30 @@ def _compute_bound(f: _Figures) -> dict[str, Any]:
     return _result("compute-bound", summary, recs)
 
 
+def _measured_slower(f: _Figures, knob: str, on: str = "true", off: str = "false") -> str | None:
+    """The autotuner's race of `knob` on this machine (`raced`: img/s per value) when it
+    measured `on` no faster than `off`, or `on` failing: advice to turn it on would go against
+    what was measured. None when it was not raced."""
+    raced = ((f.get("raced") or {}).get(knob)) or {}
+    with_it, without = raced.get(on), raced.get(off)
+    if not isinstance(without, (int, float)):
+        return None
+    if isinstance(with_it, str):
+        return with_it  # failed, or abandoned at its deadline
+    if isinstance(with_it, (int, float)) and with_it <= without:
+        return f"{with_it:.0f} against {without:.0f} img/s without it"
+    return None
+
+
 def _cpu_compute_recs(f: _Figures, basis: str) -> list[str]:
     recs = []
-    if not f.get("channels_last"):
+    if not f.get("channels_last") and not _measured_slower(f, "channels_last"):
         recs.append(f"Try channels_last (--channels-last): oneDNN's convolutions on CPU are faster in NHWC layout "
                     f"({basis}).")
     amp, native = f.get("amp_dtype"), f.get("native_bf16")
-    raced = f.get("amp_raced") or {}
-    if isinstance(raced.get("bf16"), (int, float)) and isinstance(raced.get("off"), (int, float)) \
-            and amp != "bfloat16" and raced["bf16"] <= raced["off"]:
-        recs.append(f"bf16 autocast was measured slower here ({raced['bf16']:.0f} against "
-                    f"{raced['off']:.0f} img/s without it): keep it off ({basis}).")
+    slower = _measured_slower(f, "amp", "bf16", "off")
+    if slower and amp != "bfloat16":
+        recs.append(f"bf16 autocast was measured slower here ({slower}): keep it off ({basis}).")
     elif native:
         if amp != "bfloat16":
             recs.append(f"Try --amp bf16: this CPU has native bf16 units (AVX512-BF16/AMX); keep "
@@ -227,7 +244,7 @@ def _gpu_compute_recs(f: _Figures, basis: str) -> list[str]:
     if f.get("amp_dtype") in (None, "fp32"):
         recs.append(f"Turn on AMP (--amp auto): bf16/fp16 tensor cores run several times faster "
                     f"than fp32 ({basis}).")
-    if not f.get("channels_last"):
+    if not f.get("channels_last") and not _measured_slower(f, "channels_last"):
         recs.append(f"Try channels_last (--channels-last): cuDNN's tensor-core convolutions prefer NHWC ({basis}).")
     peak, limit, batch = f.num("peak_mem_mb"), f.num("mem_limit_mb"), f.num("batch_size")
     if peak is not None and limit and peak / limit < THRESHOLDS.batch_headroom_frac:

@@ -186,12 +186,12 @@ MACHINE_FIGURES = ("gpu_util_pct", "cpu_util_pct", "process_cpu_pct", "peak_mem_
 def result_row(name: str, config: TrainConfig, result: TrainResult, test: dict[str, Any],
                index: DatasetIndex, device: torch.device, system: dict[str, Any],
                data_path: str, carried: dict[str, Any] | None = None,
-               amp_raced: dict[str, Any] | None = None) -> dict[str, Any]:
+               raced: dict[str, Any] | None = None) -> dict[str, Any]:
     """The scenario's results.json object: accuracy, timing, hardware figures, diagnosis.
     carried: the earlier row of this same training, whose machine figures replace this
     process's (which trained nothing), and its step figures too when the checkpoint had none
-    (one written before checkpoints carried them). amp_raced: the autotuner's img/s per AMP
-    mode on this machine, so the diagnosis does not advise what it measured slower."""
+    (one written before checkpoints carried them). raced: the autotuner's img/s per value of
+    each knob on this machine, so the diagnosis does not advise what it measured slower."""
     best = next((r for r in result.history if r["epoch"] == result.best_epoch), {})
     t = result.timing
     if device.type == "cuda":
@@ -241,7 +241,7 @@ def result_row(name: str, config: TrainConfig, result: TrainResult, test: dict[s
         "compile": config.compile,
         "amp_dtype": result.settings.get("amp_dtype"),
         "native_bf16": native_bf16_cpu() if device.type == "cpu" else None,
-        "amp_raced": amp_raced,
+        "raced": raced,
         "cached_decode": data_path == CachedLoader.data_path})
     return row
 

@@ -218,11 +218,31 @@ def test_bf16_is_not_advised_where_the_autotuner_measured_it_slower():
     cpu = {"data_wait_frac": 0.02, "avg_step_ms": 42, "samples_per_s": 762, "device": "cpu",
            "channels_last": True, "amp_dtype": "fp32", "native_bf16": True}
     assert any("Try --amp bf16" in r for r in diagnose(cpu)["recommendations"])
-    raced = diagnose({**cpu, "amp_raced": {"off": 1062.6, "bf16": 195.8}})["recommendations"]
+    raced = diagnose({**cpu, "raced": {"amp": {"off": 1062.6, "bf16": 195.8}}})["recommendations"]
     assert not any("Try --amp bf16" in r for r in raced)
     assert any("measured slower here (196 against 1063 img/s" in r for r in raced)
-    faster = diagnose({**cpu, "amp_raced": {"off": 500.0, "bf16": 900.0}})["recommendations"]
+    faster = diagnose({**cpu, "raced": {"amp": {"off": 500.0, "bf16": 900.0}}})["recommendations"]
     assert any("Try --amp bf16" in r for r in faster)
+    # channels_last and compile, raced too, are not advised where they lost
+    plain = {**cpu, "channels_last": False}
+    assert any("Try channels_last" in r for r in diagnose(plain)["recommendations"])
+    lost = {"channels_last": {"false": 410.0, "true": 380.0}}
+    assert not any("channels_last" in r for r in diagnose({**plain, "raced": lost})["recommendations"])
+    won = {"channels_last": {"false": 380.0, "true": 410.0}}
+    assert any("Try channels_last" in r for r in diagnose({**plain, "raced": won})["recommendations"])
+    overhead = {"data_wait_frac": 0.02, "avg_step_ms": 30, "device": "cuda", "gpu_util_pct": 20}
+    assert any("Try --compile" in r for r in diagnose(overhead)["recommendations"])
+    for compile_race, said in (({"false": 900.0, "true": 850.0}, "850 against 900 img/s"),
+                               ({"false": 900.0, "true": "abandoned: its warm-up had not"},
+                                "abandoned")):
+        recs = diagnose({**overhead, "raced": {"compile": compile_race}})["recommendations"]
+        assert not any("Try --compile" in r for r in recs)
+        assert any("measured no faster here" in r and said in r for r in recs)
+    import scenario  # a cached report of another shape is left out, not a crash
+    assert scenario.measured_speeds({"knobs": {"amp": {"img_s": {"off": 1.0}}, "x": "bad"}}) == \
+        {"amp": {"off": 1.0}}
+    import scenario  # a cached report of another shape is left out, not a crash
+    assert scenario.measured_speeds({"knobs": "x"}) == {} == scenario.measured_speeds(None)
 
 
 # ----------------------------------------------------------------------------- end to end
