@@ -206,11 +206,18 @@ def autotune_scenario(config: TrainConfig, args: RunOptions, index: DatasetIndex
                                  if distributed.is_main() else None)
 
 
+def user_knobs(args: RunOptions) -> frozenset[str]:
+    """The speed knobs the command line set, which the autotuner keeps as given (0 workers is
+    a choice, as 2 is)."""
+    return frozenset(knob for option, knob in USER_KNOBS.items()
+                     if getattr(args, option, None) is not None
+                     and getattr(args, option) is not False)
+
+
 def _measure_settings(config: TrainConfig, args: RunOptions, index: DatasetIndex,
                       planned_steps: int, saved: Path, time_capped: tuple[int, float] | None
                       ) -> tuple[TrainConfig, dict[str, Any]]:
-    fixed = frozenset(knob for option, knob in USER_KNOBS.items()
-                      if getattr(args, option, None) not in (None, False))
+    fixed = user_knobs(args)
     start = config
     if args.resume:
         reused = _saved_autotune(saved, config)

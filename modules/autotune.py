@@ -4,6 +4,7 @@ kept only when it measured faster. Nothing here assumes a knob helps: on a CPU w
 bf16, for example, bf16 autocast measures several times slower and is rejected by that figure."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -14,11 +15,13 @@ import math
 import os
 import pickle
 import platform
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -439,7 +442,8 @@ def run_with_deadline(target: Callable[..., None], args: tuple, deadline_s: floa
         raise ValueError("run_with_deadline needs a target a fresh process can import")
     with tempfile.TemporaryDirectory(prefix="autotune-") as tmp:
         job, answer = Path(tmp) / "job.pkl", Path(tmp) / "answer.pkl"
-        job.write_bytes(pickle.dumps((target.__module__, target.__qualname__, args, str(answer))))
+        job.write_bytes(pickle.dumps((target.__module__, target.__qualname__, args, str(answer),
+                                      os.getpid())))
         path = os.pathsep.join(p for p in [os.getcwd(), *sys.path] if p)
         proc = subprocess.Popen(
             [sys.executable, "-c", "import sys; from modules.autotune import _child_main; "
@@ -487,11 +491,28 @@ class _Answer:
 
 
 def _child_main(job: str) -> None:
-    module, name, args, answer = pickle.loads(Path(job).read_bytes())
+    module, name, args, answer, parent = pickle.loads(Path(job).read_bytes())
+    _exit_with_parent(parent, Path(job).parent)
     target: Any = importlib.import_module(module)
     for part in name.split("."):
         target = getattr(target, part)
     target(*args, _Answer(answer))
+
+
+def _exit_with_parent(parent: int, folder: Path) -> None:
+    """In the child: end, removing the job's folder, once the parent (its pid, which may have
+    gone while this process started) has gone. A parent killed by SIGTERM or SIGKILL (a
+    notebook kernel restarted) runs no finally to kill it, and a compile left running holds
+    the cores, or the GPU, for minutes."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        shutil.rmtree(folder, ignore_errors=True)
+        if os.name == "posix":  # its own session: the compiler's workers too
+            with contextlib.suppress(OSError):
+                os.killpg(os.getpgrp(), signal.SIGKILL)
+        os._exit(1)
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 def measuring_time(planned_steps: int | None, samples_per_step: int, img_s: float | None,
@@ -517,7 +538,14 @@ def tune_workers(make_loader: Callable[[int], Any], compute_img_s: float,
             break
         loader = make_loader(n)
         it = iter(loader)
-        next(it)  # worker start-up and the first decode are not steady state
+        # Worker start-up and the first decode are not steady state, nor are the batches the
+        # workers decoded meanwhile: up to prefetch_factor (2) each, queued and then handed
+        # over at once, would time the queue rather than the decoding.
+        for _ in range(1 + 2 * n):
+            try:
+                next(it)
+            except StopIteration:
+                break
         count, started = 0, time.perf_counter()
         for _ in range(batches):
             try:
@@ -576,7 +604,7 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
         if known is None:
             log.info("autotune: reusing the choice measured earlier in this run at %d px, "
                      "batch %d", config.image_size, config.batch_size)
-            if cache_path and _from_cache(cache_path, key) is None:  # another output dir's run
+            if cache_path and _cache_entry(cache_path, key) is None:  # another output dir's
                 _to_cache(cache_path, key, tuned, findings)
             return _with_run_fields(tuned, config), {**findings, "reused_from": "this run",
                                                      "seconds": 0.0}
@@ -639,9 +667,11 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
     # the same amp and kernels differently), so the probe a knob's choice leaves is its
     # successor's first candidate, raced again rather than built again. compile is decided
     # last, against eager.
-    config = dataclasses.replace(config, **{k: c[0] for k, c in plan if k not in fixed})
-    if "compile" not in fixed:
-        config = dataclasses.replace(config, compile=False)
+    # A compile the user asked for is set at the end too: probes compiled, each would pay a
+    # warm-up no deadline bounds (the first alone took 97 s against an 11 s budget).
+    asked_compile = config.compile
+    config = dataclasses.replace(config, compile=False,
+                                 **{k: c[0] for k, c in plan if k not in fixed})
     phases: dict[str, float] = {}
     mark = time.perf_counter()
     first, warm = _first_probe(config, num_classes, MIN_S_FLOOR)
@@ -718,8 +748,10 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
         raise UserError(f"these settings could not train on this device: {warm['error']}")
     if "compile" in fixed:
         knobs["compile"] = given("compile")
-        if "compile" in known:
-            config = dataclasses.replace(config, compile=known["compile"]["choice"])
+        config = dataclasses.replace(config, compile=known["compile"]["choice"]
+                                     if "compile" in known else asked_compile)
+        if config.compile and "compile" not in known:
+            knobs["compile"]["reason"] += " (the other knobs were measured eager)"
     else:
         mark = time.perf_counter()
         config, knobs["compile"] = _tune_compile(config, num_classes, current,
@@ -881,9 +913,21 @@ def machine_key() -> str:
     except OSError:  # macOS, Windows
         cpu = " ".join([platform.machine(), platform.processor(), _sysctl_cpu()])
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no gpu"
-    parts = [cpu, str(os.cpu_count()), gpu, torch.__version__,
-             os.environ.get("ONEDNN_MAX_CPU_ISA", ""), os.environ.get("ATEN_CPU_CAPABILITY", "")]
+    parts = [cpu, str(os.cpu_count()), gpu, torch.__version__, *kernel_caps()]
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
+
+
+def kernel_caps() -> list[str]:
+    """What caps the CPU kernels PyTorch uses, whichever variable set it: ATen's capability in
+    effect, whether oneDNN runs bf16 natively, and every ONEDNN_/DNNL_/ATEN_CPU_ variable
+    (oneDNN also reads its older DNNL_MAX_CPU_ISA name, which capped bf16 6x slower)."""
+    try:
+        bf16 = str(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        bf16 = "?"
+    env = sorted(f"{k}={v}" for k, v in os.environ.items()
+                 if k.startswith(("ONEDNN_", "DNNL_", "ATEN_CPU_")))
+    return [torch.backends.cpu.get_cpu_capability(), bf16, *env]
 
 
 # /proc/cpuinfo's fields that name a non-x86 CPU: Arm's core and features, RISC-V's ISA.
@@ -913,27 +957,74 @@ def _sysctl_cpu() -> str:
 
 
 def _read_cache(path: Path) -> dict[str, Any]:
+    """The cache file's entries; {} when there is none. One that cannot be parsed (torn by a
+    full disk, edited) is kept aside, said once, rather than written over with one entry."""
     try:
-        data = json.loads(Path(path).read_text())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
+        text = Path(path).read_text()
+    except FileNotFoundError:
         return {}
+    except (OSError, ValueError) as exc:  # ValueError: not text
+        log.info("autotune: cannot read %s (%s); measuring again", path, _error(exc))
+        return {}
+    try:
+        data = json.loads(text)
+    except ValueError:
+        data = None
+    if isinstance(data, dict):
+        return data
+    aside = Path(path).with_name(Path(path).name + ".unreadable")
+    with contextlib.suppress(OSError):
+        os.replace(path, aside)
+    log.warning("autotune: %s is not a cache this version wrote; kept aside as %s, measuring "
+                "again", path, aside.name)
+    return {}
+
+
+def _cache_entry(path: str | Path, key: str) -> dict[str, Any] | None:
+    machine = _read_cache(Path(path)).get(machine_key())
+    entry = machine.get(key) if isinstance(machine, dict) else None
+    return entry or None
+
+
+def _valid_report(report: Any) -> dict[str, Any]:
+    """A cached report as this version reads it, else ValueError: its knobs a dict of knob
+    dicts, its figures numbers (an edited or older file must not fail later, mid-run)."""
+    report = dict(report)
+    knobs = report.get("knobs")
+    if not isinstance(knobs, dict) or not all(isinstance(v, dict) and "choice" in v
+                                             for v in knobs.values()):
+        raise ValueError("its knobs are not this version's")
+    for name in ("compute_img_s", "budget_s", "planned_steps"):
+        value = report.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ValueError(f"{name} is not a number")
+    return report
+
+
+def _valid_config(values: Any) -> TrainConfig:
+    """A cached config, its switches booleans ("no" would be true)."""
+    config = TrainConfig(**values)
+    for f in dataclasses.fields(TrainConfig):
+        if isinstance(f.default, bool) and not isinstance(getattr(config, f.name), bool):
+            raise ValueError(f"{f.name} is not true or false")
+    return config
 
 
 def _from_cache(path: str | Path, key: str) -> tuple[TrainConfig, dict[str, Any]] | None:
-    machine = _read_cache(Path(path)).get(machine_key())
-    entry = machine.get(key) if isinstance(machine, dict) else None
-    if not entry:
+    entry = _cache_entry(path, key)
+    if entry is None:
         return None
     try:
-        tuned = TrainConfig(**entry["config"])
-        report = dict(entry["report"])
+        tuned = _valid_config(entry["config"])
+        report = _valid_report(entry["report"])
     except (KeyError, TypeError, ValueError, UserError) as exc:  # another version's, or edited
         log.info("autotune: cannot reuse the entry in %s (%s); measuring again", path,
                  _error(exc))
         return None
     measured = entry.get("measured", "?")
-    log.info("autotune: reusing the choice measured on this machine on %s (%s)", measured, path)
+    raced = any(len(v.get("img_s") or {}) >= 2 for v in report["knobs"].values())
+    what = "the choice measured" if raced else "the settings kept unmeasured (no knob raced)"
+    log.info("autotune: reusing %s on this machine on %s (%s)", what, measured, path)
     return tuned, {**report, "reused_from": f"{path} ({measured})"}
 
 
@@ -946,8 +1037,9 @@ def _to_cache(path: str | Path, key: str, config: TrainConfig, findings: dict[st
         "measured": time.strftime("%Y-%m-%d %H:%M")}
     try:
         atomic_write_text(json.dumps(data, indent=1, default=str), Path(path))
-    except OSError as exc:  # a cache that cannot be written costs a measurement next time
-        log.info("autotune: could not write %s (%s)", path, exc)
+    except (OSError, UserError) as exc:  # a cache that cannot be written (a read-only folder)
+        log.warning("autotune: could not write %s (%s); the next run measures again", path,
+                    first_line(exc))
 
 
 def _fit_batch(config: TrainConfig, num_classes: int, device: torch.device,

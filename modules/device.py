@@ -13,6 +13,9 @@ from modules import hostmem
 from modules.config import TrainConfig, UserError, first_line
 
 
+STARTUP_THREADS = torch.get_num_threads()
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -60,8 +63,10 @@ def region(name: str):
 def apply_process_settings(config: TrainConfig, device: torch.device) -> None:
     """The process-wide knobs of `config`, on purpose: CPU threads, the CPU allocator
     (modules.hostmem) and, on a GPU, cuDNN's algorithm search."""
-    if config.cpu_threads is not None:
-        torch.set_num_threads(config.cpu_threads)
+    # A scenario without a thread count of its own (the baseline after a tuned one, a
+    # notebook's next run) gets the process's own, not the last one tuned.
+    torch.set_num_threads(config.cpu_threads if config.cpu_threads is not None
+                          else STARTUP_THREADS)
     try:
         hostmem.apply(config.cpu_allocator)
     except RuntimeError as exc:

@@ -642,3 +642,131 @@ def test_a_compile_choice_measured_before_is_kept_and_the_rest_measured_eager(mo
     config, report = at.autotune(_config(), 3, planned_steps=100_000, budget_share=0.1)
     assert built and not any(built) and config.compile is True
     assert report["knobs"]["compile"]["reason"].endswith("(measured earlier)")
+
+
+def test_a_compile_the_user_asked_for_is_set_after_measuring_the_rest_eager(monkeypatch):
+    """--compile: every probe compiled paid a warm-up no deadline bounds (97 s of measuring
+    against an 11 s budget); the knobs are raced eager and compile is set at the end."""
+    _fake_speeds(monkeypatch, lambda c: 1000.0)
+    built = []
+    init = at.ComputeProbe.__init__
+
+    def spy(self, config, *a, **kw):
+        built.append(config.compile)
+        init(self, dataclasses.replace(config, compile=False), *a, **kw)
+        self.config = config
+    monkeypatch.setattr(at.ComputeProbe, "__init__", spy)
+    config, report = at.autotune(_config(compile=True), 3, planned_steps=100,
+                                 fixed=frozenset({"compile"}))
+    assert built and not any(built) and config.compile is True
+    assert report["knobs"]["compile"]["reason"].startswith("set by the user")
+
+
+def test_the_machine_key_follows_the_kernels_in_effect_whichever_variable_capped_them(
+        tmp_path):
+    """oneDNN also reads DNNL_MAX_CPU_ISA: capped that way, bf16 ran 6x slower, and a bf16
+    choice cached uncapped was reused."""
+    code = "from modules.autotune import machine_key; print(machine_key())"
+    keys = {}
+    for name, env in (("plain", {}), ("dnnl", {"DNNL_MAX_CPU_ISA": "AVX2"}),
+                      ("onednn", {"ONEDNN_MAX_CPU_ISA": "AVX2"})):
+        clean = {k: v for k, v in os.environ.items()
+                 if not k.startswith(("ONEDNN_", "DNNL_", "ATEN_CPU_"))}
+        out = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+        keys[name] = out.stdout.strip()
+    assert len(set(keys.values())) == 3, keys
+
+
+def test_a_cache_that_cannot_be_parsed_or_written_costs_a_measurement_only(tmp_path, caplog):
+    cache = tmp_path / "autotune_cache.json"
+    cache.write_text('{"torn')
+    _, report = at.autotune(_config(), 3, planned_steps=10, cache_path=cache)
+    assert "reused_from" not in report
+    assert (tmp_path / "autotune_cache.json.unreadable").read_text() == '{"torn'  # kept aside
+    assert "kept aside" in caplog.text
+    at._RESULTS.clear()
+    folder = tmp_path / "is_a_folder.json"
+    folder.mkdir()  # atomic_write_text raises UserError here, as for a read-only folder
+    _, report = at.autotune(_config(), 3, planned_steps=10, cache_path=folder)
+    assert report["knobs"] and "could not write" in caplog.text
+
+
+def test_a_cache_entry_of_another_shape_is_measured_again(tmp_path):
+    cache = tmp_path / "autotune_cache.json"
+    key = at.speed_key(_config(), 3)
+    good = {"knobs": {"amp": {"choice": "off", "img_s": {}, "reason": "r"}},
+            "compute_img_s": 100.0, "planned_steps": 10}
+    for config, report in ((_config().to_dict(), {**good, "knobs": "x"}),
+                           (_config().to_dict(), {**good, "knobs": {"amp": "bf16"}}),
+                           (_config().to_dict(), {k: v for k, v in good.items() if k != "knobs"}),
+                           (_config().to_dict(), {**good, "compute_img_s": "fast"}),
+                           ({**_config().to_dict(), "channels_last": "no"}, good)):
+        cache.write_text(json.dumps({at.machine_key(): {key: {"config": config,
+                                                              "report": report}}}))
+        at._RESULTS.clear()
+        _, found = at.autotune(_config(), 3, planned_steps=10, cache_path=cache)
+        assert "reused_from" not in found, report
+    cache.write_text(json.dumps({at.machine_key(): {key: {"config": _config().to_dict(),
+                                                          "report": good}}}))
+    at._RESULTS.clear()
+    assert "reused_from" in at.autotune(_config(), 3, planned_steps=10, cache_path=cache)[1]
+
+
+def test_the_worker_count_is_timed_past_the_batches_prefetched_meanwhile():
+    """Four workers hand over their prefetched batches at once: timed from the first batch,
+    they looked 5x faster than they decode."""
+    import time
+
+    class Prefetched:
+        def __init__(self, n):
+            self.n = n
+
+        def __iter__(self):
+            yield torch.zeros(10, 1), torch.zeros(10)
+            for _ in range(2 * self.n):  # ready at once
+                yield torch.zeros(10, 1), torch.zeros(10)
+            while True:  # then each worker's pace: n x 100 img/s
+                time.sleep(0.1 / max(1, self.n))
+                yield torch.zeros(10, 1), torch.zeros(10)
+
+    n, entry = at.tune_workers(Prefetched, compute_img_s=500.0, candidates=[0, 4, 8], batches=4)
+    assert entry["img_s"]["4"] < 500 <= entry["img_s"]["8"] and n == 8
+
+
+def test_the_compile_child_ends_when_its_parent_is_killed(tmp_path):
+    """SIGTERM or a restarted kernel runs no finally in the parent: the child, in a session of
+    its own, went on compiling at 100% of a core."""
+    import signal
+    import time
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / "tests")!r}]
+        from modules import autotune
+        from test_autotune import _never_answers
+        autotune.run_with_deadline(_never_answers, (300,), 300)
+    """))
+    parent = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path)
+    try:
+        child = None
+        for _ in range(600):
+            found = subprocess.run(["pgrep", "-P", str(parent.pid)], capture_output=True, text=True)
+            if found.stdout.strip():
+                child = int(found.stdout.split()[0])
+                break
+            time.sleep(0.1)
+        assert child is not None
+        time.sleep(1.0)  # its watch has started
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(10)
+        for _ in range(100):
+            if not Path(f"/proc/{child}").exists() or \
+                    Path(f"/proc/{child}/stat").read_text().split()[2] == "Z":
+                break
+            time.sleep(0.1)
+        else:
+            os.kill(child, signal.SIGKILL)
+            pytest.fail("the child outlived its parent")
+    finally:
+        parent.kill()

@@ -553,6 +553,25 @@ def test_streaming_fallback_measures_loader_workers(small, tmp_path, monkeypatch
     assert "workers deliver" in workers["reason"]
 
 
+def test_the_knobs_the_user_set_are_kept_zero_workers_too():
+    """`--num-workers 0` read as unset (0 == False) and was measured and replaced."""
+    assert "num_workers" in scenario.user_knobs(pipeline.parse_args(["--num-workers", "0"]))
+    assert scenario.user_knobs(pipeline.parse_args(["--compile", "--amp", "off"])) == \
+        {"compile", "amp"}
+    assert not scenario.user_knobs(pipeline.parse_args([]))
+
+
+def test_a_scenario_without_a_thread_count_gets_the_processs_own():
+    """The threads tuned for the resolution scenario stayed for a baseline run after it (or a
+    notebook's next run)."""
+    from modules.config import TrainConfig
+    from modules.device import STARTUP_THREADS, apply_process_settings
+    apply_process_settings(TrainConfig(cpu_threads=1, device="cpu"), torch.device("cpu"))
+    assert torch.get_num_threads() == 1
+    apply_process_settings(TrainConfig(device="cpu"), torch.device("cpu"))
+    assert torch.get_num_threads() == STARTUP_THREADS
+
+
 def test_resume_keeps_the_autotuned_settings_instead_of_measuring_again(small, tmp_path,
                                                                            monkeypatch):
     """A fresh measurement can differ by noise (another optimizer kernel, an AMP dtype, on a GPU
