@@ -286,7 +286,9 @@ def _saved_autotune(path: Path, start: TrainConfig
 def planned_steps(config: TrainConfig, n_train: int, runs: int = 1, epochs: int | None = None
                   ) -> int:
     """Optimizer steps `runs` trainings of `epochs` (default config.epochs) will take."""
-    per_epoch = math.ceil(max(1, n_train // config.batch_size) / config.grad_accum_steps)
+    # Under torchrun each process takes its shard of the images (DistributedSampler).
+    per_epoch = math.ceil(max(1, n_train // distributed.world_size() // config.batch_size)
+                          / config.grad_accum_steps)
     return runs * per_epoch * (epochs or config.epochs)
 
 
@@ -521,15 +523,18 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
     log.info("== scenario %s: %s, %d px, batch %d, %d epochs on %s", name, config.model,
              config.image_size, config.batch_size, config.epochs, device)
     kept = weights_file(config.weights)
+    building = config
     if not distributed.is_main() and kept is not None and not kept.exists():
         # Under torchrun on another machine than rank 0's, a kept trial's weights are not
         # here: rank 0's weights reach every rank at the start of training all the same.
-        config = dataclasses.replace(config, weights="none")
+        # Only the model is built so: the config stays rank 0's, which the hpo scenario
+        # compares with its own to reuse this run (final_to_reuse), as rank 0 does.
+        building = dataclasses.replace(config, weights="none")
     apply_process_settings(config, device)
     # Building the model and its start weights, and decoding the images into the cache when
     # the tuning did not at this size: before the training clock starts, but the run's time.
     preparing = time.perf_counter()
-    model, train_loader, val_loader, test_loader = prepare(index, config)
+    model, train_loader, val_loader, test_loader = prepare(index, building)
     prepare_s = time.perf_counter() - preparing
     if device.type == "cuda":
         # The allocator's retry count is cumulative: the tuners' probes and out-of-memory
@@ -1026,9 +1031,10 @@ def same_setup(args: RunOptions, index: DatasetIndex, device: torch.device
         base = baseline()
         settings = row.get("settings") or {}
         if (row.get("model"), row.get("n_val"), row.get("n_test"),
-                str(settings.get("device", "")).split(":")[0]) != \
-                (base.model, len(index.val), len(index.test), device.type):
-            return False
+                str(settings.get("device", "")).split(":")[0], settings.get("world_size", 1)) != \
+                (base.model, len(index.val), len(index.test), device.type,
+                 distributed.world_size()):
+            return False  # torchrun's processes: another global batch and steps per epoch
         recorded = row.get("data_fingerprint")
         if recorded is not None and not same_data(recorded):
             return False  # other images in a folder of the same name

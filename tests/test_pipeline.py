@@ -1127,7 +1127,8 @@ def test_an_earlier_runs_rows_count_only_for_the_same_setup(tmp_path):
               row("baseline", 64, 12, model="resnet18"), row("baseline", 64, 5),
               {**row("baseline", 64, 12), "data_fingerprint": "another folder named d"},
               row("baseline", 64, 12, weights="none"), row("baseline", 64, 12, lr=0.01),
-              row("baseline", 64, 12, batch_size=64)]  # another start or learning setting
+              row("baseline", 64, 12, batch_size=64),  # another start or learning setting
+              row("baseline", 64, 12, world_size=2)]  # torchrun's 2 processes: another batch
     path.write_text(json.dumps(others))
     match = scenario.same_setup(pipeline.parse_args(["--quick"]), index, cpu)
     assert previous_row(path, "baseline", "d", match=match) is None
@@ -1140,6 +1141,17 @@ def test_an_earlier_runs_rows_count_only_for_the_same_setup(tmp_path):
              row("resolution", 48, 21, trials=[48, 64, 96], lr=0.01)]
     path.write_text(json.dumps(picks))
     assert previous_row(path, "resolution", "d", match=match) is None
+
+
+def test_the_steps_planned_under_torchrun_are_one_processs_share(monkeypatch):
+    """Each process trains its shard: counted as one process's steps, the autotuner's budget
+    (10% of the planned time) was world_size times too large."""
+    from modules import distributed
+    from modules.config import TrainConfig
+    config = TrainConfig(batch_size=32, epochs=2)
+    assert scenario.planned_steps(config, 1152) == 72
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    assert scenario.planned_steps(config, 1152) == 36
 
 
 def test_a_resumed_scenario_counts_the_tuning_of_earlier_sessions(small, tmp_path,
