@@ -46,7 +46,7 @@ from modules.report import plot_comparison, results_table, table_markdown, write
 from modules.results import (CLOCK_SUFFIX, checkpoint_file, compare_to_baseline, forget_refused_run,
                              json_safe, keep_best_model, mark_finished, merge_results,
                              previous_row, result_row, run_folder, start_run, write_json)
-from modules.trainer import load_checkpoint, prepare, train
+from modules.trainer import TIMING_WARMUP_STEPS, load_checkpoint, prepare, train
 from optuna_optimizer import (BATCH_SIZES, EarlierTrial, OptunaTuner, check_storage, end_trials,
                               follow_trials, shown_argv)
 from resolution_tuner import (CPU_RESOLUTIONS, GPU_RESOLUTIONS, QUICK_CPU_RESOLUTIONS,
@@ -541,8 +541,12 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
         # trials would read as this run's retries (diagnosis: memory-bound).
         torch.cuda.reset_peak_memory_stats(device)
         torch.cuda.reset_accumulated_memory_stats(device)
+    # The recorded steps come after those the step timing leaves out as unrepresentative, and
+    # cover whole augmentation passes of the decoded cache (several batches each on a GPU).
     profiler = TorchProfiler(run_folder(output_dir, "profiler", args.run_id) / name,
-                             enabled=args.profile and distributed.is_main())
+                             enabled=args.profile and distributed.is_main(), device=device,
+                             wait=TIMING_WARMUP_STEPS - 1,
+                             active=max(3, getattr(train_loader, "pass_batches", 1)))
     with SystemSampler(cuda_device=_cuda_index(device)) as sampler, profiler:
         result = train(model, train_loader, val_loader, config,
                        run_dir=run_folder(output_dir, "runs", args.run_id) / name,

@@ -30,7 +30,11 @@ class TorchProfiler:
     """
 
     def __init__(self, trace_dir: str | os.PathLike, *, enabled: bool = True, wait: int = 1,
-                 warmup: int = 1, active: int = 3, repeat: int = 1):
+                 warmup: int = 1, active: int = 3, repeat: int = 1,
+                 device: str | torch.device | None = None):
+        """device: the one the steps train on, whose time the ops table is sorted by (a CPU
+        run on a GPU machine: by CPU time, not by a column of zeros); None: CUDA when
+        present."""
         for name, value, low in (("wait", wait, 0), ("warmup", warmup, 0), ("active", active, 1),
                                  ("repeat", repeat, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -43,13 +47,14 @@ class TorchProfiler:
         self.averages = None  # key_averages() of the latest trace, for callers that compare
         self._prof: torch.profiler.profile | None = None
         self._steps = 0
+        self._cuda = torch.cuda.is_available() if device is None else \
+            torch.device(device).type == "cuda"
 
     def __enter__(self) -> TorchProfiler:
         if not self.enabled:
             return self
         self.trace_dir.mkdir(parents=True, exist_ok=True)
         activities = [ProfilerActivity.CPU]
-        self._cuda = torch.cuda.is_available()
         if self._cuda:
             activities.append(ProfilerActivity.CUDA)
         self._handler = torch.profiler.tensorboard_trace_handler(str(self.trace_dir))

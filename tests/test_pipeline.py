@@ -466,6 +466,9 @@ def test_profiled_run_writes_traces_report_and_every_figure(small, tmp_path):
     assert traces and (run_path(out, "profiler") / "baseline" / "key_averages.txt").exists()
     text = traces[0].read_text()
     assert all(f'"{region}"' in text for region in REGIONS)
+    # recorded after the steps the step timing leaves out as unrepresentative (0-2)
+    steps = {int(n) for n in re.findall(r'"ProfilerStep#(\d+)"', text)}
+    assert steps and min(steps) == scenario.TIMING_WARMUP_STEPS, steps
     row = json.loads((out / "results.json").read_text())[0]
     for key in ("gpu_util_pct", "cpu_util_pct", "cpu_exec_us", "avg_step_ms", "samples_per_s",
                 "peak_mem_mb", "data_wait_frac", "wall_s", "time_to_best_s", "energy_j"):

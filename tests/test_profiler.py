@@ -214,6 +214,13 @@ def test_native_bf16_cpu_is_a_bool(monkeypatch):
     assert native_bf16_cpu() is False
 
 
+def test_the_ops_table_is_sorted_by_the_training_devices_time(tmp_path):
+    """A CPU run on a GPU machine sorted its ops by CUDA time, a column of zeros."""
+    assert TorchProfiler(tmp_path, device="cpu")._cuda is False
+    assert TorchProfiler(tmp_path, device=torch.device("cuda"))._cuda is True
+    assert TorchProfiler(tmp_path)._cuda is torch.cuda.is_available()
+
+
 def test_bf16_is_not_advised_where_the_autotuner_measured_it_slower():
     cpu = {"data_wait_frac": 0.02, "avg_step_ms": 42, "samples_per_s": 762, "device": "cpu",
            "channels_last": True, "amp_dtype": "fp32", "native_bf16": True}
