@@ -504,12 +504,15 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
     default_size = config.image_size  # the baseline's
     clock = checkpoint_file(output_dir, name, CLOCK_SUFFIX, args.run_id)
     earlier_s = read_clock(clock) if args.resume and name != "baseline" else 0.0
+    extra: dict[str, Any] = {}
     try:
         with (ticking(clock, earlier_s, started) if name != "baseline" and distributed.is_main()
               else contextlib.nullcontext()):
             config, extra = tune_scenario(name, config, args, index, output_dir, device, tuned)
     finally:  # Ctrl-C and errors too: --resume then adds this session's tuning to the next's
-        tuning_s = earlier_s + time.perf_counter() - started
+        # A final run a grown study set aside counts as tuning, as a candidate trained.
+        tuning_s = earlier_s + time.perf_counter() - started + \
+            (extra.get("replaced_final") or {}).get("seconds", 0.0)
         if name != "baseline" and distributed.is_main():
             write_clock(clock, tuning_s)
     lineage(extra.get("warm_start"), started_at, tuning_s, earlier_s)
@@ -945,7 +948,8 @@ def tune_hyperparameters(config: TrainConfig, args: RunOptions, index: DatasetIn
     # with N more than the study was asked for grows it all the same: the final run is then
     # trained again only when the choice changed.
     final = checkpoint_file(output_dir, "hpo", run_id=args.run_id)
-    started = load_checkpoint(final)["config"] if args.resume and final.exists() else None
+    begun = load_checkpoint(final) if args.resume and final.exists() else None
+    started = begun["config"] if begun is not None else None
     if started is not None:
         log.info("hpo: the final run had started (%s): resuming it with the parameters it "
                  "started with; the study grows only with --n-trials N above the count it was "
@@ -958,7 +962,7 @@ def tune_hyperparameters(config: TrainConfig, args: RunOptions, index: DatasetIn
     log.info("hpo: %s", summary["choice"])
     params = summary["chosen_params"] or {k: getattr(config, k) for k in OptunaTuner.SEARCHED}
     chosen = dataclasses.replace(config, **params)
-    trained_anew, warm = True, None
+    trained_anew, warm, replaced = True, None, None
     if started is not None:
         # The start weights too: the run continues from its checkpoint, which started there
         # (and its warm-up: fill_time).
@@ -976,8 +980,11 @@ def tune_hyperparameters(config: TrainConfig, args: RunOptions, index: DatasetIn
         else:
             aside = final.with_name(f"hpo.before-{time.strftime('%Y%m%d-%H%M%S')}.pt")
             final.rename(aside)
+            replaced = replaced_final(begun, aside, previous_row(
+                output_dir / "results.json", "hpo", index.name, args.run_id))
             log.info("hpo: the choice changed with the new trials: training the final run "
-                     "again (the earlier one is kept as %s)", aside)
+                     "again (the earlier one is kept as %s; its %.0f s count as tuning)", aside,
+                     replaced["seconds"])
         if distributed.is_main():
             tuner.growth_settled()
     if trained_anew:
@@ -987,7 +994,24 @@ def tune_hyperparameters(config: TrainConfig, args: RunOptions, index: DatasetIn
     if distributed.world_size() > 1:
         end_trials()
         distributed.from_main(chosen)
-    return chosen, {"hpo": summary, "warm_start": warm}
+    return chosen, {"hpo": summary, "warm_start": warm,
+                    **({"replaced_final": replaced} if replaced else {})}
+
+
+def replaced_final(begun: dict[str, Any], aside: Path, row: dict[str, Any] | None
+                   ) -> dict[str, Any]:
+    """An hpo final run set aside when a grown study changed the choice: where it is kept, the
+    seconds it took (its row's, when it had finished, as that row counted them; else its
+    checkpoint's epochs), which the scenario counts as tuning, and the figures its row had,
+    so the row that replaces it still says what it was."""
+    history = json.loads(json.dumps(json_safe(begun.get("history") or [])))
+    finished = row is not None and row.get("history") == history
+    seconds = (row["total_s"] - row["tuning_s"]) if finished else \
+        (history[-1]["elapsed_s"] if history else 0.0)
+    return {"checkpoint": str(aside), "seconds": seconds, "finished": finished,
+            "params": {k: begun["config"].get(k) for k in OptunaTuner.SEARCHED},
+            **({k: row.get(k) for k in ("val_acc", "test_acc", "epochs")} if finished else
+               {"epochs": len(history)})}
 
 
 def resumed_start(output_dir: Path, args: RunOptions, dataset: str, weights: str

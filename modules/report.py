@@ -179,6 +179,8 @@ def versus_baseline_lines(rows: list[dict[str, Any]]) -> list[str]:
                      else "; never reached the baseline's validation accuracy")
         if row.get("final_from"):
             line += "; " + final_from_text(row)
+        if isinstance(row.get("replaced_final"), dict):
+            line += "; " + replaced_text(row["replaced_final"])
         lines.append(line)
     return lines
 
@@ -203,6 +205,18 @@ def final_from_text(row: dict[str, Any], detail: bool = False) -> str:
         text = text[0].upper() + text[1:] + (" (the speed settings below were measured for this "
                                              "scenario, not used).")
     return text
+
+
+def replaced_text(replaced: dict[str, Any]) -> str:
+    """The final run a grown study set aside (scenario.replaced_final)."""
+    figures = (f"validated at {100 * replaced['val_acc']:.1f}% and tested at "
+               f"{100 * replaced['test_acc']:.1f}%"
+               if finite_number(replaced.get("val_acc")) is not None
+               and finite_number(replaced.get("test_acc")) is not None
+               else f"cut short after {replaced.get('epochs', '?')} epochs")
+    return (f"trained again after the study grew and changed the choice: the earlier final run "
+            f"{figures}, kept as {Path(str(replaced.get('checkpoint', '?'))).name}, its "
+            f"{finite_number(replaced.get('seconds')) or 0:.0f} s counted as tuning")
 
 
 def autotune_lines(report: dict[str, Any] | None) -> list[str]:
@@ -262,6 +276,8 @@ def render_report(rows: list[dict[str, Any]], charts: list[str],
                      f"{settings.get('device', '?')}."
                      + (f" {final_from_text(row, detail=True)}" if row.get("final_from")
                         else "")
+                     + (f" It was {replaced_text(row['replaced_final'])}."
+                        if isinstance(row.get("replaced_final"), dict) else "")
                      + (f" Started from {row['start_weights']}."
                         if str(row.get("start_weights", "")).startswith("random") else ""))
         lines.append("")
