@@ -20,11 +20,15 @@ class Thresholds:
     low_gpu_util_pct: float = 50.0    # GPU busy below this, % of time, ...
     low_data_wait_frac: float = 0.10  # ... while input waits below this share: overhead-bound
     batch_headroom_frac: float = 0.50  # peak / limit below this: a larger batch fits
+    busy_machine_pct: float = 90.0    # the whole CPU busy above this, % of time, while ...
+    own_cpu_frac: float = 0.60        # ... the run's processes used below this share of what
+                                      # its threads could: other processes took the cores
 
 
 THRESHOLDS = Thresholds()
 
-BOTTLENECKS = ("input-bound", "transfer-bound", "compute-bound", "memory-bound", "overhead-bound")
+BOTTLENECKS = ("input-bound", "transfer-bound", "compute-bound", "memory-bound", "overhead-bound",
+               "cpu-contended")
 
 
 def diagnose(figures: dict[str, Any]) -> dict[str, Any]:
@@ -36,7 +40,7 @@ def diagnose(figures: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(figures, dict):
         raise UserError(f"diagnose needs a dict of figures, but got {type(figures).__name__}.")
     f = _Figures(figures)
-    for rule in (_memory_bound, _input_bound, _transfer_bound, _overhead_bound):
+    for rule in (_memory_bound, _contended, _input_bound, _transfer_bound, _overhead_bound):
         found = rule(f)
         if found is not None:
             return found
@@ -127,6 +131,30 @@ def _input_bound(f: _Figures) -> dict[str, Any] | None:
                     f"it off the {cores:.0f} CPU cores." if cores else
                     "Move augmentation to the GPU (batched transforms after the copy).")
     return _result("input-bound", f"Input-bound: {waits}.", recs)
+
+
+def _contended(f: _Figures) -> dict[str, Any] | None:
+    """A CPU run slowed by other processes: the machine was busy while the run's own processes
+    (DataLoader workers included) used much less CPU than its threads could. Its step time
+    and the bottleneck the other rules would read from it are the other load's, not the run's
+    (a --quick baseline read compute-bound at 2780 ms a step, input-bound at 78 ms alone)."""
+    if f.cuda:
+        return None
+    machine, own = f.num("cpu_util_pct"), f.num("process_cpu_pct")
+    cores = f.num("cpu_count")
+    threads = f.num("cpu_threads") or cores
+    if machine is None or own is None or not cores or not threads:
+        return None
+    could = 100 * min(threads, cores)
+    if machine < THRESHOLDS.busy_machine_pct or own >= THRESHOLDS.own_cpu_frac * could:
+        return None
+    facts = (f"the machine's CPU was busy {machine:.0f}% of the time while this run's processes "
+             f"used {own:.0f}% of one core, of the {could:.0f}% its {threads:.0f} threads could")
+    return _result("cpu-contended", f"CPU-contended: {facts}; other processes took the cores.",
+                   [f"Run it again with the machine otherwise idle before tuning from these "
+                    f"figures: its step time and throughput are the other load's ({facts}).",
+                    "Where the other load must stay, give this run fewer threads so the two do "
+                    "not thrash each other's caches (torch.set_num_threads, OMP_NUM_THREADS)."])
 
 
 def _transfer_bound(f: _Figures) -> dict[str, Any] | None:

@@ -234,7 +234,9 @@ def result_row(name: str, config: TrainConfig, result: TrainResult, test: dict[s
         row.update({k: carried[k] for k in keys if k in carried})
     row["diagnosis"] = diagnose({
         **{k: row[k] for k in ("data_wait_frac", "h2d_frac", "avg_step_ms", "samples_per_s",
-                               "gpu_util_pct", "cpu_util_pct", "peak_mem_mb")},
+                               "gpu_util_pct", "cpu_util_pct", "process_cpu_pct",
+                               "peak_mem_mb")},
+        "cpu_threads": result.settings.get("cpu_threads"),
         "batch_size": config.batch_size, "device": device.type, "mem_limit_mb": mem_limit_mb,
         "alloc_retries": alloc_retries, "num_workers": config.num_workers,
         "cpu_count": os.cpu_count(), "channels_last": config.channels_last,

@@ -352,3 +352,23 @@ def test_forked_workers_count_only_their_own_pages():
     # each worker shares the parent's 128 MB and more; summed RSS would add them twice
     assert sampler.summary()["ram_peak_mb"] < parent_mb + 100, parent_mb
     assert held.sum() > 0
+
+
+def test_a_cpu_run_that_other_processes_slowed_is_called_contended(monkeypatch):
+    """A --quick baseline on a machine busy with other work read compute-bound at 2780 ms a
+    step (input-bound at 78 ms alone): its own processes had used 47% of one core of the
+    200% its two threads could, while the machine was 99.5% busy."""
+    from modules import diagnosis
+    monkeypatch.setattr(diagnosis, "THRESHOLDS", diagnosis.Thresholds())  # conftest's off
+    busy = {"device": "cpu", "cpu_util_pct": 99.5, "process_cpu_pct": 47.3, "cpu_threads": 2,
+            "cpu_count": 2, "data_wait_frac": 0.03, "avg_step_ms": 2780.0}
+    d = diagnose(busy)
+    assert d["bottleneck"] == "cpu-contended" and d["bottleneck"] in BOTTLENECKS
+    assert "47% of one core, of the 200% its 2 threads could" in d["summary"]
+    # alone, the same run uses its threads: the usual reading
+    assert diagnose({**busy, "process_cpu_pct": 190.0})["bottleneck"] == "compute-bound"
+    # an idle machine with a single-threaded loop is not contention
+    assert diagnose({**busy, "cpu_util_pct": 55.0})["bottleneck"] == "compute-bound"
+    assert diagnose({**busy, "device": "cuda"})["bottleneck"] != "cpu-contended"
+    assert diagnose({k: v for k, v in busy.items() if k != "process_cpu_pct"})[
+        "bottleneck"] == "compute-bound"
