@@ -606,7 +606,8 @@ def keep_timeline(row: dict[str, Any], carried: dict[str, Any],
     trained it, in place. This session only evaluated; its preparation (a decode the tuning
     had done then) and the start trial's epochs, trained in that session (lineage leaves
     them out), would change when the row reaches the baseline's accuracy."""
-    row.update({k: carried[k] for k in ("final_from", "prepare_s", "wall_s", "time_to_best_s")
+    row.update({k: carried[k] for k in ("final_from", "prepare_s", "wall_s", "time_to_best_s",
+                                        "replaced_final")
                 if carried.get(k) is not None})
     before = carried.get("warm_start") or {}
     if warm is not None and before.get("weights") == warm.get("weights"):

@@ -711,6 +711,8 @@ def test_resume_with_more_trials_grows_a_finished_study(small, tmp_path, monkeyp
     assert replaced["seconds"] == pytest.approx(grown["total_s"] - grown["tuning_s"])
     assert changed["tuning_s"] >= grown["tuning_s"] + replaced["seconds"]
     assert "trained again after the study grew" in (out / "report.md").read_text()
+    assert run_main(*argv, "--resume", "--n-trials", "4") == 0  # nothing left: it stays
+    assert json.loads((out / "results.json").read_text())[-1]["replaced_final"] == replaced
 
 
 def test_a_saved_autotune_is_reused_only_for_the_same_start(tmp_path):
