@@ -570,6 +570,7 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
             carried = None  # a row of another run, not of the one in the checkpoint
         log.info("%s had finished; %s", name, "keeping the figures measured while it trained"
                  if carried else "its machine figures cover only the test evaluation")
+    earlier_final = (extra.get("replaced_final") or {}).pop(EARLIER_ROW, None)
     row = result_row(name, config, result, test, index, device, system,
                      data_path_of(train_loader), carried,
                      raced=measured_speeds(extra.get("autotune")))
@@ -581,10 +582,14 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
     row.update(extra, run_id=args.run_id, tuning_s=tuning_s,
                total_s=tuning_s + final_run_s(row),
                start_weights=start_weights(config.model, args.weights))
-    if name == "hpo" and (kept := default_if_better(row, tuned.get("final") or _final_row(
-            output_dir, index, args.run_id))) is not row:
-        log_row(kept)  # that model was offered to keep_best_model in its own scenario
-        return kept
+    if name == "hpo":
+        kept = default_if_better(row, tuned.get("final") or _final_row(output_dir, index,
+                                                                      args.run_id))
+        kept = earlier_if_better(kept, extra.get("replaced_final"), earlier_final, output_dir,
+                                 args.run_id)
+        if kept is not row:
+            log_row(kept)  # that model was offered to keep_best_model in its own session
+            return kept
     log_row(row)
     if distributed.is_main():
         keep_best_model(result, config, index, row, output_dir)
@@ -607,7 +612,7 @@ def keep_timeline(row: dict[str, Any], carried: dict[str, Any],
     had done then) and the start trial's epochs, trained in that session (lineage leaves
     them out), would change when the row reaches the baseline's accuracy."""
     row.update({k: carried[k] for k in ("final_from", "prepare_s", "wall_s", "time_to_best_s",
-                                        "replaced_final")
+                                        "replaced_final", "grown_final")
                 if carried.get(k) is not None})
     before = carried.get("warm_start") or {}
     if warm is not None and before.get("weights") == warm.get("weights"):
@@ -702,6 +707,43 @@ def default_if_better(row: dict[str, Any], same: dict[str, Any] | None) -> dict[
                 total_s=row["total_s"] + final_run_s(kept),
                 winner_final={k: row.get(k) for k in ("val_acc", "test_acc", "epochs",
                                                       "wall_s", "settings")})
+    return kept
+
+
+EARLIER_ROW = "_row"  # the replaced final run's row, inside replaced_final until compared
+
+
+def earlier_if_better(row: dict[str, Any], replaced: dict[str, Any] | None,
+                      earlier: dict[str, Any] | None, output_dir: Path, run_id: str
+                      ) -> dict[str, Any]:
+    """The hpo row after a grown study's new choice was trained: the earlier final run's row
+    (`earlier`, set aside as `replaced` says) instead, when that validated higher; as with
+    default_if_better, a lead on short trials need not last a full run. Its checkpoint comes
+    back as the hpo checkpoint (the new one kept aside), so a later --resume continues the
+    model the row shows. tuning_s counts the new final run instead of the earlier one, and
+    `grown_final` keeps the new run's figures."""
+    if earlier is None or replaced is None:
+        return row
+    mine, before = row.get("val_acc"), earlier.get("val_acc")
+    if mine is None or before is None or mine >= before:
+        return row
+    final = checkpoint_file(output_dir, "hpo", run_id=run_id)
+    if distributed.is_main():
+        try:
+            final.rename(final.with_name(f"hpo.grown-{time.strftime('%Y%m%d-%H%M%S')}.pt"))
+            Path(replaced["checkpoint"]).rename(final)
+        except OSError as exc:  # the new run stays the hpo checkpoint, and its row with it
+            log.warning("hpo: could not bring back the earlier final run's checkpoint (%s): "
+                        "keeping the new final run", first_line(exc))
+            return row
+    log.info("hpo: the new final run validated at %.1f%%, below the final run before the "
+             "study grew (%.1f%%): keeping that model", 100 * mine, 100 * before)
+    kept = copy.deepcopy(earlier)
+    kept.pop("replaced_final", None)
+    kept.update({k: row[k] for k in ("hpo", "autotune", "run_id") if k in row},
+                tuning_s=row["total_s"] - replaced["seconds"], total_s=row["total_s"],
+                grown_final={k: row.get(k) for k in ("val_acc", "test_acc", "epochs", "wall_s",
+                                                     "settings")})
     return kept
 
 
@@ -1012,7 +1054,8 @@ def replaced_final(begun: dict[str, Any], aside: Path, row: dict[str, Any] | Non
     return {"checkpoint": str(aside), "seconds": seconds, "finished": finished,
             "params": {k: begun["config"].get(k) for k in OptunaTuner.SEARCHED},
             **({k: row.get(k) for k in ("val_acc", "test_acc", "epochs")} if finished else
-               {"epochs": len(history)})}
+               {"epochs": len(history)}),
+            **({EARLIER_ROW: row} if finished else {})}  # for earlier_if_better, not results
 
 
 def resumed_start(output_dir: Path, args: RunOptions, dataset: str, weights: str

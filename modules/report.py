@@ -181,6 +181,8 @@ def versus_baseline_lines(rows: list[dict[str, Any]]) -> list[str]:
             line += "; " + final_from_text(row)
         if isinstance(row.get("replaced_final"), dict):
             line += "; " + replaced_text(row["replaced_final"])
+        if isinstance(row.get("grown_final"), dict):
+            line += "; " + grown_text(row["grown_final"])
         lines.append(line)
     return lines
 
@@ -217,6 +219,17 @@ def replaced_text(replaced: dict[str, Any]) -> str:
     return (f"trained again after the study grew and changed the choice: the earlier final run "
             f"{figures}, kept as {Path(str(replaced.get('checkpoint', '?'))).name}, its "
             f"{finite_number(replaced.get('seconds')) or 0:.0f} s counted as tuning")
+
+
+def grown_text(grown: dict[str, Any]) -> str:
+    """The final run of a grown study's new choice, which validated below the final run before
+    it and gave way to it (scenario.earlier_if_better)."""
+    val, test = finite_number(grown.get("val_acc")), finite_number(grown.get("test_acc"))
+    figures = f" at {100 * val:.1f}% (test {100 * test:.1f}%)," \
+        if val is not None and test is not None else ""
+    return (f"after the study grew, its new choice was trained in full and validated{figures} "
+            f"below the final run before it, whose model and figures these are; the new run "
+            f"counts as tuning")
 
 
 def autotune_lines(report: dict[str, Any] | None) -> list[str]:
@@ -278,6 +291,8 @@ def render_report(rows: list[dict[str, Any]], charts: list[str],
                         else "")
                      + (f" It was {replaced_text(row['replaced_final'])}."
                         if isinstance(row.get("replaced_final"), dict) else "")
+                     + (f" A{grown_text(row['grown_final'])[1:]}."
+                        if isinstance(row.get("grown_final"), dict) else "")
                      + (f" Started from {row['start_weights']}."
                         if str(row.get("start_weights", "")).startswith("random") else ""))
         lines.append("")

@@ -699,12 +699,18 @@ def test_resume_with_more_trials_grows_a_finished_study(small, tmp_path, monkeyp
     monkeypatch.setattr(scenario.OptunaTuner, "choice", lambda self: (better, "a new winner"))
     assert run_main(*argv, "--resume", "--n-trials", "4") == 0
     changed = json.loads((out / "results.json").read_text())[-1]
-    assert changed["hpo"]["n_trials"] == 4 and changed["resumed_from_epoch"] is None
+    assert changed["hpo"]["n_trials"] == 4
+    if "grown_final" in changed:  # it validated below the earlier final run, which stays
+        assert changed["grown_final"]["settings"]["lr"] == 0.005
+        assert changed["settings"]["lr"] == grown["settings"]["lr"]
+        assert changed["test_acc"] == grown["test_acc"]
+        assert list(run_path(out).glob("hpo.grown-*.pt"))
+        return
+    assert changed["resumed_from_epoch"] is None
     assert (changed["settings"]["lr"], changed["settings"]["optimizer"]) == (0.005, "sgd")
     aside = list(run_path(out).glob("hpo.before-*.pt"))
     assert aside
-    # the final run set aside counts as tuning, and the row still says what it was (the model
-    # kept in the output dir may be that one, when it validated better)
+    # the final run set aside counts as tuning, and the row still says what it was
     replaced = changed["replaced_final"]
     assert replaced["checkpoint"] == str(aside[0]) and replaced["finished"]
     assert (replaced["val_acc"], replaced["test_acc"]) == (grown["val_acc"], grown["test_acc"])
@@ -1237,3 +1243,66 @@ def test_the_tuning_clock_is_written_while_tuning(tmp_path, monkeypatch):
             time.sleep(0.02)
         assert scenario.read_clock(clock) >= 30.0  # earlier sessions' seconds and this one's
     assert scenario.read_clock(clock) >= 30.0
+
+
+def test_a_grown_studys_new_final_run_gives_way_to_a_better_earlier_one(tmp_path):
+    """`--resume --n-trials K` changed the choice and trained it in full; it validated below
+    the final run before it: the row takes that run's model and figures, and its checkpoint
+    comes back as the hpo checkpoint, so a later --resume continues the model the row shows."""
+    from modules.results import checkpoint_file
+    final = checkpoint_file(tmp_path, "hpo", run_id="r")
+    final.parent.mkdir(parents=True)
+    final.write_bytes(b"new final")
+    aside = final.with_name("hpo.before-1.pt")
+    aside.write_bytes(b"earlier final")
+    replaced = {"checkpoint": str(aside), "seconds": 30.0, "finished": True}
+    earlier = {"scenario": "hpo", "run_id": "r", "val_acc": 0.6, "test_acc": 0.7,
+               "history": [{"epoch": 1}], "tuning_s": 20.0, "total_s": 50.0,
+               "settings": {"lr": 1e-3}, "hpo": {"n_trials": 2}}
+    new = {"scenario": "hpo", "run_id": "r", "val_acc": 0.5, "test_acc": 0.8, "epochs": 4,
+           "wall_s": 40.0, "tuning_s": 60.0, "total_s": 100.0, "settings": {"lr": 5e-3},
+           "hpo": {"n_trials": 3}, "replaced_final": replaced}
+    assert scenario.earlier_if_better(new, replaced, {**earlier, "val_acc": 0.5}, tmp_path,
+                                      "r") is new  # a tie keeps the new run
+    assert final.read_bytes() == b"new final"
+    kept = scenario.earlier_if_better(new, replaced, earlier, tmp_path, "r")
+    assert (kept["test_acc"], kept["settings"], kept["hpo"]) == (0.7, {"lr": 1e-3},
+                                                                 {"n_trials": 3})
+    assert kept["grown_final"]["val_acc"] == 0.5 and "replaced_final" not in kept
+    # all that ran still counts: the new final run as tuning, the earlier one as the final
+    assert (kept["total_s"], kept["tuning_s"]) == (100.0, 70.0)
+    assert final.read_bytes() == b"earlier final" and not aside.exists()
+    assert [p.read_bytes() for p in final.parent.glob("hpo.grown-*.pt")] == [b"new final"]
+    told = " ".join(report.versus_baseline_lines([{**earlier, "scenario": "baseline"}, kept]))
+    assert "its new choice was trained in full and validated at 50.0% (test 80.0%)" in told
+    assert scenario.earlier_if_better(new, None, None, tmp_path, "r") is new
+
+
+def test_a_kept_earlier_final_run_is_what_a_later_resume_continues(small, tmp_path,
+                                                                  monkeypatch):
+    """Its checkpoint came back as the hpo checkpoint: a --resume finds it finished, rather
+    than the new run the row does not show."""
+    out = tmp_path / "out"
+    argv = ("--data-dir", str(small), "--scenarios", "hpo", "--image-size", "32", "--epochs", "2",
+            "--weights", "none", "--no-progress", "--no-autotune", "--output-dir", str(out))
+    assert run_main(*argv, "--n-trials", "2") == 0
+    first = json.loads((out / "results.json").read_text())[-1]
+    better = {"lr": 0.005, "batch_size": 16, "optimizer": "sgd", "weight_decay": 1e-4}
+    monkeypatch.setattr(scenario.OptunaTuner, "choice", lambda self: (better, "a new winner"))
+    real = scenario.default_if_better
+    # the new choice's final run validates below the earlier one
+    monkeypatch.setattr(scenario, "default_if_better",
+                        lambda row, same: {**real(row, same), "val_acc": -1.0})
+    assert run_main(*argv, "--resume", "--n-trials", "3") == 0
+    kept = json.loads((out / "results.json").read_text())[-1]
+    assert kept["history"] == first["history"] and kept["test_acc"] == first["test_acc"]
+    assert kept["grown_final"]["settings"]["lr"] == 0.005
+    assert "validated at -100.0%" in (out / "report.md").read_text()
+    # nothing left to do: the kept run is found finished (resumed after its last epoch, not
+    # trained again), and the row stays
+    monkeypatch.undo()
+    monkeypatch.setattr(scenario.OptunaTuner, "choice", lambda self: (better, "a new winner"))
+    assert run_main(*argv, "--resume", "--n-trials", "3") == 0
+    again = json.loads((out / "results.json").read_text())[-1]
+    assert again["resumed_from_epoch"] == 2 and again["history"] == first["history"]
+    assert again["grown_final"] == kept["grown_final"]
