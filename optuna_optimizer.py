@@ -349,6 +349,9 @@ class OptunaTuner:
 
         try:
             result = fit(self.index, config, on_epoch=on_epoch)
+        except UserError as exc:  # an image unreadable mid-trial: the other ranks are in this
+            exc.amid_trial = True  # trial's collectives, not where rank 0 could tell them
+            raise
         except (DivergedError, RuntimeError) as exc:  # torch's OutOfMemoryError: a RuntimeError
             failed = trial_failure(exc)
             if failed is None:
@@ -912,7 +915,7 @@ def follow_trials(index) -> None:
     until end_trials(). Trials run on all ranks together rather than one per rank: the batch
     searched is the global batch the final run trains, and the study needs no storage that
     several processes write at once."""
-    while (config := distributed.from_main(None)) is not None:
+    while (config := distributed.expect(distributed.from_main(None))) is not None:
         def on_epoch(epoch: int, metrics: dict[str, float]) -> None:
             if distributed.from_main(None):
                 raise _Pruned

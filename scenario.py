@@ -201,9 +201,8 @@ def autotune_scenario(config: TrainConfig, args: RunOptions, index: DatasetIndex
         return config, None
     # Under torchrun every rank must train with the same settings: rank 0 measures (on its
     # own, the others idle meanwhile) and hands its choice to the others.
-    return distributed.from_main(_measure_settings(config, args, index, planned_steps, saved,
-                                                   time_capped)
-                                 if distributed.is_main() else None)
+    return main_computes(lambda: _measure_settings(config, args, index, planned_steps, saved,
+                                                   time_capped))
 
 
 def user_knobs(args: RunOptions) -> frozenset[str]:
@@ -954,7 +953,18 @@ def tune_hyperparameters(config: TrainConfig, args: RunOptions, index: DatasetIn
     if not distributed.is_main():
         # Under torchrun rank 0 runs the study; every trial trains data-parallel on all ranks.
         follow_trials(index)
-        return distributed.from_main(None), {}
+        return distributed.expect(distributed.from_main(None)), {}
+    try:
+        return _search(config, args, index, output_dir, device, earlier, default_size, budget)
+    except UserError as exc:  # a study of other data, a storage refused ... (between trials)
+        _tell_the_others(exc)
+        raise
+
+
+def _search(config: TrainConfig, args: RunOptions, index: DatasetIndex, output_dir: Path,
+            device: torch.device, earlier: EarlierTrial | None, default_size: int | None,
+            budget: tuple[float | None, str]) -> tuple[TrainConfig, dict[str, Any]]:
+    """tune_hyperparameters on rank 0 (outside torchrun, the only one)."""
     n_trials = trial_count(args)
     trial_epochs = search_epochs(config, default_size)
     trial_size = search_size(args, config.image_size)
@@ -1231,6 +1241,27 @@ def on_main(action: Callable[[], Any]) -> None:
         raise error
     if said is not None:
         raise UserError(said)
+
+
+def main_computes(action: Callable[[], Any]) -> Any:
+    """action() on rank 0, its value on every rank (from_main; outside torchrun, the value).
+    When it fails with the user's error, the other ranks stop with its first line rather
+    than at the next collective, a connection closed by a rank 0 that has left."""
+    if not distributed.is_main():
+        return distributed.expect(distributed.from_main(None))
+    try:
+        value = action()
+    except UserError as exc:
+        _tell_the_others(exc)
+        raise
+    return distributed.from_main(value)
+
+
+def _tell_the_others(exc: Exception) -> None:
+    """Rank 0's failure, sent where the other ranks wait for a value from it; not from inside
+    a trial, where they wait in its training's collectives instead."""
+    if distributed.world_size() > 1 and not getattr(exc, "amid_trial", False):
+        distributed.from_main(distributed.Failed(first_line(exc)))
 
 
 @contextlib.contextmanager

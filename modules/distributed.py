@@ -3,11 +3,14 @@ Outside torchrun (WORLD_SIZE unset or 1) every function is a cheap no-op."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from modules.config import UserError
 
 # How long a rank waits at a collective for the others. Rank 0 alone measures the speed knobs
 # (bounded by a share of the planned training time) while the others wait for its choice.
@@ -68,6 +71,21 @@ def all_agree(flag: bool, device: torch.device) -> bool:
     value = torch.tensor(int(flag), device=device)
     dist.all_reduce(value, op=dist.ReduceOp.MIN)
     return bool(value.item())
+
+
+@dataclass(frozen=True)
+class Failed:
+    """What rank 0 sends where the other ranks wait for a value (from_main) when the work that
+    makes it failed: they stop with its first line instead of at the next collective, a
+    connection closed by a rank 0 that has left, with a traceback."""
+    message: str
+
+
+def expect(value):
+    """A value from rank 0 (from_main), or its failure raised here as the user's error."""
+    if isinstance(value, Failed):
+        raise UserError(value.message)
+    return value
 
 
 def from_main(value):

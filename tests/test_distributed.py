@@ -190,3 +190,22 @@ def test_each_rank_draws_its_own_augmentation_and_dropout(tmp_path):
         prepare(index_dataset(data), TrainConfig(weights="none", image_size=32, batch_size=4,
                                                  device="cpu", seed=3))
         assert torch.equal(torch.rand(4), zero["draws"])
+
+
+def test_a_users_error_on_rank_0_alone_stops_every_rank_in_one_line(tmp_path):
+    """Rank 0 runs the study alone: when it refuses the study (here one of other data), the
+    other rank, waiting for the first trial, printed a gloo traceback ("Connection closed by
+    peer") where rank 0 printed one line."""
+    import optuna
+    data = make_folder(tmp_path / "d", n_train=8, n_test=2)
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    study = optuna.create_study(storage=url, study_name="hpo-d", direction="maximize")
+    study.set_user_attr("data_fingerprint", "other images")
+    proc = torchrun("--data-dir", str(data), "--scenarios", "hpo", "--epochs", "1",
+                    "--image-size", "32", "--weights", "none", "--no-progress", "--n-trials", "1",
+                    "--no-autotune", "--storage", url, "--output-dir", str(tmp_path / "out"))
+    assert proc.returncode != 0
+    assert proc.stderr.count("error: study 'hpo-d'") == 2, proc.stderr[-3000:]
+    # torchrun's launcher prints its own summary of the exit codes; no rank a traceback
+    assert "[rank1]" not in proc.stderr and "Connection closed" not in proc.stderr, \
+        proc.stderr[-3000:]
