@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from modules import distributed
-from modules.config import TrainConfig, UserError
+from modules.config import TrainConfig, UserError, first_line
 from modules.files import atomic_torch_save, read_torch_file
 
 log = logging.getLogger(__name__)
@@ -77,9 +77,11 @@ class CheckpointSaver:
     def restore(self, model: nn.Module, optimizer, scheduler, scaler) -> Progress | None:
         """Load the checkpoint into the run's objects and the random streams; None when there
         is none. A checkpoint of other settings is refused in one line."""
-        if self.path is None or not self.path.exists():
+        if self.path is None:
             return None
-        ckpt = load_checkpoint(self.path)
+        ckpt = self._read()
+        if ckpt is None:
+            return None
         check_resumable(ckpt, self.config, self.path)
         saved = ckpt.get("layout") or {}  # absent from older checkpoints
         if saved.get("world_size", self.layout["world_size"]) != self.layout["world_size"]:
@@ -111,6 +113,24 @@ class CheckpointSaver:
                         start_epoch=self.config.epochs if ckpt["finished"] else ckpt["epoch"],
                         resumed_from=ckpt["epoch"],
                         timing=ckpt.get("timing", {}))  # absent from older checkpoints
+
+    def _read(self) -> dict[str, Any] | None:
+        """The checkpoint, None when there is none. Under torchrun rank 0's, on every rank:
+        only rank 0 writes checkpoints, so on another machine there is none (or an older
+        copy), and a rank that started afresh while rank 0 resumed would train with its own
+        optimizer state until the ranks' collectives fell out of step."""
+        def read() -> dict[str, Any] | None:
+            return load_checkpoint(self.path) if self.path.exists() else None
+        if distributed.world_size() == 1:
+            return read()
+        if not distributed.is_main():
+            return distributed.expect(distributed.from_main(None))
+        try:
+            ckpt = read()
+        except UserError as exc:  # unreadable: every rank stops with its line
+            distributed.from_main(distributed.Failed(first_line(exc)))
+            raise
+        return distributed.from_main(ckpt)
 
     def save(self, progress: Progress, finished: bool, model: nn.Module, optimizer, scheduler,
              scaler, timing: dict[str, Any]) -> None:

@@ -209,3 +209,52 @@ def test_a_users_error_on_rank_0_alone_stops_every_rank_in_one_line(tmp_path):
     # torchrun's launcher prints its own summary of the exit codes; no rank a traceback
     assert "[rank1]" not in proc.stderr and "Connection closed" not in proc.stderr, \
         proc.stderr[-3000:]
+
+
+def _resume_on_two_machines(rank: int, init_file: str, folder: str, out: str) -> None:
+    import torch.distributed as dist
+    from torch import nn
+
+    from modules.checkpoints import CheckpointSaver, Progress
+    from modules.config import TrainConfig
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    config = TrainConfig(weights="none", image_size=32, batch_size=4, device="cpu", epochs=3)
+
+    def objects(seed: int):
+        torch.manual_seed(seed)
+        model = nn.Linear(4, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)
+        return model, optimizer, scheduler, torch.amp.GradScaler("cpu", enabled=False)
+    # each rank's own disk: only rank 0 wrote a checkpoint, into its own folder
+    path = f"{folder}/{rank}/baseline.pt"
+    model, optimizer, scheduler, scaler = objects(0)
+    model(torch.ones(1, 4)).sum().backward()
+    optimizer.step()
+    scheduler.step()
+    progress = Progress(history=[{"epoch": 1, "val_acc": 0.5, "elapsed_s": 1.0}],
+                        best={"acc": 0.5, "epoch": 1, "state": None})
+    CheckpointSaver(path, config, 7).save(progress, False, model, optimizer, scheduler, scaler,
+                                          {})
+    dist.barrier()
+    fresh = objects(rank + 10)  # each rank starts elsewhere
+    restored = CheckpointSaver(path, config, 7).restore(*fresh)
+    torch.save({"epoch": restored.resumed_from if restored else None,
+                "weight": fresh[0].weight.detach().clone(),
+                "momentum": fresh[1].state_dict()["state"][0]["momentum_buffer"],
+                "lr": fresh[2].get_last_lr()}, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_a_resume_on_several_machines_continues_rank_0s_checkpoint_everywhere(tmp_path):
+    """Only rank 0 writes checkpoints: another machine has none, and its rank started afresh
+    while rank 0 resumed (its own optimizer state, then collectives out of step)."""
+    import torch.multiprocessing as mp
+    out = str(tmp_path / "state")
+    mp.spawn(_resume_on_two_machines, args=(str(tmp_path / "init"), str(tmp_path), out),
+             nprocs=2)
+    assert not (tmp_path / "1" / "baseline.pt").exists()
+    zero, one = torch.load(f"{out}.0"), torch.load(f"{out}.1")
+    assert zero["epoch"] == one["epoch"] == 1
+    assert torch.equal(zero["weight"], one["weight"])
+    assert torch.equal(zero["momentum"], one["momentum"]) and zero["lr"] == one["lr"]
