@@ -221,6 +221,9 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
         time_to_best_s=best_row["elapsed_s"] if best_row else 0.0, timing=timer.summary(),
         settings={"device": str(device), "amp_dtype": str(dtype).replace("torch.", "") if dtype
                   else "fp32", "effective_batch_size": config.effective_batch_size,
+                  # per optimizer step over all of torchrun's processes (--batch-size is each
+                  # process's)
+                  "global_batch_size": config.effective_batch_size * distributed.world_size(),
                   "micro_batch_size": math.ceil(config.batch_size / epochs.splits),
                   "oom_recoveries": epochs.oom_recoveries,
                   "compile_failed": epochs.compile_failed,

@@ -35,6 +35,8 @@ def test_two_processes_train_one_model_and_run_all_three_scenarios(tmp_path):
     rows = json.loads((out / "results.json").read_text())
     assert [r["scenario"] for r in rows] == ["baseline", "resolution", "hpo"]
     assert all(r["settings"]["world_size"] == 2 for r in rows)
+    assert all(r["settings"]["global_batch_size"] == 2 * r["settings"]["effective_batch_size"]
+               for r in rows)
     # the baseline: one model trained by both processes, its outputs written once
     assert len(rows[0]["history"]) == 2 and 0 <= rows[0]["test_acc"] <= 1
     assert (run_path(out) / "baseline.pt").exists() and (out / "d_model.pt").exists()
