@@ -28,7 +28,7 @@ from modules.device import resolve_device
 from modules.files import atomic_write_text
 from modules.oom import release
 from modules.report import figure, finite_number
-from modules.selection import accuracy_se, clearly_ahead, informative, tie_margin
+from modules.selection import accuracy_se, clearly_ahead, informative, ties
 from modules.trainer import DivergedError, fit, trial_failure
 
 log = logging.getLogger(__name__)
@@ -277,7 +277,7 @@ class ResolutionTuner:
                      "classes, and a size that cost the same has left it", 100 * default.val_acc,
                      num_classes)
         top = max(t.val_acc for t in trials)
-        tied = [t.image_size for t in trials if top - t.val_acc <= tie_margin(top, t.val_acc, n_val)]
+        tied = [t.image_size for t in trials if ties(top, t.val_acc, n_val)]
         return default_size if default_size in tied else min(tied)
 
     def tradeoff(self) -> list[dict[str, Any]]:

@@ -17,9 +17,19 @@ def tie_margin(a: float, b: float, n: int) -> float:
     return max(math.hypot(accuracy_se(a, n), accuracy_se(b, n)), 1.0 / max(1, n))
 
 
+# Accuracies are image counts over n: a gap that equals the margin in images (one image, at
+# 100%) must tie whichever way its floats round (1.0 - 0.99 = 0.010000000000000009).
+EPS = 1e-9
+
+
 def beats(challenger: float, incumbent: float, n: int) -> bool:
     """Whether `challenger` is better than `incumbent` by more than the noise."""
-    return challenger - incumbent > tie_margin(challenger, incumbent, n)
+    return challenger - incumbent > tie_margin(challenger, incumbent, n) + EPS
+
+
+def ties(a: float, b: float, n: int) -> bool:
+    """Whether two accuracies are within the noise of each other."""
+    return abs(a - b) <= tie_margin(a, b, n) + EPS
 
 
 def informative(acc: float, n: int, num_classes: int) -> bool:

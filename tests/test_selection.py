@@ -22,3 +22,15 @@ def test_clearly_ahead_needs_a_leader_clear_of_chance_and_beyond_the_noise():
     assert not clearly_ahead(0.115, 0.05, 1000, 10)  # far ahead, but still at chance
     assert not clearly_ahead(0.41, 0.40, 1000, 10)   # clear of chance, within the noise
     assert clearly_ahead(0.50, 0.40, 1000, 10)
+
+
+def test_a_one_image_gap_at_full_accuracy_ties_whatever_the_rounding():
+    """At 100% both standard errors are under one image, so the one-image floor is the
+    margin and the gap equals it: 1.0 - 0.99 rounded above it, 1.0 - 119/120 below."""
+    from modules.selection import ties
+    from resolution_tuner import ResolutionTrial, ResolutionTuner
+    for n in (50, 100, 120, 300, 658, 1000):
+        assert not beats(1.0, (n - 1) / n, n) and ties(1.0, (n - 1) / n, n), n
+        assert beats(1.0, (n - 2) / n, n) or n < 10, n
+        trials = [ResolutionTrial(64, (n - 1) / n, 1, 1, 1), ResolutionTrial(96, 1.0, 1, 1, 1)]
+        assert ResolutionTuner.pick(trials, n, 64, 10) == 64, n  # a tie keeps the default
