@@ -73,33 +73,65 @@ def _probe(config: TrainConfig, num_classes: int, batch_size: int, device: torch
     return None
 
 
+def _largest_fitting(config: TrainConfig, num_classes: int, device: torch.device,
+                     fits: int, over: int) -> int:
+    """The largest batch from `fits` (known to fit; 0: none known) below `over` (known not
+    to), by bisection: a few probes, each a new shape."""
+    while over - fits > 1:
+        middle = (fits + over) // 2
+        if _probe(config, num_classes, middle, device) is None:
+            over = middle
+        else:
+            fits = middle
+    return fits
+
+
 def _max_batch_size(config: TrainConfig, num_classes: int, device: torch.device,
                     upto: int | None, margin: float) -> int:
     small, large = PROBE_BATCHES
+    if upto is not None:  # never a probe past what the caller would use
+        small, large = min(small, upto), min(large, upto)
     low = _probe(config, num_classes, small, device)
-    if low is None:
-        free, total = torch.cuda.mem_get_info(device)
-        raise UserError(f"a training step of {small} images at {config.image_size} px does not "
-                        f"fit in the GPU's memory ({free / 2**20:.0f} MB free of "
-                        f"{total / 2**20:.0f} MB): use a smaller --image-size, or free the GPU.")
-    high = _probe(config, num_classes, large, device)
-    if high is None:
+    if low is None:  # fewer images than the smallest probe
+        fits = _largest_fitting(config, num_classes, device, 0, small)
+        if fits < 1:
+            free, total = torch.cuda.mem_get_info(device)
+            raise UserError(f"a training step of 1 image at {config.image_size} px does not "
+                            f"fit in the GPU's memory ({free / 2**20:.0f} MB free of "
+                            f"{total / 2**20:.0f} MB): use a smaller --image-size, or free "
+                            "the GPU.")
         log.info("memory probe at %d px: a step of %d images does not fit; %d do",
-                 config.image_size, large, small)
-        return small if upto is None else min(small, upto)
+                 config.image_size, small, fits)
+        return fits
+    if large == small:
+        return small
+    high = _probe(config, num_classes, large, device)
+    if high is None:  # between the two probes
+        fits = _largest_fitting(config, num_classes, device, small, large)
+        log.info("memory probe at %d px: a step of %d images does not fit; %d do",
+                 config.image_size, fits + 1, fits)
+        return fits
     per_sample = max(1.0, (high - low) / (large - small))
     fixed = low - per_sample * small
     total = torch.cuda.get_device_properties(device).total_memory
-    fits = max(1, int((margin * total - fixed) / per_sample))
+    budget = margin * total
+    fits = max(1, int((budget - fixed) / per_sample))
     if upto is not None:
         fits = min(fits, upto)
     # Large batches can pick cuDNN algorithms with bigger workspaces than the line predicts:
-    # a third probe at the prediction scales it down when it overshoots (far over: halve).
-    peak = _probe(config, num_classes, fits, device)
-    if peak is None:
-        peak = 2 * margin * total
-    if peak > margin * total:
-        fits = max(1, int(fits * margin * total / peak))
+    # a third probe at the prediction halves the batch when it ran out of memory, and when it
+    # overshot, takes the smaller of two readings of the overshoot: a larger fixed part (a
+    # workspace) at the same cost an image, or a steeper cost an image through the first
+    # probe. Scaling the batch alone would leave the fixed part over the budget.
+    if fits > large:
+        peak = _probe(config, num_classes, fits, device)
+        if peak is None:
+            fits = max(1, fits // 2)
+        elif peak > budget:
+            fixed_more = peak - per_sample * fits
+            steeper = max(1.0, (peak - low) / (fits - small))
+            fits = max(1, min(int((budget - fixed_more) / per_sample),
+                              int((budget - (low - steeper * small)) / steeper)))
     log.info("memory probe at %d px: %.1f MB per sample, %.0f MB fixed; up to batch %d fits in "
              "%.0f%% of %.0f MB", config.image_size, per_sample / 2**20, fixed / 2**20, fits,
              100 * margin, total / 2**20)

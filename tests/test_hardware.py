@@ -48,10 +48,30 @@ def test_a_probe_that_runs_out_of_memory_ends_in_one_line_or_a_smaller_batch(mon
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device=None: SimpleNamespace(total_memory=16 * 2**30))
     cuda = torch.device("cuda")
-    with pytest.raises(UserError, match=r"4 images at 64 px does not fit .*1024 MB free of "
+    with pytest.raises(UserError, match=r"1 image at 64 px does not fit .*1024 MB free of "
                                         r"16384 MB.*--image-size"):
         max_batch_size(CONFIG, 6, cuda)
+    assert len(released) == 3  # 4, 2 and 1 did not fit: each one's memory handed back
     fits_up_to["n"] = 4  # 16 does not fit: the search and autotune stay at 4
     assert max_batch_size(CONFIG, 6, cuda) == 4
     assert max_batch_size(CONFIG, 6, cuda, upto=2) == 2
-    assert len(released) == 3  # each failed probe's memory handed back
+    # never a probe past `upto`, and the largest that fits below a probe that did not
+    fits_up_to["n"] = 10
+    assert max_batch_size(CONFIG, 6, cuda, upto=8) == 8  # 16 was probed: 4 came back
+    assert max_batch_size(CONFIG, 6, cuda) == 10
+    fits_up_to["n"] = 2
+    assert max_batch_size(CONFIG, 6, cuda, upto=3) == 2  # 3 did not fit, 2 does
+
+
+def test_a_third_probe_that_overshoots_refits_the_line_with_its_fixed_part(monkeypatch):
+    """1 GiB fixed, 10 MiB an image, and 4 GiB of workspace above 16 images: scaling the
+    batch by the overshoot kept the fixed part's share over the budget (920, 13.98 GiB of a
+    12.8 GiB budget)."""
+    def peak(batch_size):
+        return 2**30 + batch_size * 10 * 2**20 + (4 * 2**30 if batch_size > 16 else 0)
+    monkeypatch.setattr(modules.hardware, "step_peak_bytes",
+                        lambda config, num_classes, batch_size, device: peak(batch_size))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: SimpleNamespace(total_memory=16 * 2**30))
+    fits = max_batch_size(CONFIG, 6, torch.device("cuda"), margin=0.8)
+    assert peak(fits) <= 0.8 * 16 * 2**30 and fits > 16
