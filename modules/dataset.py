@@ -621,8 +621,11 @@ def train_sampler(n: int, seed: int) -> Sampler[int]:
     equal shard per process (every rank must take the same number of steps); evaluation is
     sharded by eval_sampler."""
     if distributed.world_size() > 1:
+        # It seeds with seed + epoch: spread as EpochSampler does, or --seed 42's second epoch
+        # would be --seed 43's first.
         return DistributedSampler(range(n), num_replicas=distributed.world_size(),
-                                  rank=distributed.rank(), shuffle=True, seed=seed, drop_last=True)
+                                  rank=distributed.rank(), shuffle=True, seed=seed * 100_003,
+                                  drop_last=True)
     return EpochSampler(n, seed)
 
 

@@ -59,7 +59,11 @@ MEANS_CHUNK = 256  # images converted to float at a time while their means are t
 # ----------------------------------------------------------------------------- the cache
 
 def decode_resized(path: str, size: int) -> np.ndarray:
-    """One image as a size x size x 3 uint8 array, resized like dataset.eval_transform."""
+    """One image as a size x size x 3 uint8 array, resized as dataset.eval_transform resizes,
+    after a JPEG's draft decode at the smallest DCT scale of at least `size` (from twice the
+    size up, pixels differ from a full decode by 1-2 levels on average): the model trains and
+    tests on these pixels, and its saved file says so (`decode: draft`), so that predict()
+    decodes as it did."""
     try:
         rgb = load_rgb(path, draft=size)
         if rgb.size != (size, size):

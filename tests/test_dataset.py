@@ -285,6 +285,21 @@ def test_epoch_sampler_order_depends_only_on_seed_and_epoch():
     assert list(a) != list(b)
 
 
+def test_adjacent_seeds_do_not_share_shuffles_under_torchrun(monkeypatch):
+    """DistributedSampler seeds with seed + epoch: --seed 42's second epoch was --seed 43's
+    first."""
+    from modules import dataset, distributed
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    monkeypatch.setattr(distributed, "rank", lambda: 0)
+
+    def order(seed, epoch):
+        sampler = dataset.train_sampler(100, seed)
+        sampler.set_epoch(epoch)
+        return list(sampler)
+    assert order(42, 1) != order(43, 0) and order(42, 5) != order(44, 3)
+    assert order(42, 1) == order(42, 1)
+
+
 def test_subset_keeps_the_first_n_per_class(folder):
     index = subset(index_dataset(folder), {"train": 2, "test": 1})
     assert len(index.train) == 6 and len(index.test) == 3
