@@ -31,8 +31,12 @@ def evaluate(model: nn.Module, loader, *, device: torch.device | str | None = No
     # Summed across processes below, only when each evaluated its own share (torchmetrics
     # would otherwise sum whole copies under torchrun). Predictions are an argmax and labels
     # the loader's: checking them would wait for the GPU at every batch.
+    # A row of non-finite logits (fp16 overflow, a diverged model) is no prediction: argmax
+    # would read NaN as the largest and score it class 0. It is left out of the confusion
+    # matrix (ignore_index) and counted wrong, for its class, in `unscored`.
     confusion = MulticlassConfusionMatrix(num_classes=num_classes, sync_on_compute=False,
-                                          validate_args=False).to(device)
+                                          validate_args=False, ignore_index=-1).to(device)
+    unscored = torch.zeros(num_classes, device=device, dtype=torch.float64)
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     was_training = model.training
     model.eval()
@@ -52,7 +56,9 @@ def evaluate(model: nn.Module, loader, *, device: torch.device | str | None = No
                 release(device)
                 splits = _smaller_pieces(splits, x.shape[0], tuple(x.shape[2:]))
             loss_sum += F.cross_entropy(logits.float(), y, reduction="sum")
-            confusion.update(logits, y)
+            scored = torch.isfinite(logits).all(dim=1)  # no host sync: masks, not indexing
+            confusion.update(logits.nan_to_num(0.0), torch.where(scored, y, -1))
+            unscored += (F.one_hot(y, num_classes) * (~scored).unsqueeze(1)).sum(dim=0)
     finally:
         model.train(was_training)
     matrix = confusion.compute()
@@ -60,16 +66,19 @@ def evaluate(model: nn.Module, loader, *, device: torch.device | str | None = No
         # Under torchrun each process evaluated its own share (EvalShard): sum the shares.
         distributed.all_reduce_sum(matrix)
         distributed.all_reduce_sum(loss_sum)
-    matrix = matrix.cpu()
-    total = int(matrix.sum())
+        distributed.all_reduce_sum(unscored)
+    matrix, unscored = matrix.cpu(), unscored.cpu()
+    per_class_n = matrix.sum(dim=1).double() + unscored
+    total = int(per_class_n.sum())
     if total == 0:
         return {"loss": float("nan"), "acc": float("nan"), "per_class_acc": [], "confusion": [],
-                "n": 0}
+                "n": 0, "unscored": 0}
     # A class without images in this split has no accuracy (NaN, null in results.json),
     # not 0%: with a seeded split of a tiny class it happens.
-    per_class = matrix.diag() / matrix.sum(dim=1)
+    per_class = matrix.diag().double() / per_class_n
     return {"loss": loss_sum.item() / total, "acc": matrix.diag().sum().item() / total,
-            "per_class_acc": per_class.tolist(), "confusion": matrix.tolist(), "n": total}
+            "per_class_acc": per_class.tolist(), "confusion": matrix.tolist(), "n": total,
+            "unscored": int(unscored.sum())}
 
 
 def _logits(model: nn.Module, x: torch.Tensor, splits: int, device: torch.device,

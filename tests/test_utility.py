@@ -222,6 +222,30 @@ def test_a_class_without_test_images_has_no_accuracy_not_zero(tmp_path, monkeypa
         assert labels == ["100", "0", "no test images"]
 
 
+def test_non_finite_logits_are_no_prediction():
+    """argmax reads NaN as the largest: a model answering NaN scored class 0 right (66.7% on
+    four of six images of class 0) beside a NaN loss."""
+    from modules.evaluation import evaluate
+
+    class Broken(torch.nn.Module):
+        num_classes = 3
+
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(()))
+
+        def forward(self, x):  # the first two images' logits overflow, the rest predict 0
+            out = torch.tensor([[5.0, 0.0, 0.0]]).repeat(len(x), 1) + self.w
+            out[:2] = float("nan")
+            return out
+
+    y = torch.tensor([0, 0, 0, 0, 1, 2])
+    result = evaluate(Broken(), [(torch.zeros(6, 3, 8, 8), y)], device="cpu")
+    assert result["acc"] == pytest.approx(2 / 6) and result["n"] == 6 and result["unscored"] == 2
+    assert result["per_class_acc"] == pytest.approx([0.5, 0.0, 0.0])
+    assert sum(map(sum, result["confusion"])) == 4 and math.isnan(result["loss"])
+
+
 def test_class_names_that_read_as_numbers_plot_without_a_log_line(tmp_path, caplog):
     """Digit folders are named 0..9: the per-class chart says nothing in the run's log."""
     from modules.report import plot_confusion
