@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import os
 import logging
 from pathlib import Path
 
@@ -154,12 +155,19 @@ def _load_imagenet(model: nn.Module, name: str) -> None:
     if name in _UNREACHABLE:  # said once already; tuners build many models
         return
     weights = _WEIGHTS[name]
+    cached = Path(torch.hub.get_dir()) / "checkpoints" / Path(weights.url).name
+    aside = None
     try:
-        # torch.hub prints a "Downloading ..." line even with progress off; keep the console to
-        # the one line below when it fails. The file name carries the start of its SHA-256,
-        # which check_hash verifies on download; weights_only reads it without running code.
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            state = weights.get_state_dict(progress=False, check_hash=True, weights_only=True)
+        try:
+            state = _fetch(weights)
+        except Exception:
+            if not cached.is_file():
+                raise
+            # torch.hub never downloads a file it has again: a torn or damaged copy (a
+            # disconnect mid-download) would fail every run. Kept aside, fetched once more.
+            aside = cached.with_name(cached.name + ".unreadable")
+            os.replace(cached, aside)
+            state = _fetch(weights)
     except Exception as exc:  # offline, proxy, corrupt cache: training from scratch still works
         reason = first_line(exc)
         if isinstance(exc, RuntimeError) and "invalid hash value" in reason:
@@ -168,12 +176,23 @@ def _load_imagenet(model: nn.Module, name: str) -> None:
                             f"published hash ({reason}); nothing was kept. Retry, or use "
                             "--weights none or --weights PATH.") from None
         _UNREACHABLE.add(name)
-        log.warning("ImageNet weights for %s could not be fetched (%s); training from random "
+        log.warning("ImageNet weights for %s could not be fetched (%s)%s; training from random "
                     "initialization. Use --weights none to silence this, or --weights PATH.",
-                    name, reason)
+                    name, reason, "" if aside is None else
+                    f"; the cached copy could not be read and is kept aside as {aside}")
         return
     model.load_state_dict(state)
-    log.info("loaded ImageNet weights for %s", name)
+    log.info("loaded ImageNet weights for %s%s", name, "" if aside is None else
+             f" (downloaded again: the cached copy could not be read, kept aside as {aside})")
+
+
+def _fetch(weights) -> dict[str, torch.Tensor]:
+    """torchvision's weights, from torch.hub's cache or downloaded into it. torch.hub prints
+    a "Downloading ..." line even with progress off; the console keeps to _load_imagenet's one
+    line when it fails. The file name carries the start of its SHA-256, which check_hash
+    verifies on download; weights_only reads it without running code."""
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        return weights.get_state_dict(progress=False, check_hash=True, weights_only=True)
 
 
 def strip_prefixes(key: str) -> str:

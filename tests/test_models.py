@@ -18,8 +18,9 @@ def test_heads_have_one_output_per_class(name):
     assert model(torch.randn(2, 3, 64, 64)).shape == (2, 4) and model.num_classes == 4
 
 
-def test_offline_imagenet_weights_fall_back_with_one_warning(monkeypatch, caplog):
+def test_offline_imagenet_weights_fall_back_with_one_warning(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(models, "_UNREACHABLE", set())
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))  # no cached copy
 
     def offline(*_, **__):
         raise urllib.error.URLError("[Errno -2] Name or service not known")
@@ -52,6 +53,47 @@ def test_imagenet_weights_come_from_the_hub_cache_offline(tmp_path, monkeypatch)
     torch.save(reference.state_dict(), cached)
     model = build_model("squeezenet1_1", 6, "imagenet")
     torch.testing.assert_close(model.features[0].weight, reference.features[0].weight)
+
+
+def test_a_damaged_cached_copy_is_kept_aside_and_fetched_again(tmp_path, monkeypatch, caplog):
+    """torch.hub never downloads a file it has: a copy torn by a disconnect failed every run,
+    with a message that blamed fetching, cut mid-word."""
+    monkeypatch.setattr(models, "_UNREACHABLE", set())
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    url = torchvision.models.SqueezeNet1_1_Weights.IMAGENET1K_V1.url
+    cached = tmp_path / "hub" / "checkpoints" / url.rsplit("/", 1)[-1]
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(b"PK\x03\x04 half a zip")
+    reference = torchvision.models.squeezenet1_1(weights=None)
+
+    def download(url, model_dir, **_):  # online again: the file arrives whole
+        torch.save(reference.state_dict(), cached)
+        return torch.load(cached, weights_only=True)
+    real = torch.hub.load_state_dict_from_url
+
+    def hub(url, model_dir=None, **kw):
+        return real(url, model_dir=model_dir, **kw) if cached.exists() else \
+            download(url, model_dir)
+    import torchvision.models._api as api  # what torchvision calls
+    monkeypatch.setattr(api, "load_state_dict_from_url", hub)
+    with caplog.at_level(logging.INFO):
+        model = build_model("squeezenet1_1", 6, "imagenet")
+    torch.testing.assert_close(model.features[0].weight, reference.features[0].weight)
+    assert (cached.parent / (cached.name + ".unreadable")).read_bytes().startswith(b"PK")
+    assert "downloaded again: the cached copy could not be read" in caplog.text
+    # offline: said so, and where the damaged copy went
+    monkeypatch.setattr(models, "_UNREACHABLE", set())
+    cached.write_bytes(b"garbage")
+
+    def offline(url, model_dir=None, **kw):
+        if cached.exists():
+            return real(url, model_dir=model_dir, **kw)
+        raise urllib.error.URLError("[Errno -2] Name or service not known")
+    monkeypatch.setattr(api, "load_state_dict_from_url", offline)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        build_model("squeezenet1_1", 6, "imagenet")
+    assert "could not be read and is kept aside" in caplog.text and not cached.exists()
 
 
 def test_weights_from_a_file_fit_a_new_head(tmp_path):
