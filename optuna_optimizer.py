@@ -145,6 +145,14 @@ class _BeyondNoise(optuna.pruners.BasePruner):
         self.epochs, self.early = epochs, tuple(early)
 
     def prune(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> bool:
+        # The default trial is what every winner is judged against (choice): stopped (on a
+        # shared study, by another worker's faster trial), none would be, and the default
+        # would be kept however far behind. It is asked all the same, so that successive
+        # halving records its rungs, the yardstick of the others.
+        stop = self._prune(study, trial)
+        return stop and not trial.user_attrs.get("default")
+
+    def _prune(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> bool:
         step = trial.last_step
         # At its last epoch a trial has cost all it will: stopping it saves nothing and would
         # tell the sampler a finished result is poor. (Successive halving, first asked once a
@@ -279,7 +287,7 @@ class OptunaTuner:
 
     def suggest(self, trial) -> TrainConfig:
         """The base config with this trial's hyperparameters (the default trial: the base
-        config itself, whose weight decay may lie below the searched range)."""
+        config itself, whose values may lie outside the searched ranges: default_params)."""
         params = {name: trial.suggest_categorical(name, list(space.choices))
                   if isinstance(space, optuna.distributions.CategoricalDistribution)
                   else trial.suggest_float(name, space.low, space.high, log=space.log)
@@ -287,13 +295,17 @@ class OptunaTuner:
         return self._config(params, default=bool(trial.user_attrs.get("default")))
 
     def _config(self, params: dict, *, default: bool) -> TrainConfig:
-        """The base config at `params`; the default trial keeps the base's weight decay."""
+        """The base config at `params`; the default trial trains the base's own values, which
+        "keeping the default" trains in full (a --lr 0.05 above the searched range, a batch
+        between its choices, weight decay 0 below it)."""
         if default:
-            params = {**params, "weight_decay": self.base.weight_decay}
+            params = {k: getattr(self.base, k) for k in self.SEARCHED}
         return self.base.as_trial(epochs=self.epochs, **params)
 
     def default_params(self) -> dict:
-        """The base configuration as a point of the search space: the first trial."""
+        """The base configuration as a point of the search space, which the study records for
+        the first trial (its sampler models the space); what it trains is the base's own
+        values (_config)."""
         b = self.base
         lr = min(max(b.lr, self.LR_RANGE[0]), self.LR_RANGE[1])
         wd = min(max(b.weight_decay, self.WEIGHT_DECAY_RANGE[0]), self.WEIGHT_DECAY_RANGE[1])
@@ -349,17 +361,19 @@ class OptunaTuner:
 
         try:
             result = fit(self.index, config, on_epoch=on_epoch)
-        except UserError as exc:  # an image unreadable mid-trial: the other ranks are in this
-            exc.amid_trial = True  # trial's collectives, not where rank 0 could tell them
-            raise
         except (DivergedError, RuntimeError) as exc:  # torch's OutOfMemoryError: a RuntimeError
             failed = trial_failure(exc)
             if failed is None:
+                if isinstance(exc, UserError):
+                    exc.amid_trial = True  # see below
                 raise
             if failed == "diverged":
                 trial.set_user_attr("pruned_reason", str(exc))
                 raise optuna.TrialPruned(str(exc)) from None
             result = None
+        except UserError as exc:  # an image unreadable mid-trial: the other ranks are in this
+            exc.amid_trial = True  # trial's collectives, not where rank 0 could tell them
+            raise
         if result is None:
             # Outside the except block, whose traceback holds the trial's model: so the next
             # trial starts with the memory back.
@@ -827,7 +841,7 @@ class OptunaTuner:
         takes more steps per epoch, and in trials this short a lead at equal epochs is mostly
         those extra steps: the search's batch-16 winners led the default after 4 epochs and
         ended below it (docs/tuning.md)."""
-        ratio = trial.params["batch_size"] / default.params["batch_size"]
+        ratio = trial.params["batch_size"] / self.base.batch_size  # what the default trained
         last = max(1, min(self.epochs, int(self.epochs * ratio + 1e-9)))
         values = [v for epoch, v in trial.intermediate_values.items() if epoch <= last]
         return (max(values) if values and last < self.epochs else trial.value), last
@@ -839,8 +853,9 @@ class OptunaTuner:
 
     # ------------------------------------------------------------------------- outputs
 
-    def save_plots(self) -> list[Path]:
-        """optuna_history.{html,png}, optuna_importance.html (when computable), best_params.json."""
+    def save_plots(self, summary: dict | None = None) -> list[Path]:
+        """optuna_history.{html,png}, optuna_importance.html (when computable), best_params.json
+        (from `summary`, the run's decision, when given; else the study's summary())."""
         study = self._require_study()
         import optuna.visualization as vis  # imported late: it loads plotly
         written: list[Path] = []
@@ -867,11 +882,12 @@ class OptunaTuner:
 
         written.append(self._history_png(complete))
         path = self.output_dir / "best_params.json"
-        summary = self.summary()
+        summary = summary or self.summary()
         # The study's best is not always what the final run trains (choice): both, and why.
         kept = {k: summary[k] for k in ("best_params", "best_value", "keeps_default", "choice",
                                         "n_trials", "n_complete", "n_pruned")}
-        kept["trained_params"] = summary["chosen_params"] or self.default_params()
+        kept["trained_params"] = summary["chosen_params"] or {
+            k: getattr(self.default_config(), k) for k in self.SEARCHED}
         kept["study_name"] = self.study_name  # hpo-<dataset>-<run>: which run's search
         path.write_text(json.dumps(kept, indent=2, sort_keys=True))
         written.append(path)

@@ -1011,7 +1011,6 @@ def _search(config: TrainConfig, args: RunOptions, index: DatasetIndex, output_d
     # Grown in this session, or in an earlier one cut short before its final run was decided
     # again (trials another worker adds to a shared study do not make it train again).
     grow = started is not None and (tuner.new_trials > 0 or tuner.growth_pending())
-    tuner.save_plots()
     log.info("hpo: %s", summary["choice"])
     params = summary["chosen_params"] or {k: getattr(config, k) for k in OptunaTuner.SEARCHED}
     chosen = dataclasses.replace(config, **params)
@@ -1030,7 +1029,10 @@ def _search(config: TrainConfig, args: RunOptions, index: DatasetIndex, output_d
                 log.info("hpo: the choice did not change: the final run is not trained again")
             chosen, trained_anew = before, False  # it continues from its checkpoint
             warm = resumed_start(output_dir, args, index.name, before.weights)
+            summary = continued_summary(summary, before, tuner)
+            tuner.save_plots(summary)
         else:
+            tuner.save_plots(summary)  # before the set-aside, which the clock counts
             aside = final.with_name(f"hpo.before-{time.strftime('%Y%m%d-%H%M%S')}.pt")
             final.rename(aside)
             replaced = replaced_final(begun, aside, previous_row(
@@ -1040,6 +1042,8 @@ def _search(config: TrainConfig, args: RunOptions, index: DatasetIndex, output_d
                      replaced["seconds"])
         if distributed.is_main():
             tuner.growth_settled()
+    else:
+        tuner.save_plots(summary)  # best_params.json: what the final run trains, and why
     if trained_anew:
         weights, epochs, source = tuner.start_for(summary["chosen_params"])
         chosen, warm = warm_start(chosen, "hpo", source, weights, epochs,
@@ -1049,6 +1053,25 @@ def _search(config: TrainConfig, args: RunOptions, index: DatasetIndex, output_d
         distributed.from_main(chosen)
     return chosen, {"hpo": summary, "warm_start": warm,
                     **({"replaced_final": replaced} if replaced else {})}
+
+
+def continued_summary(summary: dict[str, Any], before: TrainConfig, tuner: OptunaTuner
+                      ) -> dict[str, Any]:
+    """The search's summary for a final run continued from its checkpoint: what that run trains
+    (its parameters, fixed when it started), where the study's choice has moved since (on a
+    shared study, other workers' trials), so the row and best_params.json do not name a
+    winner this run did not train."""
+    trained = {k: getattr(before, k) for k in OptunaTuner.SEARCHED}
+    default = {k: getattr(tuner.default_config(), k) for k in OptunaTuner.SEARCHED}
+    now = summary["chosen_params"] or default
+    if trained == now:
+        return summary
+    log.info("hpo: the study's choice has moved since the final run started (%s); the run "
+             "continues with the parameters it started with", summary["choice"])
+    return {**summary, "chosen_params": None if trained == default else trained,
+            "keeps_default": trained == default,
+            "choice": f"the final run had started with {trained} and continues with them (the "
+                      f"study's choice since: {summary['choice']})"}
 
 
 def replaced_final(begun: dict[str, Any], aside: Path, row: dict[str, Any] | None

@@ -345,7 +345,9 @@ def test_save_plots_writes_html_png_json(index, tmp_path, monkeypatch):
     saved = json.loads((tmp_path / "hpo" / "best_params.json").read_text())
     assert saved["best_params"] == summary["best_params"] and saved["n_trials"] == 3
     # what the final run trains: the winner, or the default when the winner did not beat it
-    assert saved["trained_params"] == (summary["chosen_params"] or t.default_params())
+    # what the final run trains: the winner's, or the default configuration's own values
+    assert saved["trained_params"] == (summary["chosen_params"] or {
+        k: getattr(t.default_config(), k) for k in t.SEARCHED})
     assert saved["keeps_default"] == summary["keeps_default"] and saved["choice"]
 
 
@@ -953,3 +955,49 @@ def test_a_search_its_time_budget_ended_is_not_resumed_once_its_final_run_starte
     grown = tuner(index, tmp_path, n_trials=4, resume=True)
     grown.run(ended=True)
     assert grown.new_trials == 1
+
+
+def test_the_default_trial_is_never_pruned_on_a_shared_study(index, tmp_path, monkeypatch):
+    """A faster worker's trial, ahead at the first rung, stopped the default trial there;
+    choice() then found no completed default and every worker kept the default configuration,
+    however far the other trial ended above it."""
+    monkeypatch.setattr(optuna_optimizer, "fit",
+                        curves_by_lr([0.21, 0.22, 0.23], [0.61, 0.62, 0.63]))
+    storage = f"sqlite:///{tmp_path / 'shared.db'}"
+    worker = with_val_images(tuner(index, tmp_path / "a", storage=storage, shared=True,
+                                   n_trials=2, epochs=3))
+    study = optuna.create_study(storage=storage, study_name=worker.study_name,
+                                direction="maximize")
+    ahead = {**worker.default_params(), "lr": 5e-3}
+    study.add_trial(optuna.trial.create_trial(  # the other worker's, finished first
+        params=ahead, distributions=worker.distributions(), value=0.63,
+        intermediate_values={1: 0.61, 2: 0.62, 3: 0.63},
+        system_attrs={"completed_rung_0": 0.62}))
+    worker.run()
+    default = next(t for t in worker.study.trials if t.user_attrs.get("default"))
+    assert default.state == optuna.trial.TrialState.COMPLETE
+    summary = worker.summary()
+    assert not summary["keeps_default"] and summary["chosen_params"]["lr"] == 5e-3
+
+
+def test_the_default_trial_trains_the_default_configuration_itself(index, tmp_path,
+                                                                    monkeypatch):
+    """--lr 0.05 and --batch-size 8 lie outside the searched ranges: the default trial trained
+    lr 0.01 and batch 16, while "keeping the default" trained 0.05 and 8, from that trial's
+    weights; best_params.json named values never trained."""
+    trained = []
+
+    def fit_(idx, config, on_epoch):
+        trained.append((config.lr, config.batch_size, config.weight_decay))
+        return fake_fit(idx, config, on_epoch)
+    monkeypatch.setattr(optuna_optimizer, "fit", fit_)
+    base = dataclasses.replace(BASE, lr=0.05, batch_size=8, weight_decay=0.0)
+    t = OptunaTuner(index, base, output_dir=tmp_path / "hpo", epochs=2, batch_sizes=(16, 32),
+                    n_trials=1)
+    t.run()
+    assert trained == [(0.05, 8, 0.0)]
+    assert t.study.trials[0].params["lr"] == OptunaTuner.LR_RANGE[1]  # the study's point
+    saved = json.loads((tmp_path / "hpo" / "best_params.json").read_text()) \
+        if t.save_plots() else None
+    assert saved["trained_params"] == {"lr": 0.05, "batch_size": 8, "optimizer": base.optimizer,
+                                       "weight_decay": 0.0}

@@ -1208,7 +1208,7 @@ def test_a_growth_cut_short_before_its_final_run_trains_it_on_the_next_resume(
     better = {"lr": 0.005, "batch_size": 16, "optimizer": "sgd", "weight_decay": 1e-4}
     monkeypatch.setattr(scenario.OptunaTuner, "choice", lambda self: (better, "a new winner"))
 
-    def interrupted(self):
+    def interrupted(self, summary=None):
         raise KeyboardInterrupt
     with monkeypatch.context() as m:
         m.setattr(scenario.OptunaTuner, "save_plots", interrupted)
@@ -1306,3 +1306,20 @@ def test_a_kept_earlier_final_run_is_what_a_later_resume_continues(small, tmp_pa
     again = json.loads((out / "results.json").read_text())[-1]
     assert again["resumed_from_epoch"] == 2 and again["history"] == first["history"]
     assert again["grown_final"] == kept["grown_final"]
+
+
+def test_a_final_run_continued_from_its_checkpoint_is_what_the_summary_names():
+    """On a shared study another worker's trial can overtake while this run's final run is
+    cut short; resumed, the run continues its checkpoint's parameters, and the row and
+    best_params.json named the new winner all the same."""
+    from types import SimpleNamespace
+    from modules.config import TrainConfig
+    default = TrainConfig(lr=1e-4, batch_size=8, optimizer="adam", weight_decay=0.0)
+    stub = SimpleNamespace(default_config=lambda: default)
+    winner = {"lr": 3e-3, "batch_size": 16, "optimizer": "adamw", "weight_decay": 1e-4}
+    moved = {"chosen_params": winner, "keeps_default": False, "choice": "trial 2 beats it"}
+    kept = scenario.continued_summary(moved, default, stub)
+    assert kept["keeps_default"] and kept["chosen_params"] is None
+    assert "continues with them" in kept["choice"] and "trial 2 beats it" in kept["choice"]
+    same = scenario.continued_summary(moved, scenario.dataclasses.replace(default, **winner), stub)
+    assert same is moved  # nothing moved: as the study says
