@@ -988,12 +988,15 @@ def shown_argv(argv: list[str]) -> list[str]:
     URL's user, password and query left out, as everywhere else it is shown."""
     shown, storage_next = [], False
     for arg in argv:
+        # argparse takes any unambiguous start of an option's name: --stor is --storage
+        name, eq, value = arg.partition("=")
+        is_storage = len(name) >= 4 and "--storage".startswith(name)
         if storage_next:
             arg, storage_next = _without_password(arg), False
-        elif arg == "--storage":
+        elif is_storage and not eq:
             storage_next = True
-        elif arg.startswith("--storage="):
-            arg = "--storage=" + _without_password(arg.split("=", 1)[1])
+        elif is_storage:
+            arg = f"{name}={_without_password(value)}"
         shown.append(arg)
     return shown
 

@@ -402,6 +402,11 @@ def test_the_saved_and_logged_command_line_has_no_storage_secret(tmp_path, monke
     assert shown_argv(["--storage", url, f"--storage={url}", "--seed", "1"]) == [
         "--storage", "postgresql+psycopg://dbhost/optuna",
         "--storage=postgresql+psycopg://dbhost/optuna", "--seed", "1"]
+    # argparse takes an option's unambiguous start: --stor is --storage, and was saved whole
+    assert shown_argv(["--stor", url, f"--sto={url}", "--st", url]) == [
+        "--stor", "postgresql+psycopg://dbhost/optuna",
+        "--sto=postgresql+psycopg://dbhost/optuna", "--st", "postgresql+psycopg://dbhost/optuna"]
+    assert pipeline.parse_args(["--st", "sqlite:///x.db"]).storage == "sqlite:///x.db"
     assert "S3cretPw" not in pipeline.options(scenarios="baseline", storage=url).command
     data = make_folder(tmp_path / "d", n_train=4, n_test=2)
     out = tmp_path / "out"
