@@ -745,10 +745,17 @@ class OptunaTuner:
 
     def _check_trial_setup(self, where: str) -> None:
         """A study's trials are compared with each other, so they all train at one size for
-        the same epochs: a resumed or joined study whose trials trained otherwise (another
-        picked size, other --epochs, or a version that gave trials other epochs at that size)
-        is refused, and a new one records its own."""
-        setup = {"image_size": self.base.image_size, "epochs": self.epochs}
+        the same epochs, the same model from the same start, with the settings the search
+        leaves alone: a resumed or joined study whose trials trained otherwise (another picked
+        size, other --epochs, another --model or --weights, a version that gave trials other
+        epochs at that size ...) is refused, and a new one records its own. A study recorded
+        before a setting was is checked on those it has."""
+        b = self.base
+        weights = b.weights if b.weights in ("imagenet", "none") else \
+            f"file {Path(b.weights).name}"  # a path differs between workers' machines
+        setup = {"image_size": b.image_size, "epochs": self.epochs, "model": b.model,
+                 "weights": weights, "momentum": b.momentum, "scheduler": b.scheduler,
+                 "warmup_epochs": b.warmup_epochs, "max_grad_norm": b.max_grad_norm}
         saved = recorded = self.study.user_attrs.get("trial_setup")
         if saved is None:  # a study from before the record: its finished trials' epochs
             ran = {t.user_attrs.get("epochs_run") for t in self._complete()} - {None}

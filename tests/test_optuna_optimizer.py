@@ -1001,3 +1001,22 @@ def test_the_default_trial_trains_the_default_configuration_itself(index, tmp_pa
         if t.save_plots() else None
     assert saved["trained_params"] == {"lr": 0.05, "batch_size": 8, "optimizer": base.optimizer,
                                        "weight_decay": 0.0}
+
+
+def test_a_shared_study_of_another_model_or_start_is_refused(index, tmp_path, monkeypatch):
+    """A worker with --model resnet18 joined a squeezenet study: its trial was ranked against
+    theirs, and a squeezenet worker that then picked it failed after its whole search on
+    weights of another architecture."""
+    monkeypatch.setattr(optuna_optimizer, "fit", fake_fit)
+    storage = f"sqlite:///{tmp_path / 'shared.db'}"
+    tuner(index, tmp_path / "a", storage=storage, shared=True).run()
+    for change, said in (({"model": "squeezenet1_1"}, "model=resnet18"),
+                         ({"weights": "imagenet"}, "weights=none"),
+                         ({"scheduler": "cosine"}, "scheduler=none")):
+        other = OptunaTuner(index, dataclasses.replace(BASE, **change),
+                            output_dir=tmp_path / "b" / "hpo", epochs=2, batch_sizes=(8, 16),
+                            n_trials=2, storage=storage, shared=True)
+        with pytest.raises(UserError, match=said):
+            other.run()
+    # the same setup joins
+    tuner(index, tmp_path / "c", storage=storage, shared=True, seed=5).run()
