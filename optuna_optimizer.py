@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import os
+import random
 import re
 import socket
 import sqlite3
@@ -190,9 +191,30 @@ def check_storage(url: str) -> None:
         raise UserError(f"--storage {url!r} is an in-memory SQLite database, gone when the run "
                         "ends and unseen by other workers; give a file: sqlite:///path/optuna.db")
     try:
-        optuna.storages.RDBStorage(url).engine.dispose()
+        opened(lambda: optuna.storages.RDBStorage(url)).engine.dispose()
     except Exception as exc:  # as in OptunaTuner._storage
         raise storage_error(url, exc) from None
+
+
+CREATION_TRIES = 5
+
+
+def opened(open_storage):
+    """open_storage(), tried again when another worker was creating the storage's tables at
+    the same moment: the first open of an empty database creates them, and of two workers of
+    a job array started together one failed ("table alembic_version already exists",
+    "duplicate key value violates unique constraint")."""
+    for attempt in range(1, CREATION_TRIES + 1):
+        try:
+            return open_storage()
+        except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.OperationalError,
+                sqlalchemy.exc.ProgrammingError) as exc:
+            text = str(exc).lower()
+            racing = any(s in text for s in ("already exists", "unique constraint",
+                                             "duplicate key", "database is locked"))
+            if not racing or attempt == CREATION_TRIES:
+                raise
+            time.sleep(random.uniform(0.2, 1.0) * attempt)
 
 
 class OptunaTuner:
@@ -477,8 +499,8 @@ class OptunaTuner:
             with warnings.catch_warnings():  # heartbeats and retries are flagged experimental
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 retry = retry_cls(max_retry=MAX_RETRY)
-                return _Storage(self.storage_url, heartbeat_interval=HEARTBEAT_S,
-                                grace_period=GRACE_S, **{keyword: retry})
+                return opened(lambda: _Storage(self.storage_url, heartbeat_interval=HEARTBEAT_S,
+                                               grace_period=GRACE_S, **{keyword: retry}))
         except Exception as exc:  # SQLAlchemy raises many types for bad URLs / unreachable DBs
             raise storage_error(self.storage_url, exc) from None
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import make_folder
+from modules.config import UserError
 
 URL = os.environ.get("HWTRAIN_TEST_POSTGRES_URL")
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,3 +48,38 @@ def test_two_workers_share_one_study(tmp_path):
         row = json.loads((tmp_path / f"worker{i}" / "results.json").read_text())[0]
         assert row["scenario"] == "hpo" and row["hpo"]["storage"].startswith("postgresql")
         assert "hwtrain" not in row["hpo"]["storage"]  # the user (and password) never shown
+
+
+def test_workers_creating_one_storage_at_once_both_open_it(monkeypatch):
+    """The first open of an empty database creates Optuna's tables: of two workers started
+    together one failed on the other's table ("already exists", a duplicate key)."""
+    import optuna
+    import sqlalchemy
+
+    import optuna_optimizer
+    calls = []
+
+    class Racing:
+        def __init__(self, url):
+            calls.append(url)
+            if len(calls) == 1:
+                raise sqlalchemy.exc.OperationalError(
+                    "CREATE TABLE alembic_version", {}, Exception("table alembic_version "
+                                                                  "already exists"))
+            self.engine = sqlalchemy.create_engine("sqlite://")
+    monkeypatch.setattr(optuna.storages, "RDBStorage", Racing)
+    monkeypatch.setattr(optuna_optimizer.time, "sleep", lambda s: None)
+    optuna_optimizer.check_storage("sqlite:////tmp/shared.db")
+    assert len(calls) == 2
+    # another failure is not retried: it is the user's to fix, in one line
+    calls.clear()
+
+    class Refused:
+        def __init__(self, url):
+            calls.append(url)
+            raise sqlalchemy.exc.OperationalError("connect", {}, Exception("password "
+                                                                           "authentication failed"))
+    monkeypatch.setattr(optuna.storages, "RDBStorage", Refused)
+    with pytest.raises(UserError, match="cannot open Optuna storage"):
+        optuna_optimizer.check_storage("postgresql://u:p@h/db")
+    assert len(calls) == 1
