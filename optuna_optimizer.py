@@ -4,6 +4,7 @@ out-of-memory trials recorded as pruned, and plots."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import hashlib
 import json
@@ -197,6 +198,25 @@ def check_storage(url: str) -> None:
 
 
 CREATION_TRIES = 5
+
+
+def retry_callback():
+    """Optuna's callback that queues a trial cut off by a kill again, without the successive
+    halving rungs the cut-off trial had passed: copied, they told the pruner the retry had
+    passed them too, and it was not judged at its first rung however far behind (and the pool
+    there held the cut-off run's value twice). Optuna 4.9 renamed the callback; requirements
+    still allow 3.5."""
+    storages = optuna.storages
+    base = getattr(storages, "RetryHeartbeatStaleTrialCallback", None) or \
+        storages.RetryFailedTrialCallback
+
+    class Retry(base):
+        def __call__(self, study, trial):
+            trial = copy.deepcopy(trial)
+            trial.system_attrs = {k: v for k, v in trial.system_attrs.items()
+                                  if not k.startswith("completed_rung_")}
+            super().__call__(study, trial)
+    return Retry(max_retry=MAX_RETRY)
 
 
 def opened(open_storage):
@@ -488,17 +508,12 @@ class OptunaTuner:
     # ------------------------------------------------------------------------- the study
 
     def _storage(self) -> optuna.storages.RDBStorage:
-        # Optuna 4.9 renamed the retry callback and its argument; requirements still allow 3.5.
-        storages = optuna.storages
-        if hasattr(storages, "RetryHeartbeatStaleTrialCallback"):
-            retry_cls, keyword = storages.RetryHeartbeatStaleTrialCallback, \
-                "heartbeat_stale_trial_callback"
-        else:
-            retry_cls, keyword = storages.RetryFailedTrialCallback, "failed_trial_callback"
+        keyword = "heartbeat_stale_trial_callback" if hasattr(
+            optuna.storages, "RetryHeartbeatStaleTrialCallback") else "failed_trial_callback"
         try:
             with warnings.catch_warnings():  # heartbeats and retries are flagged experimental
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                retry = retry_cls(max_retry=MAX_RETRY)
+                retry = retry_callback()
                 return opened(lambda: _Storage(self.storage_url, heartbeat_interval=HEARTBEAT_S,
                                                grace_period=GRACE_S, **{keyword: retry}))
         except Exception as exc:  # SQLAlchemy raises many types for bad URLs / unreachable DBs

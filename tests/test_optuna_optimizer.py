@@ -1020,3 +1020,24 @@ def test_a_shared_study_of_another_model_or_start_is_refused(index, tmp_path, mo
             other.run()
     # the same setup joins
     tuner(index, tmp_path / "c", storage=storage, shared=True, seed=5).run()
+
+
+def test_a_retried_trial_is_judged_at_the_rungs_it_had_passed_before_the_kill():
+    """Optuna's retry copied the cut-off trial's successive-halving rungs: the retry, clearly
+    behind at the first rung, was not pruned there, where a fresh trial of the same curve
+    was."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        retry = optuna_optimizer.retry_callback()
+    study = optuna.create_study(direction="maximize")
+    study.add_trial(optuna.trial.create_trial(
+        state=optuna.trial.TrialState.FAIL, params={"lr": 1e-3},
+        distributions={"lr": optuna.distributions.FloatDistribution(1e-4, 1e-2, log=True)},
+        system_attrs={"completed_rung_0": 0.66}, intermediate_values={1: 0.35, 2: 0.51}))
+    retry(study, study.trials[0])
+    again = study.trials[1]
+    assert again.state == optuna.trial.TrialState.WAITING and again.params == {"lr": 1e-3}
+    assert again.system_attrs["failed_trial"] == 0
+    assert not [k for k in again.system_attrs if k.startswith("completed_rung_")]
+    assert study.trials[0].system_attrs["completed_rung_0"] == 0.66  # the original as it was
