@@ -190,12 +190,15 @@ def test_compile_is_kept_only_when_it_pays_back(monkeypatch):
     assert config.compile is True and "pays back after" in report["knobs"]["compile"]["reason"]
 
 
-def _uncompiled_init(init):
+def _uncompiled_init(init, built: list | None = None):
     """ComputeProbe.__init__ that builds a compile=True probe without compiling (the speeds
-    are faked; a real torch.compile would take minutes here)."""
+    are faked; a real torch.compile would take minutes here); `built` records each probe's
+    compile setting."""
     import dataclasses
 
     def build(self, config, *a, **kw):
+        if built is not None:
+            built.append(config.compile)
         init(self, dataclasses.replace(config, compile=False), *a, **kw)
         self.config = config
     return build
@@ -627,13 +630,8 @@ def test_a_compile_choice_measured_before_is_kept_and_the_rest_measured_eager(mo
     compiled first probe would pay the compile's warm-up unbounded), and compile stays on."""
     _fake_speeds(monkeypatch, lambda c: 1000.0)
     built = []
-    init = at.ComputeProbe.__init__
-
-    def spy(self, config, *a, **kw):
-        built.append(config.compile)
-        init(self, dataclasses.replace(config, compile=False), *a, **kw)
-        self.config = config
-    monkeypatch.setattr(at.ComputeProbe, "__init__", spy)
+    monkeypatch.setattr(at.ComputeProbe, "__init__",
+                        _uncompiled_init(at.ComputeProbe.__init__, built))
     key = at.speed_key(_config(), 3)
     knobs = {"compile": {"choice": True, "reason": "compiled 2000 vs eager 1000", "img_s": {}},
              "amp": {"choice": "off", "img_s": {}, "reason": "not measured: 0.1 s left"}}
@@ -649,13 +647,8 @@ def test_a_compile_the_user_asked_for_is_set_after_measuring_the_rest_eager(monk
     against an 11 s budget); the knobs are raced eager and compile is set at the end."""
     _fake_speeds(monkeypatch, lambda c: 1000.0)
     built = []
-    init = at.ComputeProbe.__init__
-
-    def spy(self, config, *a, **kw):
-        built.append(config.compile)
-        init(self, dataclasses.replace(config, compile=False), *a, **kw)
-        self.config = config
-    monkeypatch.setattr(at.ComputeProbe, "__init__", spy)
+    monkeypatch.setattr(at.ComputeProbe, "__init__",
+                        _uncompiled_init(at.ComputeProbe.__init__, built))
     config, report = at.autotune(_config(compile=True), 3, planned_steps=100,
                                  fixed=frozenset({"compile"}))
     assert built and not any(built) and config.compile is True
