@@ -177,14 +177,24 @@ def versus_baseline_lines(rows: list[dict[str, Any]]) -> list[str]:
                         if row.get("baseline_acc_reached_in") == "start trial" else "")
                      if reached is not None
                      else "; never reached the baseline's validation accuracy")
-        if row.get("final_from"):
-            line += "; " + final_from_text(row)
-        if isinstance(row.get("replaced_final"), dict):
-            line += "; " + replaced_text(row["replaced_final"])
-        if isinstance(row.get("grown_final"), dict):
-            line += "; " + grown_text(row["grown_final"])
+        line += "".join(f"; {note}" for note in final_run_notes(row))
         lines.append(line)
     return lines
+
+
+def final_run_notes(row: dict[str, Any], detail: bool = False) -> list[str]:
+    """What a row's final run was when it is not simply the scenario's own: phrases for the
+    line against the baseline, or with `detail` sentences for the diagnosis."""
+    notes = []
+    if row.get("final_from"):
+        notes.append(final_from_text(row, detail))
+    if isinstance(row.get("replaced_final"), dict):
+        text = replaced_text(row["replaced_final"])
+        notes.append(f"It was {text}." if detail else text)
+    if isinstance(row.get("grown_final"), dict):
+        text = grown_text(row["grown_final"])
+        notes.append(f"{text[0].upper()}{text[1:]}." if detail else text)
+    return notes
 
 
 def final_from_text(row: dict[str, Any], detail: bool = False) -> str:
@@ -287,12 +297,7 @@ def render_report(rows: list[dict[str, Any]], charts: list[str],
         lines.append(f"{settings.get('model', '?')} at {row.get('best_resolution')} px, batch "
                      f"{settings.get('batch_size')}, {settings.get('amp_dtype', 'fp32')} on "
                      f"{settings.get('device', '?')}."
-                     + (f" {final_from_text(row, detail=True)}" if row.get("final_from")
-                        else "")
-                     + (f" It was {replaced_text(row['replaced_final'])}."
-                        if isinstance(row.get("replaced_final"), dict) else "")
-                     + (f" A{grown_text(row['grown_final'])[1:]}."
-                        if isinstance(row.get("grown_final"), dict) else "")
+                     + "".join(f" {note}" for note in final_run_notes(row, detail=True))
                      + (f" Started from {row['start_weights']}."
                         if str(row.get("start_weights", "")).startswith("random") else ""))
         lines.append("")
