@@ -201,8 +201,8 @@ def autotune_scenario(config: TrainConfig, args: RunOptions, index: DatasetIndex
         return config, None
     # Under torchrun every rank must train with the same settings: rank 0 measures (on its
     # own, the others idle meanwhile) and hands its choice to the others.
-    return main_computes(lambda: _measure_settings(config, args, index, planned_steps, saved,
-                                                   time_capped))
+    return distributed.main_computes(lambda: _measure_settings(
+        config, args, index, planned_steps, saved, time_capped))
 
 
 def user_knobs(args: RunOptions) -> frozenset[str]:
@@ -957,7 +957,7 @@ def tune_hyperparameters(config: TrainConfig, args: RunOptions, index: DatasetIn
     try:
         return _search(config, args, index, output_dir, device, earlier, default_size, budget)
     except UserError as exc:  # a study of other data, a storage refused ... (between trials)
-        _tell_the_others(exc)
+        distributed.tell_the_others(exc)
         raise
 
 
@@ -1250,41 +1250,11 @@ def run(args: RunOptions, index: DatasetIndex | None = None) -> list[dict[str, A
 
 
 def on_main(action: Callable[[], Any]) -> None:
-    """`action` on rank 0 alone under torchrun (as it is outside). When it fails, every rank
-    stops: rank 0 with its error, the others with its first line, rather than waiting at the
-    next collective for a rank 0 that has left."""
-    error = None
-    if distributed.is_main():
-        try:
-            action()
-        except Exception as exc:  # re-raised below, on rank 0 as it was
-            error = exc
-    said = distributed.from_main(None if error is None else first_line(error))
-    if error is not None:
-        raise error
-    if said is not None:
-        raise UserError(said)
-
-
-def main_computes(action: Callable[[], Any]) -> Any:
-    """action() on rank 0, its value on every rank (from_main; outside torchrun, the value).
-    When it fails with the user's error, the other ranks stop with its first line rather
-    than at the next collective, a connection closed by a rank 0 that has left."""
-    if not distributed.is_main():
-        return distributed.expect(distributed.from_main(None))
-    try:
-        value = action()
-    except UserError as exc:
-        _tell_the_others(exc)
-        raise
-    return distributed.from_main(value)
-
-
-def _tell_the_others(exc: Exception) -> None:
-    """Rank 0's failure, sent where the other ranks wait for a value from it; not from inside
-    a trial, where they wait in its training's collectives instead."""
-    if distributed.world_size() > 1 and not getattr(exc, "amid_trial", False):
-        distributed.from_main(distributed.Failed(first_line(exc)))
+    """`action` on rank 0 alone under torchrun (as it is outside), its value not sent: when it
+    fails, every rank stops (distributed.main_computes)."""
+    def done() -> None:
+        action()
+    distributed.main_computes(done)
 
 
 @contextlib.contextmanager

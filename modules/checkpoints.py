@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from modules import distributed
-from modules.config import TrainConfig, UserError, first_line
+from modules.config import TrainConfig, UserError
 from modules.files import atomic_torch_save, read_torch_file
 
 log = logging.getLogger(__name__)
@@ -119,18 +119,8 @@ class CheckpointSaver:
         only rank 0 writes checkpoints, so on another machine there is none (or an older
         copy), and a rank that started afresh while rank 0 resumed would train with its own
         optimizer state until the ranks' collectives fell out of step."""
-        def read() -> dict[str, Any] | None:
-            return load_checkpoint(self.path) if self.path.exists() else None
-        if distributed.world_size() == 1:
-            return read()
-        if not distributed.is_main():
-            return distributed.expect(distributed.from_main(None))
-        try:
-            ckpt = read()
-        except UserError as exc:  # unreadable: every rank stops with its line
-            distributed.from_main(distributed.Failed(first_line(exc)))
-            raise
-        return distributed.from_main(ckpt)
+        return distributed.main_computes(
+            lambda: load_checkpoint(self.path) if self.path.exists() else None)
 
     def save(self, progress: Progress, finished: bool, model: nn.Module, optimizer, scheduler,
              scaler, timing: dict[str, Any]) -> None:

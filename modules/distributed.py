@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from modules.config import UserError
+from modules.config import UserError, first_line
 
 # How long a rank waits at a collective for the others. Rank 0 alone measures the speed knobs
 # (bounded by a share of the planned training time) while the others wait for its choice.
@@ -86,6 +86,28 @@ def expect(value):
     if isinstance(value, Failed):
         raise UserError(value.message)
     return value
+
+
+def main_computes(action):
+    """action() on rank 0, its value on every rank (from_main; outside torchrun, the value).
+    When it fails, every rank stops: rank 0 with its error, the others with its first line,
+    rather than at the next collective, a connection closed by a rank 0 that has left."""
+    if not is_main():
+        return expect(from_main(None))
+    try:
+        value = action()
+    except Exception as exc:  # re-raised on rank 0 as it was
+        tell_the_others(exc)
+        raise
+    return from_main(value)
+
+
+def tell_the_others(exc: Exception) -> None:
+    """Rank 0's failure, sent where the other ranks wait for a value from it; not when it
+    struck inside a tuning trial (`amid_trial`), where they wait in its training's
+    collectives instead."""
+    if world_size() > 1 and not getattr(exc, "amid_trial", False):
+        from_main(Failed(first_line(exc)))
 
 
 def from_main(value):
