@@ -678,6 +678,12 @@ def _final_row(output_dir: Path, index: DatasetIndex, run_id: str | None
     return {"scenario": "resolution", "row": row} if row else None
 
 
+def gave_way(row: dict[str, Any]) -> dict[str, Any]:
+    """What an hpo row keeps of a final run that validated below the one it took instead
+    (winner_final, grown_final: the report quotes them)."""
+    return {k: row.get(k) for k in ("val_acc", "test_acc", "epochs", "wall_s", "settings")}
+
+
 def default_if_better(row: dict[str, Any], same: dict[str, Any] | None) -> dict[str, Any]:
     """The hpo row after its final run trained the search's winner: the default
     configuration's final run instead when that validated higher. The resolution scenario's
@@ -704,8 +710,7 @@ def default_if_better(row: dict[str, Any], same: dict[str, Any] | None) -> dict[
                 scenario="hpo", final_from=same["scenario"], tuning_s=row["total_s"],
                 # as same_final counts the model taken
                 total_s=row["total_s"] + final_run_s(kept),
-                winner_final={k: row.get(k) for k in ("val_acc", "test_acc", "epochs",
-                                                      "wall_s", "settings")})
+                winner_final=gave_way(row))
     return kept
 
 
@@ -741,8 +746,7 @@ def earlier_if_better(row: dict[str, Any], replaced: dict[str, Any] | None,
     kept.pop("replaced_final", None)
     kept.update({k: row[k] for k in ("hpo", "autotune", "run_id") if k in row},
                 tuning_s=row["total_s"] - replaced["seconds"], total_s=row["total_s"],
-                grown_final={k: row.get(k) for k in ("val_acc", "test_acc", "epochs", "wall_s",
-                                                     "settings")})
+                grown_final=gave_way(row))
     return kept
 
 
