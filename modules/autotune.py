@@ -28,12 +28,13 @@ from typing import Any, Callable
 
 import psutil
 import torch
+from torch import nn
 
 from modules import hostmem
 from modules.config import TrainConfig, UserError, first_line
 from modules.files import atomic_write_text
 from modules.hardware import PROBE_BATCHES, max_batch_size
-from modules.models import build_model, has_bytemask_dropout
+from modules.models import ByteMaskDropout, build_model, has_bytemask_dropout
 from modules.oom import is_out_of_memory, release
 from modules.trainer import (apply_process_settings, autocast_dtype, make_optimizer,
                              resolve_device, train_step)
@@ -52,6 +53,13 @@ MEASURE_SHARE, MIN_S_FLOOR = 0.1, 0.3
 ABORT_FACTOR = 1.5
 # Keep a setting only when it is at least this much faster (timings wobble by a few percent).
 MIN_GAIN = 1.03
+# The dropout implementation is decided on the dropout layers alone, not by a training-step
+# race: the two draw different masks, so the choice decides the model trained, and where the
+# layers are a few percent of a step the race's noise would pick it (two runs of one seed then
+# trained different models). bytemask is taken when its layers ran at least DROPOUT_OP_GAIN
+# times faster than PyTorch's, best of DROPOUT_OP_ROUNDS turns each: a gap that noise does not
+# make or unmake (docs/speed.md).
+DROPOUT_OP_GAIN, DROPOUT_OP_ROUNDS = 2.0, 5
 # Knobs that are process-wide (modules.trainer.apply_process_settings): two candidates that
 # differ in one take turns of TURN_STEPS steps, the first step of each turn not counted (the
 # switch itself: a thread pool resized, freed memory handed back).
@@ -311,6 +319,50 @@ def _pick(knob: str, candidates: list[Any], config: TrainConfig, num_classes: in
         reason += "; " + "; ".join(f"{k} {v}" if v.startswith("not measured")
                                    else f"{k} unavailable ({v})" for k, v in errors.items())
     return chosen, {"choice": best_value, "reason": reason, "img_s": figures}
+
+
+def dropout_by_layer(config: TrainConfig, num_classes: int, device: torch.device
+                     ) -> dict[str, Any]:
+    """The findings entry of dropout_impl: each implementation's forward time through the
+    model's dropout layers that bytemask would replace, at their input shapes for this size
+    and batch (fp32), alternating, best of DROPOUT_OP_ROUNDS after one unrounded warm-up."""
+    model = build_model(config.model, num_classes, "none")
+    shapes: list[tuple[float, torch.Size]] = []
+    for layer in model.modules():
+        if type(layer) is nn.Dropout and ByteMaskDropout.applies(layer.p):
+            layer.register_forward_pre_hook(
+                lambda mod, args: shapes.append((mod.p, args[0].shape)))
+    with torch.no_grad():
+        model.eval()(torch.zeros(1, 3, config.image_size, config.image_size))
+    del model
+    inputs = [(p, torch.randn((config.batch_size, *shape[1:]), device=device))
+              for p, shape in shapes]
+    impls = {"native": [nn.Dropout(p) for p, _ in inputs],
+             "bytemask": [ByteMaskDropout(p) for p, _ in inputs]}
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    best = dict.fromkeys(impls, math.inf)
+    with torch.no_grad():
+        for turn in range(DROPOUT_OP_ROUNDS + 1):
+            for name, layers in impls.items():
+                sync()
+                mark = time.perf_counter()
+                for layer, (_, x) in zip(layers, inputs):
+                    layer(x)
+                sync()
+                if turn:  # the first turn pays each kernel's first call
+                    best[name] = min(best[name], time.perf_counter() - mark)
+    del inputs
+    _release()
+    choice = "bytemask" if best["bytemask"] * DROPOUT_OP_GAIN <= best["native"] else "native"
+    ms = {name: round(1000 * t, 3) for name, t in best.items()}
+    return {"choice": choice, "img_s": {}, "layer_ms": ms, "reason": (
+        f"dropout layers timed alone, batch {config.batch_size}: bytemask {ms['bytemask']:.3f} "
+        f"ms, native {ms['native']:.3f} ms; bytemask is kept at {DROPOUT_OP_GAIN:g}x faster or "
+        "more (not raced: the two draw different masks)")}
 
 
 def thread_candidates() -> list[int]:
@@ -650,8 +702,6 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
     plan += [("channels_last", [config.channels_last, not config.channels_last]),
              ("amp", amp_candidates(device, config.amp)),
              ("optimizer_impl", optimizer_candidates(device))]
-    if has_bytemask_dropout(config.model):
-        plan.append(("dropout_impl", ["native", "bytemask"]))
     if device.type == "cpu":  # last: whether freed memory is worth keeping depends on the others
         plan.append(("cpu_allocator", hostmem.candidates()))
     # A knob measured for these settings at another size in this run starts at that choice:
@@ -673,6 +723,16 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
     config = dataclasses.replace(config, compile=False,
                                  **{k: c[0] for k, c in plan if k not in fixed})
     phases: dict[str, float] = {}
+    if has_bytemask_dropout(config.model):  # decided first: every probe then trains with it
+        if "dropout_impl" in fixed:
+            knobs["dropout_impl"] = given("dropout_impl")
+        else:
+            mark = time.perf_counter()
+            knobs["dropout_impl"] = dropout_by_layer(config, num_classes, device)
+            config = dataclasses.replace(config, dropout_impl=knobs["dropout_impl"]["choice"])
+            phases["dropout"] = time.perf_counter() - mark
+            log.info("autotune: dropout_impl = %s (%s)", config.dropout_impl,
+                     knobs["dropout_impl"]["reason"])
     mark = time.perf_counter()
     first, warm = _first_probe(config, num_classes, MIN_S_FLOOR)
     if first is None and warm["out_of_memory"] and tune_batch and "batch_size" not in fixed:

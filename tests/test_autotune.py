@@ -7,12 +7,13 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from modules import autotune as at, hostmem
+from modules import autotune as at, hostmem, models
 from modules.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,13 +52,15 @@ def test_every_knob_is_measured_and_explained_on_cpu():
     assert set(knobs) == {"cpu_threads", "cpu_allocator", "channels_last", "amp",
                           "optimizer_impl", "dropout_impl", "compile", "num_workers",
                           "batch_size"}
-    measured = ["channels_last", "amp", "optimizer_impl", "dropout_impl"]
+    measured = ["channels_last", "amp", "optimizer_impl"]
     if hostmem.candidates() != ["system"]:  # glibc: both allocator settings ran
         measured.append("cpu_allocator")
     for name in measured:
         figures = knobs[name]["img_s"]
         assert len(figures) >= 2, name   # at least two candidates actually ran
         assert "img/s" in knobs[name]["reason"]
+    assert set(knobs["dropout_impl"]["layer_ms"]) == {"native", "bytemask"}
+    assert "timed alone" in knobs["dropout_impl"]["reason"]
     assert config.amp == knobs["amp"]["choice"] and config.amp in ("off", "bf16")
     assert config.channels_last == knobs["channels_last"]["choice"]
     assert config.cpu_threads == torch.get_num_threads()
@@ -166,9 +169,47 @@ def test_no_setting_is_measured_twice(monkeypatch):
     assert len(built) == len(set(built))
     # the first probe, then one per other candidate of each knob
     plan = [at.thread_candidates(), [True, False], at.amp_candidates(torch.device("cpu")),
-            at.optimizer_candidates(torch.device("cpu")), ["native", "bytemask"],
-            hostmem.candidates()]
+            at.optimizer_candidates(torch.device("cpu")), hostmem.candidates()]
     assert len(built) == 1 + sum(len(c) - 1 for c in plan)
+
+
+def test_dropout_is_decided_on_its_layers_not_by_a_race(monkeypatch):
+    """The two implementations draw different masks: whichever a step race's noise favoured
+    would decide the model trained. Their layers alone differ several-fold on a CPU (not on
+    layers of a few thousand elements, as _config's, where a few kernel calls' overhead is
+    what bytemask saves, hence 64 px and batch 32 here)."""
+    start = _config(image_size=64, batch_size=32)
+    built = []
+    init = at.ComputeProbe.__init__
+
+    def spy(self, config, *a, **kw):
+        built.append(config.dropout_impl)
+        init(self, config, *a, **kw)
+    monkeypatch.setattr(at.ComputeProbe, "__init__", spy)
+    for faster in ("native", "bytemask"):  # what a race would have measured
+        _fake_speeds(monkeypatch, lambda c, f=faster: 120.0 if c.dropout_impl == f else 100.0)
+        at._RESULTS.clear()
+        built.clear()
+        config, report = at.autotune(start, 3, planned_steps=10)
+        entry = report["knobs"]["dropout_impl"]
+        assert config.dropout_impl == entry["choice"] == "bytemask", faster
+        assert entry["layer_ms"]["bytemask"] * at.DROPOUT_OP_GAIN <= entry["layer_ms"]["native"]
+        assert set(built) == {"bytemask"}  # every probe trained with the choice, none raced it
+
+    slow = models.ByteMaskDropout.forward
+
+    def slower(self, x):
+        time.sleep(0.002)
+        return slow(self, x)
+    monkeypatch.setattr(models.ByteMaskDropout, "forward", slower)
+    at._RESULTS.clear()
+    config, report = at.autotune(start, 3, planned_steps=10)
+    assert config.dropout_impl == "native" and "native" in report["knobs"]["dropout_impl"]["reason"]
+    at._RESULTS.clear()
+    config, report = at.autotune(_config(dropout_impl="bytemask"), 3, planned_steps=10,
+                                 fixed=frozenset({"dropout_impl"}))
+    assert config.dropout_impl == "bytemask"
+    assert report["knobs"]["dropout_impl"]["reason"] == "set by the user"
 
 
 def test_user_set_knobs_are_kept_unmeasured():
