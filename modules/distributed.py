@@ -63,14 +63,13 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def all_agree(flag: bool, device: torch.device) -> bool:
-    """True only when every rank's flag is True: ranks must take the same branch around a
-    collective (a skipped backward on one rank alone would hang the others)."""
+def all_max(value: int, device: torch.device) -> int:
+    """The largest of every rank's `value`: ranks that act on it take the same branch."""
     if world_size() == 1:
-        return flag
-    value = torch.tensor(int(flag), device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MIN)
-    return bool(value.item())
+        return value
+    tensor = torch.tensor(value, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return int(tensor.item())
 
 
 @dataclass(frozen=True)

@@ -365,28 +365,25 @@ class _Epochs:
         # queued: on a GPU the host waits for the forward while the device is still busy,
         # instead of idling the device with a sync between forward and backward.
         flags = [bool(flag) for flag, _ in pending]
-        step_ok = distributed.all_agree(all(flags), self.device)
-        if distributed.world_size() > 1 and not step_ok:
-            # A NaN/inf on any rank: every rank counts the whole window as bad, so all stop
-            # together when training diverges.
-            flags = [False] * len(flags)
+        # Under torchrun every rank counts the most NaN/inf batches any rank's window had, so
+        # all stop together when training diverges, after as many as one process would.
+        bad = distributed.all_max(flags.count(False), self.device)
+        step_ok = bad == 0
         for flag, parts in pending:  # commit each batch's metrics exactly once
             if flag:
                 metrics.add(parts)
         progress = self.progress
-        for flag in flags:
-            # A finite batch in a window skipped for another's NaN applied no update either:
-            # only an applied one ends the run of bad batches (with accumulation, a NaN in
-            # every window would otherwise train nothing and never stop).
-            progress.consecutive_bad = 0 if flag and step_ok else progress.consecutive_bad + (
-                not flag)
-            progress.nonfinite_steps += 0 if flag else 1
-            if progress.consecutive_bad >= self.config.max_nonfinite_steps:
-                raise DivergedError(
-                    f"training diverged: the loss was NaN/inf in {progress.consecutive_bad} "
-                    f"batches with no update applied between them, up to epoch {epoch + 1} "
-                    f"(lr={self.config.lr:g}); lower --lr"
-                    + ("" if self.config.max_grad_norm else " or set --max-grad-norm 1.0") + ".")
+        # A finite batch in a window skipped for another's NaN applied no update either: only
+        # an applied window ends the run of bad batches (with accumulation, a NaN in every
+        # window would otherwise train nothing and never stop).
+        progress.consecutive_bad = 0 if step_ok else progress.consecutive_bad + bad
+        progress.nonfinite_steps += bad
+        if progress.consecutive_bad >= self.config.max_nonfinite_steps:
+            raise DivergedError(
+                f"training diverged: the loss was NaN/inf in {progress.consecutive_bad} "
+                f"batches with no update applied between them, up to epoch {epoch + 1} "
+                f"(lr={self.config.lr:g}); lower --lr"
+                + ("" if self.config.max_grad_norm else " or set --max-grad-norm 1.0") + ".")
         with region("optimizer_step"):
             if step_ok:  # a NaN/inf anywhere in the window skips its whole update
                 self.last_lr = self.optimizer.param_groups[0]["lr"]

@@ -262,3 +262,42 @@ def test_a_resume_on_several_machines_continues_rank_0s_checkpoint_everywhere(tm
     assert zero["epoch"] == one["epoch"] == 1
     assert torch.equal(zero["weight"], one["weight"])
     assert torch.equal(zero["momentum"], one["momentum"]) and zero["lr"] == one["lr"]
+
+
+def _one_nan_batch_on_rank_1(rank: int, init_file: str, out: str) -> None:
+    import torch.distributed as dist
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from modules.config import TrainConfig
+    from modules.trainer import DivergedError, train
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    x, y = torch.randn(32, 3, 8, 8), torch.randint(0, 2, (32,))
+    if rank == 1:
+        x[9] = float("nan")  # one batch of one window, each epoch
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(144, 2))
+    model.num_classes = 2
+    config = TrainConfig(epochs=2, batch_size=4, grad_accum_steps=4, lr=0.01, optimizer="sgd",
+                         scheduler="none", amp="off", device="cpu", progress=False, seed=0,
+                         max_nonfinite_steps=3)
+    loader = DataLoader(TensorDataset(x, y), batch_size=4)
+    try:
+        result = train(model, loader, DataLoader(TensorDataset(x[:8], y[:8]), batch_size=4),
+                       config)
+        outcome = {"nonfinite_steps": result.nonfinite_steps, "epochs": len(result.history)}
+    except DivergedError as exc:
+        outcome = {"diverged": str(exc)}
+    (Path(f"{out}.{rank}")).write_text(json.dumps(outcome))
+    dist.destroy_process_group()
+
+
+def test_one_ranks_nan_batch_counts_once_on_every_rank(tmp_path):
+    """A NaN in one batch of rank 1's window of 4 skips the window's update on both ranks, and
+    both count one bad batch, as one process would: not the window's 4, which stopped the run
+    as diverged after a single NaN (max_nonfinite_steps 3)."""
+    import torch.multiprocessing as mp
+    out = str(tmp_path / "outcome")
+    mp.spawn(_one_nan_batch_on_rank_1, args=(str(tmp_path / "init"), out), nprocs=2)
+    outcomes = [json.loads(Path(f"{out}.{r}").read_text()) for r in (0, 1)]
+    assert outcomes == [{"nonfinite_steps": 2, "epochs": 2}] * 2, outcomes
