@@ -96,7 +96,14 @@ class CheckpointSaver:
                             f"{self.layout['steps_per_epoch']}; run without --resume to start "
                             "over.")
         model.load_state_dict(ckpt["model"])
+        # load_state_dict copies the saved groups' kernel flags over those this run's
+        # make_optimizer chose (a GPU's fused kernel resumed on a CPU, a --optimizer-impl
+        # changed): keep this run's, which are a speed setting, not learned state.
+        kernels = [{k: g[k] for k in OPTIMIZER_KERNEL_KEYS if k in g}
+                   for g in optimizer.param_groups]
         optimizer.load_state_dict(ckpt["optimizer"])
+        for group, kernel in zip(optimizer.param_groups, kernels):
+            group.update(kernel)
         scheduler.load_state_dict(ckpt["scheduler"])
         if ckpt["scaler"]:  # empty from a run without fp16 (a CPU, bf16): a fresh scale here
             scaler.load_state_dict(ckpt["scaler"])
@@ -161,6 +168,9 @@ def check_resumable(ckpt: dict[str, Any], config: TrainConfig, path: Path) -> No
         diffs = ", ".join(f"{k} {saved[k]!r} -> {getattr(config, k)!r}" for k in changed)
         raise UserError(f"cannot resume from {str(path)!r}: settings changed ({diffs}); run "
                         "without --resume to start over.")
+
+
+OPTIMIZER_KERNEL_KEYS = ("fused", "foreach", "capturable")
 
 
 def set_seed(seed: int) -> None:

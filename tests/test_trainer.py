@@ -109,6 +109,24 @@ def test_clipping_bounds_the_gradient_norm():
     assert max(norms) > 0.05  # without clipping the same run has larger gradients
 
 
+def test_a_resume_keeps_its_own_optimizer_kernel_not_the_checkpoints(tmp_path):
+    """The kernel is a speed setting of this run (the autotuner's, or --optimizer-impl): a
+    checkpoint's must not come back with its optimizer state (a GPU's fused one on a CPU)."""
+    config = dataclasses.replace(BASE, epochs=2, optimizer="adamw")
+    with pytest.raises(Interrupted):
+        fit(dataclasses.replace(config, optimizer_impl="foreach"),
+            checkpoint_path=tmp_path / "ck.pt", on_epoch=interrupt_after(1))
+    kernels = []
+    handle = register_optimizer_step_pre_hook(
+        lambda optimizer, args, kwargs: kernels.append(optimizer.param_groups[0]["foreach"]))
+    try:
+        resumed = fit(dataclasses.replace(config, optimizer_impl="forloop"),
+                      checkpoint_path=tmp_path / "ck.pt", resume=True)
+    finally:
+        handle.remove()
+    assert resumed.resumed_from_epoch == 1 and kernels and set(kernels) == {False}
+
+
 def test_early_stopping_restores_the_best_weights():
     snapshots = {}
     config = dataclasses.replace(BASE, epochs=12, early_stopping_patience=2)
