@@ -182,9 +182,12 @@ def build_parser() -> argparse.ArgumentParser:
     train_.add_argument("--early-stopping", type=_bounded(int, 1), metavar="PATIENCE",
                         help="stop after PATIENCE epochs without a better val accuracy")
     train_.add_argument("--amp", choices=("auto", "off", "fp16", "bf16"))
-    train_.add_argument("--channels-last", action="store_true",
-                        help="NHWC memory format for the model and inputs")
-    train_.add_argument("--compile", action="store_true", help="torch.compile the model")
+    train_.add_argument("--channels-last", action=argparse.BooleanOptionalAction,
+                        help="NHWC memory format for the model and inputs (default: off for "
+                             "the baseline, measured for the tuned scenarios)")
+    train_.add_argument("--compile", action=argparse.BooleanOptionalAction,
+                        help="torch.compile the model (default: off for the baseline, "
+                             "measured for the tuned scenarios)")
     train_.add_argument("--cudnn-benchmark", action=argparse.BooleanOptionalAction, default=True,
                         help="let cuDNN time its convolution algorithms for each input shape "
                              "and keep the fastest (GPU only; default: on)")
@@ -195,8 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
     train_.add_argument("--dropout-impl", choices=DROPOUT_IMPLS,
                         help="bytemask: dropout masks drawn from random bytes, the same "
                              "distribution as PyTorch's bernoulli_ and faster on a CPU")
-    train_.add_argument("--pin-memory", action="store_true",
-                        help="page-locked batches for faster, asynchronous copies to the GPU")
+    train_.add_argument("--pin-memory", action=argparse.BooleanOptionalAction,
+                        help="page-locked batches for faster, asynchronous copies to the GPU "
+                             "(default: off for the baseline, on for the tuned scenarios on a "
+                             "GPU)")
     train_.add_argument("--autotune", action=argparse.BooleanOptionalAction, default=True,
                         help="measure the speed knobs (threads, channels_last, AMP dtype, "
                              "optimizer kernels, dropout masks, CPU allocator, compile, "
@@ -265,8 +270,8 @@ def _check_size(option: str, config: TrainConfig, size: int) -> None:
 def options(**values: Any) -> RunOptions:
     """The command line's options from keyword arguments, checked as the command line checks
     them: the notebook's way in. Names are the long options with '_' for '-' (`n_trials=4`);
-    None or "" leaves an option at its default; True or False switches a flag; a list joins
-    with commas. `.command` holds the equivalent `python pipeline.py ...` line."""
+    None or "" leaves an option at its default; True or False (or "on" or "off") switches a
+    flag; a list joins with commas. `.command` holds the equivalent `python pipeline.py ...` line."""
     actions = {a.dest: a for a in build_parser()._actions if a.option_strings}
     argv: list[str] = []
     for key, value in values.items():
@@ -277,7 +282,8 @@ def options(**values: Any) -> RunOptions:
             continue
         flag = action.option_strings[0]
         if isinstance(action, argparse.BooleanOptionalAction):
-            argv.append(flag if value else f"--no-{flag[2:]}")
+            on = {"on": True, "off": False}.get(value, value) if isinstance(value, str) else value
+            argv.append(flag if on else f"--no-{flag[2:]}")
         elif action.nargs == 0:  # store_true
             argv += [flag] if value else []
         elif isinstance(value, (list, tuple)):

@@ -124,13 +124,13 @@ class RunOptions:
     match_time: bool
     early_stopping: int | None
     amp: str | None
-    channels_last: bool
-    compile: bool
+    channels_last: bool | None
+    compile: bool | None
     cudnn_benchmark: bool
     num_workers: int | None
     cpu_allocator: str | None
     dropout_impl: str | None
-    pin_memory: bool
+    pin_memory: bool | None
     autotune: bool
     run_id: str | None = None   # set by run(): a new run's, or with --resume the newest run's
     command: str | None = None  # the equivalent `python pipeline.py ...` line
@@ -157,8 +157,8 @@ def scenario_config(name: str, args: RunOptions, device: torch.device) -> TrainC
                  "momentum": args.momentum, "cudnn_benchmark": args.cudnn_benchmark,
                  "grad_accum_steps": args.grad_accum_steps, "max_grad_norm": args.max_grad_norm,
                  "early_stopping_patience": args.early_stopping, "amp": args.amp,
-                 "compile": args.compile or None, "channels_last": args.channels_last or None,
-                 "num_workers": args.num_workers, "pin_memory": args.pin_memory or None,
+                 "compile": args.compile, "channels_last": args.channels_last,
+                 "num_workers": args.num_workers, "pin_memory": args.pin_memory,
                  "cpu_allocator": args.cpu_allocator, "dropout_impl": args.dropout_impl}
     if args.num_workers == 0:  # no workers to keep alive between epochs, or to prefetch
         config = dataclasses.replace(config, persistent_workers=False, prefetch_factor=None)
@@ -209,8 +209,7 @@ def user_knobs(args: RunOptions) -> frozenset[str]:
     """The speed knobs the command line set, which the autotuner keeps as given (0 workers is
     a choice, as 2 is)."""
     return frozenset(knob for option, knob in USER_KNOBS.items()
-                     if getattr(args, option, None) is not None
-                     and getattr(args, option) is not False)
+                     if getattr(args, option, None) is not None)
 
 
 def _measure_settings(config: TrainConfig, args: RunOptions, index: DatasetIndex,

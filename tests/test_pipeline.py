@@ -564,6 +564,26 @@ def test_the_knobs_the_user_set_are_kept_zero_workers_too():
     assert not scenario.user_knobs(pipeline.parse_args([]))
 
 
+def test_the_tuned_scenarios_on_switches_can_be_turned_off():
+    """channels_last (and pin_memory on a GPU) start on for the tuned scenarios: a plain
+    --channels-last flag could only turn them on, so --no-autotune always ran them NHWC, and
+    the notebook's False was dropped."""
+    cpu, gpu = scenario.torch.device("cpu"), scenario.torch.device("cuda")
+    off = pipeline.parse_args(["--no-channels-last", "--no-pin-memory", "--no-compile"])
+    assert scenario.user_knobs(off) == {"channels_last", "compile"}
+    assert scenario.scenario_config("resolution", off, cpu).channels_last is False
+    assert scenario.scenario_config("resolution", off, gpu).pin_memory is False
+    unset = pipeline.parse_args([])
+    assert scenario.scenario_config("resolution", unset, cpu).channels_last is True
+    assert scenario.scenario_config("resolution", unset, gpu).pin_memory is True
+    assert scenario.scenario_config("baseline", unset, cpu).channels_last is False
+    # the notebook's three-way fields: "" leaves the scenario's own, "on" / "off" set it
+    assert pipeline.options(channels_last="").channels_last is None
+    assert pipeline.options(channels_last="off", compile="on").channels_last is False
+    assert pipeline.options(channels_last="off", compile="on").compile is True
+    assert "--no-channels-last" in pipeline.options(channels_last="off").command
+
+
 def test_a_scenario_without_a_thread_count_gets_the_processs_own():
     """The threads tuned for the resolution scenario stayed for a baseline run after it (or a
     notebook's next run)."""
