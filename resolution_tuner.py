@@ -259,7 +259,8 @@ class ResolutionTuner:
         it is one, else the smallest.
         The default size also stays when its own trial is still at chance and no other size
         has left chance ahead of it (num_classes given): then the short trials rank nothing.
-        A size that has left chance at the same compute is ahead, as the final run spends it."""
+        A size that has left chance at the same compute is ahead, as the final run spends it,
+        and the pick is then among the sizes clear of chance."""
         # a stopped size was judged already (behind); a failed one has nothing to judge
         trials = [t for t in trials if t.stopped_after is None and t.failed is None]
         if not trials:
@@ -276,6 +277,9 @@ class ResolutionTuner:
             log.info("resolution: the default size's trial (%.1f%%) is still at chance for %d "
                      "classes, and a size that cost the same has left it", 100 * default.val_acc,
                      num_classes)
+            # the pick is among the sizes clear of chance: one still at chance that ties with
+            # the leader by noise is no better ranked than the default
+            trials = [t for t in trials if informative(t.val_acc, n_val, num_classes)]
         top = max(t.val_acc for t in trials)
         tied = [t.image_size for t in trials if ties(top, t.val_acc, n_val)]
         return default_size if default_size in tied else min(tied)

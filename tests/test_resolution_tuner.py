@@ -157,6 +157,10 @@ def test_a_default_trial_at_chance_stays_only_while_no_size_has_left_chance():
     assert ResolutionTuner.pick(left, 360, 64, num_classes=6) == 48
     learning = [trial(48, 0.45), trial(64, 0.30), trial(96, 0.28)]
     assert ResolutionTuner.pick(learning, 360, 64, num_classes=6) == 48
+    # 96 px left chance ahead of the default; 48 px ties with 96 by noise but is itself still
+    # at chance (10 classes, 600 images: chance 10%, two standard errors 2.4 points)
+    one_left = [trial(48, 0.115), trial(64, 0.09), trial(96, 0.13)]
+    assert ResolutionTuner.pick(one_left, 600, 64, num_classes=10) == 96
 
 
 def replay(curves, calls):
