@@ -34,7 +34,7 @@ from modules.dataset import (DatasetIndex, data_path_of, index_dataset, load_rgb
                              resolve_source, subset, train_transform)
 from modules.device import apply_process_settings, autocast_dtype, resolve_device
 from modules.evaluation import evaluate
-from modules.fastdata import cache_fits
+from modules.fastdata import cache_fits, keep_sizes
 from modules.files import (atomic_write_text, folder_lock, kept_file, name_folder, run_log,
                            share_file)
 from modules.hardware import max_batch_size
@@ -523,6 +523,11 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
         return same_final(same, extra, args, output_dir, tuning_s)
     log.info("== scenario %s: %s, %d px, batch %d, %d epochs on %s", name, config.model,
              config.image_size, config.batch_size, config.epochs, device)
+    if config.cache_decoded:
+        # the final run's size, and the hpo search's next in this run
+        keep_sizes({config.image_size} | ({search_size(args, config.image_size)}
+                                          if name == "resolution" and "hpo" in args.scenarios
+                                          else set()))
     kept = weights_file(config.weights)
     building = config
     if not distributed.is_main() and kept is not None and not kept.exists():

@@ -121,6 +121,20 @@ def test_resume_after_a_finished_run_keeps_each_rows_timeline(small, tmp_path):
         again["tuning_s"] - first["tuning_s"])
 
 
+def test_the_final_run_holds_only_its_own_sizes_cache(small, tmp_path):
+    """The other candidate sizes' decoded images stayed in memory through the final run and
+    counted in its peak memory (4.8 GB for Intel's train split at the GPU sizes)."""
+    from modules import fastdata
+    fastdata.clear_cache()
+    assert run_main("--data-dir", str(small), "--scenarios", "resolution", "--resolutions",
+                    "24,32", "--image-size", "32", "--epochs", "2", "--weights", "none",
+                    "--no-progress", "--output-dir", str(tmp_path / "out")) == 0
+    row = json.loads((tmp_path / "out" / "results.json").read_text())[-1]
+    assert {size for _, size in fastdata._MEMO} == {row["best_resolution"]}
+    fastdata.keep_sizes({48, 64})  # sizes not named go, the last one too
+    assert not fastdata._MEMO
+
+
 def test_each_finished_scenario_is_in_results_json_before_the_next_one_runs(small, tmp_path,
                                                                             monkeypatch):
     seen = []
