@@ -588,6 +588,10 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
     if name == "hpo":
         kept = default_if_better(row, tuned.get("final") or _final_row(output_dir, index,
                                                                       args.run_id))
+        if kept.get("winner_final") and distributed.is_main():
+            runs = run_folder(output_dir, "runs", args.run_id)
+            show_in_tensorboard(runs, aside=f"winner-{time.strftime('%Y%m%d-%H%M%S')}",
+                                kept=runs / kept["final_from"], copy=True)
         kept = earlier_if_better(kept, extra.get("replaced_final"), earlier_final, output_dir,
                                  args.run_id)
         if kept is not row:
@@ -737,13 +741,16 @@ def earlier_if_better(row: dict[str, Any], replaced: dict[str, Any] | None,
         return row
     final = checkpoint_file(output_dir, "hpo", run_id=run_id)
     if distributed.is_main():
+        grown = f"grown-{time.strftime('%Y%m%d-%H%M%S')}"
         try:
-            final.rename(final.with_name(f"hpo.grown-{time.strftime('%Y%m%d-%H%M%S')}.pt"))
+            final.rename(final.with_name(f"hpo.{grown}.pt"))
             Path(replaced["checkpoint"]).rename(final)
         except OSError as exc:  # the new run stays the hpo checkpoint, and its row with it
             log.warning("hpo: could not bring back the earlier final run's checkpoint (%s): "
                         "keeping the new final run", first_line(exc))
             return row
+        show_in_tensorboard(run_folder(output_dir, "runs", run_id), aside=grown,
+                            kept=Path(replaced["scalars"]) if replaced.get("scalars") else None)
     log.info("hpo: the new final run validated at %.1f%%, below the final run before the "
              "study grew (%.1f%%): keeping that model", 100 * mine, 100 * before)
     kept = copy.deepcopy(earlier)
@@ -752,6 +759,24 @@ def earlier_if_better(row: dict[str, Any], replaced: dict[str, Any] | None,
                 tuning_s=row["total_s"] - replaced["seconds"], total_s=row["total_s"],
                 grown_final=gave_way(row))
     return kept
+
+
+def show_in_tensorboard(runs: Path, *, aside: str, kept: Path | None, copy: bool = False
+                        ) -> None:
+    """TensorBoard's hpo run shows the final run the row keeps: the scalars of the run that
+    gave way move to hpo.<aside>, and the kept run's take their place (copied from the
+    resolution scenario's folder, or moved back from where a grown study set them aside)."""
+    try:
+        if (runs / "hpo").is_dir():
+            (runs / "hpo").rename(runs / f"hpo.{aside}")
+        if kept is not None and kept.is_dir():
+            if copy:
+                shutil.copytree(kept, runs / "hpo")
+            else:
+                kept.rename(runs / "hpo")
+    except OSError as exc:
+        log.warning("hpo: TensorBoard's hpo run may show another final run than the row (%s)",
+                    first_line(exc))
 
 
 def log_row(row: dict[str, Any]) -> None:
@@ -1041,10 +1066,16 @@ def _search(config: TrainConfig, args: RunOptions, index: DatasetIndex, output_d
             tuner.save_plots(summary)
         else:
             tuner.save_plots(summary)  # before the set-aside, which the clock counts
-            aside = final.with_name(f"hpo.before-{time.strftime('%Y%m%d-%H%M%S')}.pt")
+            before_at = f"before-{time.strftime('%Y%m%d-%H%M%S')}"
+            aside = final.with_name(f"hpo.{before_at}.pt")
             final.rename(aside)
             replaced = replaced_final(begun, aside, previous_row(
                 output_dir / "results.json", "hpo", index.name, args.run_id))
+            runs = run_folder(output_dir, "runs", args.run_id)
+            if (runs / "hpo").is_dir():
+                # its scalars too: the new final run's would be drawn over them as one run
+                show_in_tensorboard(runs, aside=before_at, kept=None)
+                replaced["scalars"] = str(runs / f"hpo.{before_at}")
             log.info("hpo: the choice changed with the new trials: training the final run "
                      "again (the earlier one is kept as %s; its %.0f s count as tuning)", aside,
                      replaced["seconds"])

@@ -1312,6 +1312,22 @@ def test_a_grown_studys_new_final_run_gives_way_to_a_better_earlier_one(tmp_path
     assert scenario.earlier_if_better(new, None, None, tmp_path, "r") is new
 
 
+def test_tensorboards_hpo_run_is_the_final_run_the_row_keeps(tmp_path):
+    """A winner's final run that gave way to the resolution scenario's: TensorBoard drew the
+    winner's curves as hpo beside a table showing the other run's."""
+    runs = tmp_path / "runs"
+    for name, text in (("hpo", "winner"), ("resolution", "kept")):
+        (runs / name).mkdir(parents=True)
+        (runs / name / "events").write_text(text)
+    scenario.show_in_tensorboard(runs, aside="winner-1", kept=runs / "resolution", copy=True)
+    assert (runs / "hpo" / "events").read_text() == "kept"
+    assert (runs / "resolution" / "events").read_text() == "kept"
+    assert (runs / "hpo.winner-1" / "events").read_text() == "winner"
+    scenario.show_in_tensorboard(runs, aside="grown-1", kept=runs / "hpo.winner-1")  # moved
+    assert (runs / "hpo" / "events").read_text() == "winner"
+    assert not (runs / "hpo.winner-1").exists() and (runs / "hpo.grown-1").is_dir()
+
+
 def test_a_kept_earlier_final_run_is_what_a_later_resume_continues(small, tmp_path,
                                                                   monkeypatch):
     """Its checkpoint came back as the hpo checkpoint: a --resume finds it finished, rather
@@ -1332,6 +1348,11 @@ def test_a_kept_earlier_final_run_is_what_a_later_resume_continues(small, tmp_pa
     assert kept["history"] == first["history"] and kept["test_acc"] == first["test_acc"]
     assert kept["grown_final"]["settings"]["lr"] == 0.005
     assert "validated at -100.0%" in (out / "report.md").read_text()
+    # TensorBoard's hpo run is the kept one's too, the new run's scalars beside it
+    runs = run_path(out, "runs")
+    assert [p.name[:10] for p in runs.glob("hpo.*")] == ["hpo.grown-"]
+    assert list((runs / "hpo").glob("events.out.tfevents.*"))
+    assert list(next(runs.glob("hpo.grown-*")).glob("events.out.tfevents.*"))
     # nothing left to do: the kept run is found finished (resumed after its last epoch, not
     # trained again), and the row stays
     monkeypatch.undo()
