@@ -42,13 +42,14 @@ def plot_breakdown(rows: list[dict[str, Any]], out_dir: Path) -> Path | None:
     fig = figure(10, 4.5, dpi=120)
     rate_ax, step_ax = fig.subplots(1, 2)
     names = list(parts)
-    rates = [finite_number(next(r for r in rows if r["scenario"] == n).get("samples_per_s")) or 0.0
+    rates = [finite_number(next(r for r in rows if r["scenario"] == n).get("samples_per_s"))
              for n in names]
-    rate_ax.bar(names, rates, color="C0")
+    rate_ax.bar(names, [rate or 0.0 for rate in rates], color="C0")
     rate_ax.set_title("Training throughput")
     rate_ax.set_ylabel("samples / s")
-    for i, rate in enumerate(rates):
-        rate_ax.annotate(f"{rate:.0f}", (i, rate), ha="center", va="bottom", fontsize="small")
+    for i, rate in enumerate(rates):  # a missing figure is marked, not drawn as a measured 0
+        rate_ax.annotate(NA if rate is None else f"{rate:.0f}", (i, rate or 0.0), ha="center",
+                         va="bottom", fontsize="small")
     bottom = [0.0] * len(names)
     for j, phase in enumerate(("data wait", "host-to-device", "compute")):
         values = [parts[n][phase] for n in names]
@@ -204,10 +205,12 @@ def final_from_text(row: dict[str, Any], detail: bool = False) -> str:
     source = row["final_from"]
     winner = row.get("winner_final")
     if winner:
-        text = (f"the search's winner was trained in full and validated at "
-                f"{100 * (winner.get('val_acc') or 0):.1f}% (test "
-                f"{100 * (winner.get('test_acc') or 0):.1f}%), below the {source} scenario's "
-                f"final run, whose model and figures these are; the winner's run counts as tuning")
+        val, test = finite_number(winner.get("val_acc")), finite_number(winner.get("test_acc"))
+        figures = f" at {100 * val:.1f}% (test {100 * test:.1f}%)," \
+            if val is not None and test is not None else ""
+        text = (f"the search's winner was trained in full and validated{figures} below the "
+                f"{source} scenario's final run, whose model and figures these are; the "
+                f"winner's run counts as tuning")
     else:
         text = f"its final run is the {source} scenario's, trained once"
         if detail:

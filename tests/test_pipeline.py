@@ -807,6 +807,8 @@ def test_a_winner_whose_final_run_validates_below_the_defaults_gives_way_to_it(t
     told = " ".join(report.versus_baseline_lines([{**resolution, "scenario": "baseline"}, kept]))
     assert "winner was trained in full and validated at 92.8% (test 90.0%)" in told
     assert "trained once" not in told
+    unknown = {**kept, "winner_final": {**kept["winner_final"], "test_acc": None}}
+    assert "validated below the resolution" in report.final_from_text(unknown)  # not "0.0%"
     for row in (hpo_row(0.98), hpo_row(0.972), hpo_row(0.9, keeps_default=True),
                 hpo_row(0.9, reused=None)):  # higher, a tie, kept default, another default
         assert scenario.default_if_better(row, same) is row
