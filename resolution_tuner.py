@@ -102,11 +102,17 @@ class ResolutionTuner:
                 trial = self._train(size, config)
             self.trials.append(trial)
             entries.append({"config": key, "trial": dataclasses.asdict(trial)})
-            self._write_journal(data, entries)
+            # what earlier sessions journaled and this one has not reached (or does not try:
+            # fewer --resolutions) stays for a later resume
+            written = {e["config"] for e in entries}
+            self._write_journal(data, entries + [
+                {"config": k, "trial": dataclasses.asdict(t)} for k, t in done.items()
+                if k not in written])
         self.trials.sort(key=lambda t: t.image_size)
         best = distributed.from_main(
             self.pick(self.trials, self.n_val, self.default_size, len(self.index.classes)))
-        top = max(self.trials, key=lambda t: t.val_acc)
+        top = max((t for t in self.trials if t.stopped_after is None and t.failed is None),
+                  key=lambda t: t.val_acc)  # pick() raised if there is none
         log.info("resolution pick: %d px (best %d px at %.1f%% +- %.1f on %d validation images; "
                  "sizes within one standard error of the difference tie, and a tie keeps the "
                  "default %d px, else the smallest)", best, top.image_size, 100 * top.val_acc,

@@ -118,6 +118,12 @@ def test_a_resumed_tuning_trains_only_the_sizes_its_journal_does_not_hold(tmp_pa
     ResolutionTuner(index, quiet, [24, 32], journal=journal, resume=True).run()
     assert trained == []
 
+    # a session that tries fewer sizes keeps the others' results for a later resume
+    ResolutionTuner(index, BASE, [BASE.image_size], journal=journal, resume=True).run()
+    assert len(json.loads(journal.read_text())["trials"]) == 2
+    ResolutionTuner(index, BASE, [24, 32], journal=journal, resume=True).run()
+    assert trained == []
+
     # without --resume, or with other settings, every size is trained again
     trained.clear()
     ResolutionTuner(index, BASE, [24, 32], journal=journal).run()
@@ -129,7 +135,7 @@ def test_a_resumed_tuning_trains_only_the_sizes_its_journal_does_not_hold(tmp_pa
 
     # other data, or a journal it cannot read: trained again, said in the log, no error
     trained.clear()
-    other = index_dataset(make_folder(tmp_path / "e", n_train=10, n_test=3))
+    other = index_dataset(make_folder(tmp_path / "e", n_train=11, n_test=3))
     ResolutionTuner(other, BASE, [24], journal=journal, resume=True).run()
     assert trained == [24]
     journal.write_text("{not json")
