@@ -113,11 +113,21 @@ class CheckpointSaver:
             # (distinct, though not the ones they would have drawn uninterrupted)
             set_seed(rank_seed(self.config.seed, ckpt["epoch"]))
         log.info("resuming from %s after epoch %d", self.path, ckpt["epoch"])
+        # Early stopping's patience is this run's to set: a run that had stopped early trains
+        # on under a longer one (or none), and one that has already waited this run's stops.
+        patience = self.config.early_stopping_patience
+        waited = patience is not None and ckpt["bad_epochs"] >= patience
+        finished = ckpt["epoch"] >= self.config.epochs or waited
+        if ckpt["finished"] != finished and ckpt["epoch"] < self.config.epochs:
+            log.info("early stopping: %d epochs without a better val accuracy, and patience %s: "
+                     "%s", ckpt["bad_epochs"], patience if patience is not None else "none",
+                     "stopping here" if finished else
+                     f"training on from epoch {ckpt['epoch'] + 1}")
         return Progress(history=ckpt["history"], best=ckpt["best"], bad_epochs=ckpt["bad_epochs"],
                         nonfinite_steps=ckpt["nonfinite_steps"],
                         consecutive_bad=ckpt.get("consecutive_bad", 0),  # older checkpoints
                         # finished: nothing left to train; the caller restores the best epoch
-                        start_epoch=self.config.epochs if ckpt["finished"] else ckpt["epoch"],
+                        start_epoch=self.config.epochs if finished else ckpt["epoch"],
                         resumed_from=ckpt["epoch"],
                         timing=ckpt.get("timing", {}))  # absent from older checkpoints
 

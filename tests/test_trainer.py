@@ -127,6 +127,26 @@ def test_a_resume_keeps_its_own_optimizer_kernel_not_the_checkpoints(tmp_path):
     assert resumed.resumed_from_epoch == 1 and kernels and set(kernels) == {False}
 
 
+def test_a_resume_applies_its_own_early_stopping_patience(tmp_path):
+    """A run that had stopped early trained nothing when resumed with a longer patience (or
+    none), and said nothing; one resumed with a patience it has already waited out stops."""
+    config = dataclasses.replace(BASE, epochs=8, early_stopping_patience=2)
+    shifted = colour_data(24, seed=1, shift=1)  # val worsens as train improves: stops early
+    ck = tmp_path / "ck.pt"
+    stopped = fit(config, val_data=shifted, checkpoint_path=ck)
+    assert stopped.stopped_early and stopped.epochs_run < 8
+    longer = fit(dataclasses.replace(config, early_stopping_patience=None), val_data=shifted,
+                 checkpoint_path=ck, resume=True)
+    assert longer.resumed_from_epoch == stopped.epochs_run and longer.epochs_run == 8
+    assert longer.history[:stopped.epochs_run] == stopped.history
+    with pytest.raises(Interrupted):  # 2 epochs in, one of them without a better val accuracy
+        fit(dataclasses.replace(config, early_stopping_patience=3), val_data=shifted,
+            checkpoint_path=tmp_path / "part.pt", on_epoch=interrupt_after(2))
+    shorter = fit(dataclasses.replace(config, early_stopping_patience=1), val_data=shifted,
+                  checkpoint_path=tmp_path / "part.pt", resume=True)
+    assert shorter.epochs_run == 2 and shorter.stopped_early
+
+
 def test_early_stopping_restores_the_best_weights():
     snapshots = {}
     config = dataclasses.replace(BASE, epochs=12, early_stopping_patience=2)
