@@ -69,8 +69,9 @@ def export_elpv(root, per_class=None, test_share=0.4, seed=0):
     and 'functional' (0), drawn to the same count of each cell type as the defective ones, so
     that the type (the most visible difference) tells nothing; the uncertain 1/3 is left out.
     test_share of each class and type is the test split: 658 images at 0.4, where the pipeline's
-    20% of a folder of class folders would leave 328, too few to tell 3 points (one standard
-    error is 1.4-2 points at 80-90%)."""
+    20% of a folder of class folders would leave 328. Even 658 cannot tell 3 points at ELPV's
+    70-72%: the standard error of a difference of two accuracies there is 2.4-2.5 points (the
+    benchmark's test-set line says so); a larger share would leave too few to train on."""
     try:
         data = resources.files("elpv_dataset") / "data"
     except ModuleNotFoundError:

@@ -273,6 +273,12 @@ def test_a_target_figure_never_prints_the_limit_it_missed():
     assert bench.figure(10.0, 10, 1) == "10.0"  # measuring on the limit: at most 10%, met
     assert "met: resolution measuring at most 10% of its wall time (10.0%)" in bench.targets(
         [base, {**res, "autotune": {"seconds": 9.0}}])
+    # a baseline slowed by other work stretched every ratio and, through --match-time, gave
+    # the tuned final runs more epochs: no verdict stands
+    shared = bench.targets([{**base, "diagnosis": {"bottleneck": "cpu-contended"}}, res, hpo])
+    assert shared[0].startswith("UNRELIABLE: the CPU was shared with other work during "
+                                "baseline")
+    assert all(line.startswith(("UNRELIABLE", "test set")) for line in shared)
 
 
 def test_the_search_verdict_needs_a_best_clear_of_chance():
@@ -292,6 +298,12 @@ def test_the_search_verdict_needs_a_best_clear_of_chance():
     assert missed[2] == "MISSED: ours never came within 0.5 points of plain TPE's best"
     late = verdict(plain, [(10.01, 4, 0.6)], 360, 6)
     assert late[2].startswith("MISSED") and "(0.334x its trial seconds" in late[2]
+    # against plain TPE's seconds to its own best too, which its first trial (the default,
+    # trained first by both) can make 0
+    assert met[3] == ("search: plain TPE reached its best after 30 trial seconds; ours came "
+                      "within 0.5 points after 0.30x that")
+    first = verdict([(10, 4, 0.6), (20, 8, 0.6)], [(10, 4, 0.6)], 360, 6)
+    assert "after 10 trial seconds (its first trial, the default configuration" in first[3]
 
 
 def test_targets_read_exact_points_borrowed_runs_and_a_difference_of_two_accuracies():
