@@ -221,28 +221,36 @@ def folder_lock(folder: Path):
     """Holds folder/.lock while a run writes there: a second run into the same folder (two
     --resume of one interrupted run, say) stops with one line instead of training the same
     again beside it. Where the filesystem has no locks (some network drives), runs unguarded."""
+    # The run is yielded to outside every except block: inside one, any error of the run
+    # would carry the lock's as its context ("No locks available ... During handling").
     try:
         import fcntl
         handle = open(Path(folder) / ".lock", "a+")
     except (ImportError, OSError):  # Windows; an unwritable folder is reported elsewhere
+        handle = None
+    if handle is None:
         yield
         return
     with handle:
+        locked = True
         try:
             # A POSIX record lock belongs to this process: DataLoader workers forked during the
             # run do not inherit it (a flock would outlive a failed notebook cell in them).
             fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
-            if exc.errno not in (errno.EACCES, errno.EAGAIN):
-                yield  # no locks on this filesystem
-                return
-            handle.seek(0)
-            holder = handle.read().strip() or "another process"
-            raise UserError(f"another run is writing to {str(folder)!r} ({holder}): wait for "
-                            "it to end, or give this one another --output-dir.") from None
-        handle.truncate(0)
-        handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-        handle.flush()
+            if exc.errno in (errno.EACCES, errno.EAGAIN):
+                handle.seek(0)
+                holder = handle.read().strip() or "another process"
+                raise UserError(f"another run is writing to {str(folder)!r} ({holder}): wait "
+                                "for it to end, or give this one another --output-dir.") from None
+            locked = False  # no locks on this filesystem: run unguarded
+        if locked:
+            handle.truncate(0)
+            handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+            handle.flush()
+        # Killed writes' leftovers go either way: a lost Colab VM's are on Drive, where
+        # there may be no locks (sweep_unfinished_writes takes only those older than a run's
+        # write could be).
         sweep_unfinished_writes(Path(folder))
         yield
 
@@ -253,8 +261,9 @@ UNFINISHED_AFTER_S = 600.0  # no write takes this long; a younger file may be a 
 
 def sweep_unfinished_writes(folder: Path) -> None:
     """Delete the temporary files of writes a kill cut short (no except block ran), a whole
-    checkpoint's size each, under `folder` while its lock is held: no run of ours writes there
-    meanwhile. The generated data and anything of the user's is left alone."""
+    checkpoint's size each, under `folder` while its lock is held (no run of ours writes there
+    meanwhile), or where it has no locks, unguarded: only those older than a write takes. The
+    generated data and anything of the user's is left alone."""
     removed, size = 0, 0
     now = time.time()
     for root, dirs, files in os.walk(folder):

@@ -677,3 +677,27 @@ def test_resume_does_not_replay_a_finished_run_past_the_newer_one(tmp_path):
     record = out / "checkpoints" / "20261127-100000" / "run.json"
     record.write_text(json.dumps({**json.loads(record.read_text()), "finished": False}))
     assert start_run(out, index=index, resume=True, command="") == "20261127-100000"
+
+
+def test_a_folder_without_locks_runs_unguarded_with_no_lock_error_in_its_tracebacks(
+        tmp_path, monkeypatch):
+    """On a filesystem without record locks (some network drives) the run went on inside the
+    lock's except block: every error of the run then read "No locks available ... During
+    handling of the above exception", and killed writes' leftovers were never swept."""
+    import errno
+    import fcntl
+
+    from modules.files import folder_lock
+
+    def no_locks(*_):
+        raise OSError(errno.ENOLCK, "No locks available")
+    monkeypatch.setattr(fcntl, "lockf", no_locks)
+    stale = tmp_path / ".results.json.deadbeef.tmp"
+    stale.write_bytes(b"x")
+    os.utime(stale, (time.time() - 3600,) * 2)
+    with pytest.raises(ValueError) as raised:
+        with folder_lock(tmp_path):
+            assert not stale.exists()
+            raise ValueError("the run's own error")
+    assert raised.value.__context__ is None
+
