@@ -108,10 +108,11 @@ def forget_refused_run(output_dir: Path, run_id: str) -> None:
 
 
 def start_run(output_dir: Path, index: DatasetIndex, *, resume: bool, command: str,
-              seed: int | None = None) -> str:
+              seed: int | None = None, quick: bool | None = None) -> str:
     """This run's id: with resume the newest run's, which must be on the same data; else a
-    new one (the UTC time), recorded as the newest. Earlier runs' files stay. `seed`: the
-    --seed the data was split with, recorded so that a refused resume can name it."""
+    new one (the UTC time), recorded as the newest. Earlier runs' files stay. `seed`, `quick`:
+    the --seed the data was split with and whether --quick took a subset of it, recorded so
+    that a refused resume can name the difference."""
     runs = _runs(output_dir)
     newest = runs[0] if runs else None
     # --resume continues the newest run that left something to continue, when one did: a run
@@ -124,6 +125,15 @@ def start_run(output_dir: Path, index: DatasetIndex, *, resume: bool, command: s
     fingerprint = index.fingerprint()
     if resume and latest is not None:
         if not index.same_data(latest.get("data_fingerprint")):
+            was_quick = latest.get("quick")
+            if None not in (was_quick, quick) and was_quick != quick and \
+                    latest.get("dataset") == index.name:
+                raise UserError(
+                    f"cannot resume: the newest run in {output_dir} ({latest['run_id']}) was "
+                    f"started {'with' if was_quick else 'without'} --quick, which "
+                    f"{'takes a subset of' if was_quick else 'trains on all of'} the data; "
+                    f"{'add' if was_quick else 'drop'} --quick to continue it, or drop "
+                    "--resume to start a new run beside it (nothing is deleted).")
             before, now = latest.get("seed"), seed
             # the same images split otherwise: only then is the seed the difference
             seeds = before is not None and now is not None and before != now and \
@@ -154,7 +164,7 @@ def start_run(output_dir: Path, index: DatasetIndex, *, resume: bool, command: s
         run_id = f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{suffix}"
     if distributed.is_main():
         record = {"run_id": run_id, "dataset": index.name, "data_fingerprint": fingerprint,
-                  "n_images": index.n_images(), "seed": seed,
+                  "n_images": index.n_images(), "seed": seed, "quick": quick,
                   "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                   "command": command}
         write_json(_record_path(output_dir, run_id), record)  # makes the run's folder

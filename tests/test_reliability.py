@@ -409,6 +409,30 @@ def test_resume_finds_the_interrupted_run_past_a_mistake_and_a_lost_record(tmp_p
     assert latest_run(out)["run_id"] == "20261127-100000"
 
 
+def test_a_resume_after_toggling_quick_names_quick(tmp_path):
+    """--quick takes a subset of the data, so the data check refused the resume, blaming
+    "other images or another --seed's split": the likely slip is RESUME ticked after QUICK
+    was changed."""
+    from types import SimpleNamespace
+
+    from modules.config import UserError
+    from modules.results import start_run
+    out = tmp_path / "out"
+    full = SimpleNamespace(name="synthetic", n_images=lambda: 104, fingerprint=lambda: "full",
+                           same_data=lambda recorded: recorded == "full")
+    subset = SimpleNamespace(name="synthetic", n_images=lambda: 44,
+                             fingerprint=lambda: "quick",
+                             same_data=lambda recorded: recorded == "quick")
+    start_run(out, full, resume=False, command="", seed=42, quick=False)
+    with pytest.raises(UserError, match="was started without --quick, which trains on all of "
+                                        "the data; drop --quick to continue it"):
+        start_run(out, subset, resume=True, command="", seed=42, quick=True)
+    start_run(out, subset, resume=False, command="", seed=42, quick=True)
+    with pytest.raises(UserError, match="started with --quick, which takes a subset of the "
+                                        "data; add --quick"):
+        start_run(out, full, resume=True, command="", seed=42, quick=False)
+
+
 def two_runs(out: Path):
     """Run records of an older run A (20261127-100000) and a newer run B (-110000) in `out`,
     neither with progress, B named newest; returns an index of their data."""
