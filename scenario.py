@@ -791,9 +791,10 @@ def estimate(args: RunOptions, index: DatasetIndex) -> dict[str, Any]:
     speed measured now (training steps on one batch in memory, and decoding a few images for
     the per-epoch decode of the baseline and the one-time decode of the tuned scenarios),
     with --match-time's fill of the tuned final runs. Pruning and early stopping can end runs
-    sooner, and the autotuner can make steps faster."""
+    sooner, and the autotuner can make steps faster. Without a baseline in this run, an earlier
+    run's in the output dir sets the search's time budget and the fill, as in the run."""
     device = resolve_device(args.device)
-    n_train, n_eval = len(index.train), len(index.val) + len(index.test)
+    n_train, n_val, n_test = len(index.train), len(index.val), len(index.test)
     paths = [s[0] for s in index.train[:9]]
     transform = train_transform(scenario_config("baseline", args, device).image_size)
     decodes = []
@@ -803,27 +804,32 @@ def estimate(args: RunOptions, index: DatasetIndex) -> dict[str, Any]:
         decodes.append(time.perf_counter() - started)
     decode_s = statistics.median(decodes[1:] or decodes)
     scenarios: dict[str, float] = {}
+    # an earlier run's until this run's baseline is estimated, as baseline_seconds decides
+    baseline_s = baseline_seconds(args, Path(args.output_dir).expanduser(), index, {}, device)
     for name in args.scenarios:
         config = scenario_config(name, args, device)
         step_s = config.batch_size / _images_per_s(config, len(index.classes), device)
         epoch_s = planned_steps(config, n_train, epochs=1) * step_s * config.grad_accum_steps
-        epoch_s += n_eval / config.batch_size * step_s / 3  # evaluation: a forward pass only
-        if name == "baseline":
-            scenarios[name] = config.epochs * (epoch_s + n_train * decode_s)
+        epoch_s += n_val / config.batch_size * step_s / 3  # validation: a forward pass only
+        test_s = n_test / config.batch_size * step_s / 3   # the test set, once at the end
+        if name == "baseline":  # it decodes its training and validation images every epoch
+            scenarios[name] = config.epochs * (epoch_s + (n_train + n_val) * decode_s) + \
+                test_s + n_test * decode_s
+            baseline_s = scenarios[name]
             continue
         runs = tuning_runs(name, args, config, device)
-        decode = (runs if name == "resolution" else 1) * (n_train + n_eval) * decode_s
+        decode = (runs if name == "resolution" else 1) * (n_train + n_val + n_test) * decode_s
         tuning = runs * short_budget(config) * epoch_s
         if name == "hpo":  # its trials' size (search_size), and the time budget (search_budget)
             tuning *= search_cost(args, config.image_size)
-            bound = search_budget(args, scenarios.get("baseline"))[0]
+            bound = search_budget(args, baseline_s)[0]
             tuning = tuning if bound is None else min(tuning, bound)
         tuning += decode
         final = config.epochs * epoch_s
-        if args.match_time and args.epochs is None and "baseline" in scenarios:
-            final = min(max(final, TIME_SHARE * scenarios["baseline"] - tuning),
+        if args.match_time and args.epochs is None and baseline_s:
+            final = min(max(final, TIME_SHARE * baseline_s - tuning),
                         MAX_EPOCH_FACTOR * final)  # as fill_time decides it
-        scenarios[name] = tuning + final
+        scenarios[name] = tuning + final + test_s
     return {"device": str(device), "n_train": n_train, "decode_ms": 1e3 * decode_s,
             "scenarios": scenarios, "total_s": sum(scenarios.values())}
 

@@ -973,6 +973,15 @@ def test_the_estimate_covers_every_scenario_and_match_times_fill(small, tmp_path
     auto, full = (pipeline.estimate(pipeline.parse_args(at_150 + extra), index)["scenarios"]["hpo"]
                   for extra in ([], ["--search-size", "full"]))
     assert auto < full
+    # without a baseline in this run, an earlier run's bounds the search and sets the fill,
+    # as in the run; none at all, and the final runs keep their own epochs
+    tuned = argv + ["--scenarios", "resolution,hpo"]
+    monkeypatch.setattr(scenario, "baseline_seconds", lambda *_: filled["scenarios"]["baseline"])
+    alone = pipeline.estimate(pipeline.parse_args(tuned), index)["scenarios"]
+    assert alone == pytest.approx({k: filled["scenarios"][k] for k in ("resolution", "hpo")})
+    monkeypatch.setattr(scenario, "baseline_seconds", lambda *_: None)
+    unfilled = pipeline.estimate(pipeline.parse_args(tuned), index)["scenarios"]
+    assert unfilled["resolution"] == pytest.approx(plain["scenarios"]["resolution"])
 
 
 def test_the_estimate_times_a_batch_too_large_for_the_gpu_in_halves(monkeypatch):
