@@ -179,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
                              f"{100 * TIME_SHARE:.0f}%% of the baseline's total time, tuning "
                              f"included (at least their own, at most {MAX_EPOCH_FACTOR}x; "
                              "default: on; --epochs fixes the count)")
-    train_.add_argument("--early-stopping", type=_bounded(int, 1), metavar="PATIENCE",
+    train_.add_argument("--early-stopping", type=_bounded(int, 1, 100_000), metavar="PATIENCE",
                         help="stop after PATIENCE epochs without a better val accuracy")
     train_.add_argument("--amp", choices=("auto", "off", "fp16", "bf16"))
     train_.add_argument("--channels-last", action=argparse.BooleanOptionalAction,
@@ -219,7 +219,7 @@ UNUSED_WITHOUT = {"resolutions": "resolution", "n_trials": "hpo", "time_budget":
 def parse_args(argv: list[str] | None = None) -> RunOptions:
     parser = build_parser()
     args = RunOptions(**vars(parser.parse_args(argv)))
-    if args.data_dir is not None and not Path(args.data_dir).expanduser().is_dir():
+    if args.data_dir is not None and not _path_is("is_dir", "--data-dir", args.data_dir):
         raise UserError(f"--data-dir {args.data_dir!r} does not exist or is not a folder.")
     if not args.output_dir.strip():
         raise UserError("--output-dir is empty; name a folder (default: others).")
@@ -238,7 +238,7 @@ def parse_args(argv: list[str] | None = None) -> RunOptions:
         raise UserError(f"--local-dir {args.local_dir!r} is a file, not a folder.")
     if args.weights not in ("none", "imagenet"):
         args.weights = str(Path(args.weights).expanduser())
-        if not Path(args.weights).is_file():
+        if not _path_is("is_file", "--weights", args.weights):
             raise UserError(f"--weights must be none, imagenet or an existing file, but got "
                             f"{args.weights!r}.")
         check_weights_file(args.model, Path(args.weights))
@@ -247,6 +247,9 @@ def parse_args(argv: list[str] | None = None) -> RunOptions:
                 and distributed.launched_main():  # once, not once per torchrun process
             log.warning("--%s does nothing here: only the %s scenario uses it, and --scenarios "
                         "is %s", dest.replace("_", "-"), needs, ",".join(args.scenarios))
+    if args.worker_seed is not None and args.storage is None and distributed.launched_main():
+        log.warning("--worker-seed does nothing here: it seeds a worker of a shared --storage "
+                    "study; without one the search is seeded by --seed")
     device = resolve_device(args.device)  # --device cuda without a GPU fails here
     for name in args.scenarios:  # so does any value TrainConfig refuses, before any work
         config = scenario_config(name, args, device)
@@ -257,6 +260,16 @@ def parse_args(argv: list[str] | None = None) -> RunOptions:
         if name == "hpo" and isinstance(args.search_size, int):
             _check_size("--search-size", config, args.search_size)
     return args
+
+
+def _path_is(test: str, option: str, path: str) -> bool:
+    """Path(path).<test>(), where a folder on the way that cannot be entered is the user's to
+    fix in one line, not a traceback (or, caught later, a "cannot write")."""
+    try:
+        return getattr(Path(path).expanduser(), test)()
+    except OSError as exc:
+        raise UserError(f"cannot read {option} {path!r} "
+                        f"({exc.strerror or type(exc).__name__}).") from None
 
 
 def _check_size(option: str, config: TrainConfig, size: int) -> None:
@@ -282,17 +295,30 @@ def options(**values: Any) -> RunOptions:
             continue
         flag = action.option_strings[0]
         if isinstance(action, argparse.BooleanOptionalAction):
-            on = {"on": True, "off": False}.get(value, value) if isinstance(value, str) else value
-            argv.append(flag if on else f"--no-{flag[2:]}")
+            argv.append(flag if _switch(key, value) else f"--no-{flag[2:]}")
         elif action.nargs == 0:  # store_true
-            argv += [flag] if value else []
-        elif isinstance(value, (list, tuple)):
-            argv += [flag, ",".join(str(v) for v in value)]
+            argv += [flag] if _switch(key, value) else []
         else:
-            argv += [flag, str(value)]
+            text = ",".join(str(v) for v in value) if isinstance(value, (list, tuple)) \
+                else str(value)
+            # "--output-dir -out" would read -out as an option
+            argv += [f"{flag}={text}"] if text.startswith("-") else [flag, text]
     args = parse_args(argv)
     args.command = shlex.join(["python", "pipeline.py", *shown_argv(argv)])
     return args
+
+
+SWITCH_WORDS = {"on": True, "true": True, "yes": True, "1": True,
+                "off": False, "false": False, "no": False, "0": False}
+
+
+def _switch(key: str, value: Any) -> bool:
+    """A flag's value given to options(): a bool, or a word for one ("off" is not on)."""
+    if isinstance(value, str):
+        if value.strip().lower() not in SWITCH_WORDS:
+            raise UserError(f"{key}={value!r}: give True or False (or on/off)")
+        return SWITCH_WORDS[value.strip().lower()]
+    return bool(value)
 
 
 def setup_logging() -> None:

@@ -82,6 +82,14 @@ def test_options_take_keywords_and_check_them_as_the_command_line_does():
         pipeline.options(n_trials=0)
     with pytest.raises(pipeline.UserError, match="unknown option 'epoch'"):
         pipeline.options(epoch=3)
+    # a word for a flag reads as said ("off" was a non-empty string: on), a value starting
+    # with "-" stays a value, and the command line says so
+    off = pipeline.options(quick="off", resume="no", channels_last="false")
+    assert (off.quick, off.resume, off.channels_last) == (False, False, False)
+    with pytest.raises(pipeline.UserError, match="channels_last='auto': give True or False"):
+        pipeline.options(channels_last="auto")
+    dashed = pipeline.options(output_dir="-out")
+    assert dashed.output_dir == "-out" and dashed.command == "python pipeline.py --output-dir=-out"
 
 
 @pytest.fixture(scope="module")

@@ -178,6 +178,7 @@ def test_each_finished_scenario_is_in_results_json_before_the_next_one_runs(smal
     (["--weights", "/no/such.pt"], "--weights must be none, imagenet or an existing file"),
     (["--scenarios", "baseline,magic"], "unknown scenario magic"),
     (["--frobnicate"], "unrecognized arguments: --frobnicate"),
+    (["--early-stopping", "200000"], "argument --early-stopping: must be >= 1 and <= 100000"),
 ])
 def test_bad_options_end_in_one_line(argv, message, capsys, tmp_path):
     assert run_main(*argv, "--output-dir", str(tmp_path / "o")) == 2
@@ -217,6 +218,22 @@ def test_good_files_and_the_notebooks_defaults_pass_the_early_checks(tmp_path, c
     assert not caplog.records
 
 
+def test_a_data_folder_behind_a_locked_one_is_a_read_error_in_one_line(monkeypatch, capsys):
+    """Path.is_dir raises PermissionError for a folder whose parent cannot be entered (as
+    root, permissions cannot be tested for real): main() read it as a failed write."""
+    real = pipeline.Path.is_dir
+
+    def is_dir(self):
+        if "locked" in str(self):
+            raise PermissionError(13, "Permission denied")
+        return real(self)
+    monkeypatch.setattr(pipeline.Path, "is_dir", is_dir)
+    assert run_main("--data-dir", "/srv/locked/images") == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "error: cannot read --data-dir '/srv/locked/images' (Permission " \
+        "denied)."
+
+
 def test_options_no_scenario_reads_are_named(caplog):
     with caplog.at_level(logging.WARNING):
         pipeline.parse_args(["--scenarios", "baseline", "--n-trials", "8", "--pruner", "none",
@@ -229,6 +246,9 @@ def test_options_no_scenario_reads_are_named(caplog):
     caplog.clear()
     pipeline.parse_args(["--scenarios", "baseline,resolution", "--resolutions", "32,48"])
     assert not caplog.records
+    pipeline.parse_args(["--scenarios", "hpo", "--worker-seed", "7"])  # no shared study
+    assert [r.getMessage()[:40] for r in caplog.records] == [
+        "--worker-seed does nothing here: it seed"]
 
 
 def test_options_no_scenario_reads_are_named_once_under_torchrun(caplog, monkeypatch):
