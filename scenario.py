@@ -189,10 +189,12 @@ USER_KNOBS = {"amp": "amp", "channels_last": "channels_last", "compile": "compil
 
 
 def autotune_scenario(config: TrainConfig, args: RunOptions, index: DatasetIndex,
-                      planned_steps: int, saved: Path, time_capped: tuple[int, float] | None = None
+                      planned_steps: int, saved: Path, time_capped: tuple[int, float] | None = None,
+                      budget_share: float = MEASURE_SHARE
                       ) -> tuple[TrainConfig, dict[str, Any] | None]:
     """The measured speed settings for an optimized scenario (options the user gave stay).
     time_capped: (steps, seconds) of the planned steps that a time budget bounds (autotune).
+    budget_share: the share of the planned steps' time all measuring may take.
 
     The choice is kept in `saved`; --resume takes it from there instead of measuring again, so
     a resumed run continues with the settings it started with (a fresh measurement can differ
@@ -202,7 +204,7 @@ def autotune_scenario(config: TrainConfig, args: RunOptions, index: DatasetIndex
     # Under torchrun every rank must train with the same settings: rank 0 measures (on its
     # own, the others idle meanwhile) and hands its choice to the others.
     return distributed.main_computes(lambda: _measure_settings(
-        config, args, index, planned_steps, saved, time_capped))
+        config, args, index, planned_steps, saved, time_capped, budget_share))
 
 
 def user_knobs(args: RunOptions) -> frozenset[str]:
@@ -213,8 +215,8 @@ def user_knobs(args: RunOptions) -> frozenset[str]:
 
 
 def _measure_settings(config: TrainConfig, args: RunOptions, index: DatasetIndex,
-                      planned_steps: int, saved: Path, time_capped: tuple[int, float] | None
-                      ) -> tuple[TrainConfig, dict[str, Any]]:
+                      planned_steps: int, saved: Path, time_capped: tuple[int, float] | None,
+                      budget_share: float = MEASURE_SHARE) -> tuple[TrainConfig, dict[str, Any]]:
     fixed = user_knobs(args)
     start = config
     if args.resume:
@@ -243,7 +245,7 @@ def _measure_settings(config: TrainConfig, args: RunOptions, index: DatasetIndex
                 dataclasses.replace(cfg, num_workers=n, persistent_workers=False,
                                     prefetch_factor=None), train=True)
     tuned, findings = autotune(config, len(index.classes), planned_steps=planned_steps,
-                             fixed=fixed, loader_factory=factory, budget_share=MEASURE_SHARE,
+                             fixed=fixed, loader_factory=factory, budget_share=budget_share,
                              cache_path=Path(args.output_dir).expanduser() / AUTOTUNE_CACHE,
                              time_capped=time_capped,
                              data_key=index.fingerprint() if factory is not None else None)
@@ -437,10 +439,16 @@ def tune_scenario(name: str, config: TrainConfig, args: RunOptions, index: Datas
         # share of what it does train.
         tuning = round(planned_steps(config, len(index.train), epochs=1) *
                        least_tuning_epochs(name, args, config, index, device, default_size))
+        final = planned_steps(config, len(index.train))
+        # The hpo final run may be the resolution scenario's, taken rather than trained
+        # (same_final): the budget is then a share of the search alone. compile still counts
+        # the final run's steps to pay back in, which it has when it trains.
+        share = MEASURE_SHARE * tuning / (tuning + final) \
+            if name == "hpo" and tuned.get("final") is not None else MEASURE_SHARE
         config, findings = autotune_scenario(
-            config, args, index, planned_steps(config, len(index.train)) + tuning,
+            config, args, index, final + tuning,
             checkpoint_file(output_dir, name, ".autotune.json", args.run_id),
-            None if budget[0] is None else (tuning, budget[0]))
+            None if budget[0] is None else (tuning, budget[0]), share)
         if findings is not None:
             extra["autotune"] = findings
     if name == "resolution":

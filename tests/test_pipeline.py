@@ -998,10 +998,12 @@ def test_the_estimate_covers_every_scenario_and_match_times_fill(small, tmp_path
     tuned = argv + ["--scenarios", "resolution,hpo"]
     monkeypatch.setattr(scenario, "baseline_seconds", lambda *_: filled["scenarios"]["baseline"])
     alone = pipeline.estimate(pipeline.parse_args(tuned), index)["scenarios"]
-    assert alone == pytest.approx({k: filled["scenarios"][k] for k in ("resolution", "hpo")})
+    # (the no-op decode still times a few microseconds, differently each call)
+    assert alone == pytest.approx({k: filled["scenarios"][k] for k in ("resolution", "hpo")},
+                                  rel=1e-3)
     monkeypatch.setattr(scenario, "baseline_seconds", lambda *_: None)
     unfilled = pipeline.estimate(pipeline.parse_args(tuned), index)["scenarios"]
-    assert unfilled["resolution"] == pytest.approx(plain["scenarios"]["resolution"])
+    assert unfilled["resolution"] == pytest.approx(plain["scenarios"]["resolution"], rel=1e-3)
 
 
 def test_the_estimate_times_a_batch_too_large_for_the_gpu_in_halves(monkeypatch):
@@ -1120,7 +1122,7 @@ def test_the_hpo_scenario_bounds_its_search_and_measuring_by_the_baselines_time(
             seen.update(kwargs)
             raise Recorded
 
-    def measured(config, args, index, steps, saved, time_capped=None):
+    def measured(config, args, index, steps, saved, time_capped=None, share=None):
         seen["time_capped"] = time_capped
         return config, None
     monkeypatch.setattr(scenario, "OptunaTuner", Tuner)
@@ -1226,6 +1228,29 @@ def test_an_earlier_runs_rows_count_only_for_the_same_setup(tmp_path):
              row("resolution", 48, 21, trials=[48, 64, 96], lr=0.01)]
     path.write_text(json.dumps(picks))
     assert previous_row(path, "resolution", "d", match=match) is None
+
+
+def test_the_hpo_measuring_budget_is_a_share_of_its_search_when_its_final_may_be_taken(
+        small, tmp_path, monkeypatch):
+    """An hpo final run that would learn what the resolution final learned is taken, not
+    trained: a budget of 10% of search and final run was 11-13% of what the scenario ran."""
+    seen = []
+    monkeypatch.setattr(scenario, "autotune_scenario", lambda config, args, index, planned,
+                        saved, capped, share: seen.append((planned, share)) or (config, None))
+    monkeypatch.setattr(scenario, "tune_hyperparameters", lambda config, *a, **k: (config, {}))
+    monkeypatch.setattr(scenario, "least_tuning_epochs", lambda *a, **k: 4)
+    args = pipeline.parse_args(["--data-dir", str(small), "--image-size", "32", "--epochs", "8",
+                                "--scenarios", "resolution,hpo", "--n-trials", "2",
+                                "--output-dir", str(tmp_path / "out")])
+    index = pipeline.load_data(args, tmp_path / "out")
+    config = scenario.scenario_config("hpo", args, scenario.torch.device("cpu"))
+    for tuned in ({"image_size": 32}, {"image_size": 32, "final": {"scenario": "resolution"}}):
+        scenario.tune_scenario("hpo", config, args, index, tmp_path / "out",
+                               scenario.torch.device("cpu"), tuned)
+    (planned, alone), (same, share) = seen
+    assert planned == same and alone == scenario.MEASURE_SHARE
+    steps = scenario.planned_steps(config, len(index.train), epochs=1)
+    assert share == pytest.approx(scenario.MEASURE_SHARE * 4 * steps / planned)
 
 
 def test_the_steps_planned_under_torchrun_are_one_processs_share(monkeypatch):
