@@ -69,8 +69,18 @@ class ResolutionTuner:
         sizes = sorted(set(int(r) for r in resolutions) | {base.image_size})
         for size in sizes:  # TrainConfig checks each size against the model's minimum
             dataclasses.replace(base, image_size=size)
-        self.index, self.base, self.resolutions = index, base, sizes
         self.epochs = epochs or base.epochs
+        # A size whose one epoch costs more than twice the compute the sizes are compared at
+        # cannot be compared at it (a trial trains whole epochs): it would lead on compute.
+        unfair = [s for s in sizes if s != base.image_size and
+                  self.epochs * (base.image_size / s) ** 2 < 0.5]
+        if unfair:
+            log.warning("resolution: %s px left out: one epoch there costs more than twice the "
+                        "compute the sizes are compared at (%d epochs at %d px); more --epochs "
+                        "would include %s", ",".join(map(str, unfair)), self.epochs,
+                        base.image_size, "it" if len(unfair) == 1 else "them")
+            sizes = [s for s in sizes if s not in unfair]
+        self.index, self.base, self.resolutions = index, base, sizes
         self.default_size, self.n_val = base.image_size, len(index.val)
         self.journal, self.resume = (Path(journal) if journal else None), resume
         self.weights_dir = Path(weights_dir) if weights_dir else None

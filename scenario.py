@@ -324,8 +324,10 @@ def search_budget(args: RunOptions, baseline_s: float | None) -> tuple[float | N
 
 def tuning_runs(name: str, args: RunOptions, config: TrainConfig, device: torch.device) -> int:
     """The short trainings a tuned scenario's search runs: one per candidate size, or trials."""
-    if name == "resolution":
-        return len(tuned_resolutions(args, device, config.image_size))
+    if name == "resolution":  # the sizes ResolutionTuner can compare at equal compute
+        sizes = tuned_resolutions(args, device, config.image_size)
+        return sum(s == config.image_size or short_budget(config) * (config.image_size / s) ** 2
+                   >= 0.5 for s in sizes)
     return trial_count(args)
 
 
@@ -925,16 +927,16 @@ def tune_resolution(config: TrainConfig, args: RunOptions, index: DatasetIndex,
                     ) -> tuple[TrainConfig, dict[str, Any]]:
     """The picked size and its final run's start; tuned["trial"]: the picked size's trial,
     which the hpo search takes as its default trial when it trained the same settings."""
-    sizes = tuned_resolutions(args, device, config.image_size)
-    log.info("== resolution tuning: %s px, %d epochs at the default %d px and about the same "
-             "time at the others", ",".join(map(str, sizes)), short_budget(config),
-             config.image_size)
     # Each finished size is journaled: --resume trains only the sizes not yet done.
-    tuner = ResolutionTuner(index, dataclasses.replace(config, progress=False), sizes,
+    tuner = ResolutionTuner(index, dataclasses.replace(config, progress=False),
+                            tuned_resolutions(args, device, config.image_size),
                             epochs=short_budget(config), resume=args.resume,
                             journal=checkpoint_file(output_dir, "resolution", ".tuning.json",
                                                     args.run_id),
                             weights_dir=run_folder(output_dir, "checkpoints", args.run_id))
+    log.info("== resolution tuning: %s px, %d epochs at the default %d px and about the same "
+             "time at the others", ",".join(map(str, tuner.resolutions)), short_budget(config),
+             config.image_size)
     size = tuner.run()  # under torchrun every rank trains each size, data-parallel
     if distributed.is_main():
         tuner.save_plot(output_dir / "resolution_tradeoff.png")
