@@ -98,12 +98,12 @@ class CheckpointSaver:
         model.load_state_dict(ckpt["model"])
         # load_state_dict copies the saved groups' kernel flags over those this run's
         # make_optimizer chose (a GPU's fused kernel resumed on a CPU, a --optimizer-impl
-        # changed): keep this run's, which are a speed setting, not learned state.
-        kernels = [{k: g[k] for k in OPTIMIZER_KERNEL_KEYS if k in g}
-                   for g in optimizer.param_groups]
-        optimizer.load_state_dict(ckpt["optimizer"])
-        for group, kernel in zip(optimizer.param_groups, kernels):
-            group.update(kernel)
+        # changed): this run's go into the saved groups first, as they are a speed setting,
+        # not learned state, and torch places each `step` by them (on the GPU for fused).
+        saved = ckpt["optimizer"]
+        optimizer.load_state_dict({**saved, "param_groups": [
+            {**group, **{k: mine[k] for k in OPTIMIZER_KERNEL_KEYS if k in mine}}
+            for group, mine in zip(saved["param_groups"], optimizer.param_groups)]})
         scheduler.load_state_dict(ckpt["scheduler"])
         if ckpt["scaler"]:  # empty from a run without fp16 (a CPU, bf16): a fresh scale here
             scaler.load_state_dict(ckpt["scaler"])
