@@ -63,13 +63,14 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def all_max(value: int, device: torch.device) -> int:
-    """The largest of every rank's `value`: ranks that act on it take the same branch."""
-    if world_size() == 1:
-        return value
-    tensor = torch.tensor(value, device=device)
+def any_rank(flags: list[bool], device: torch.device) -> list[bool]:
+    """Each flag set where any rank has it set (the ranks' lists are as long): ranks that act
+    on them take the same branch."""
+    if world_size() == 1 or not flags:
+        return flags
+    tensor = torch.tensor(flags, dtype=torch.uint8, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return int(tensor.item())
+    return [bool(v) for v in tensor.tolist()]
 
 
 @dataclass(frozen=True)

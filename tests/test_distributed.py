@@ -264,7 +264,7 @@ def test_a_resume_on_several_machines_continues_rank_0s_checkpoint_everywhere(tm
     assert torch.equal(zero["momentum"], one["momentum"]) and zero["lr"] == one["lr"]
 
 
-def _one_nan_batch_on_rank_1(rank: int, init_file: str, out: str) -> None:
+def _nan_batches(rank: int, init_file: str, out: str, both: bool) -> None:
     import torch.distributed as dist
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
@@ -275,7 +275,9 @@ def _one_nan_batch_on_rank_1(rank: int, init_file: str, out: str) -> None:
     torch.manual_seed(0)
     x, y = torch.randn(32, 3, 8, 8), torch.randint(0, 2, (32,))
     if rank == 1:
-        x[9] = float("nan")  # one batch of one window, each epoch
+        x[9] = float("nan")  # batch 3 of the first window, each epoch
+    if rank == 0 and both:
+        x[1] = float("nan")  # batch 1 of the same window: another global batch
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(144, 2))
     model.num_classes = 2
     config = TrainConfig(epochs=2, batch_size=4, grad_accum_steps=4, lr=0.01, optimizer="sgd",
@@ -292,12 +294,14 @@ def _one_nan_batch_on_rank_1(rank: int, init_file: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def test_one_ranks_nan_batch_counts_once_on_every_rank(tmp_path):
+@pytest.mark.parametrize("both", [False, True])
+def test_one_ranks_nan_batch_counts_once_on_every_rank(tmp_path, both):
     """A NaN in one batch of rank 1's window of 4 skips the window's update on both ranks, and
     both count one bad batch, as one process would: not the window's 4, which stopped the run
-    as diverged after a single NaN (max_nonfinite_steps 3)."""
+    as diverged after a single NaN (max_nonfinite_steps 3). NaNs in two batches of the window,
+    one on each rank, are two bad global batches on both (the larger rank's count was 1)."""
     import torch.multiprocessing as mp
     out = str(tmp_path / "outcome")
-    mp.spawn(_one_nan_batch_on_rank_1, args=(str(tmp_path / "init"), out), nprocs=2)
+    mp.spawn(_nan_batches, args=(str(tmp_path / "init"), out, both), nprocs=2)
     outcomes = [json.loads(Path(f"{out}.{r}").read_text()) for r in (0, 1)]
-    assert outcomes == [{"nonfinite_steps": 2, "epochs": 2}] * 2, outcomes
+    assert outcomes == [{"nonfinite_steps": 4 if both else 2, "epochs": 2}] * 2, outcomes
