@@ -190,11 +190,10 @@ USER_KNOBS = {"amp": "amp", "channels_last": "channels_last", "compile": "compil
 
 def autotune_scenario(config: TrainConfig, args: RunOptions, index: DatasetIndex,
                       planned_steps: int, saved: Path, time_capped: tuple[int, float] | None = None,
-                      budget_share: float = MEASURE_SHARE
-                      ) -> tuple[TrainConfig, dict[str, Any] | None]:
+                      unbudgeted_steps: int = 0) -> tuple[TrainConfig, dict[str, Any] | None]:
     """The measured speed settings for an optimized scenario (options the user gave stay).
     time_capped: (steps, seconds) of the planned steps that a time budget bounds (autotune).
-    budget_share: the share of the planned steps' time all measuring may take.
+    unbudgeted_steps: planned steps outside the measuring budget (autotune).
 
     The choice is kept in `saved`; --resume takes it from there instead of measuring again, so
     a resumed run continues with the settings it started with (a fresh measurement can differ
@@ -204,7 +203,7 @@ def autotune_scenario(config: TrainConfig, args: RunOptions, index: DatasetIndex
     # Under torchrun every rank must train with the same settings: rank 0 measures (on its
     # own, the others idle meanwhile) and hands its choice to the others.
     return distributed.main_computes(lambda: _measure_settings(
-        config, args, index, planned_steps, saved, time_capped, budget_share))
+        config, args, index, planned_steps, saved, time_capped, unbudgeted_steps))
 
 
 def user_knobs(args: RunOptions) -> frozenset[str]:
@@ -216,7 +215,7 @@ def user_knobs(args: RunOptions) -> frozenset[str]:
 
 def _measure_settings(config: TrainConfig, args: RunOptions, index: DatasetIndex,
                       planned_steps: int, saved: Path, time_capped: tuple[int, float] | None,
-                      budget_share: float = MEASURE_SHARE) -> tuple[TrainConfig, dict[str, Any]]:
+                      unbudgeted_steps: int = 0) -> tuple[TrainConfig, dict[str, Any]]:
     fixed = user_knobs(args)
     start = config
     if args.resume:
@@ -245,9 +244,9 @@ def _measure_settings(config: TrainConfig, args: RunOptions, index: DatasetIndex
                 dataclasses.replace(cfg, num_workers=n, persistent_workers=False,
                                     prefetch_factor=None), train=True)
     tuned, findings = autotune(config, len(index.classes), planned_steps=planned_steps,
-                             fixed=fixed, loader_factory=factory, budget_share=budget_share,
+                             fixed=fixed, loader_factory=factory, budget_share=MEASURE_SHARE,
                              cache_path=Path(args.output_dir).expanduser() / AUTOTUNE_CACHE,
-                             time_capped=time_capped,
+                             time_capped=time_capped, unbudgeted_steps=unbudgeted_steps,
                              data_key=index.fingerprint() if factory is not None else None)
     if launcher_threads:
         findings["knobs"]["cpu_threads"]["reason"] = ("one share of the cores per process, as "
@@ -443,14 +442,14 @@ def tune_scenario(name: str, config: TrainConfig, args: RunOptions, index: Datas
                        least_tuning_epochs(name, args, config, index, device, default_size))
         final = planned_steps(config, len(index.train))
         # The hpo final run may be the resolution scenario's, taken rather than trained
-        # (same_final): the budget is then a share of the search alone. compile still counts
-        # the final run's steps to pay back in, which it has when it trains.
-        share = MEASURE_SHARE * tuning / (tuning + final) \
-            if name == "hpo" and tuned.get("final") is not None else MEASURE_SHARE
+        # (same_final): the budget is then a share of the search alone (as far as its time
+        # budget reaches). compile still counts the final run's steps to pay back in, which it
+        # has when it trains.
+        unbudgeted = final if name == "hpo" and tuned.get("final") is not None else 0
         config, findings = autotune_scenario(
             config, args, index, final + tuning,
             checkpoint_file(output_dir, name, ".autotune.json", args.run_id),
-            None if budget[0] is None else (tuning, budget[0]), share)
+            None if budget[0] is None else (tuning, budget[0]), unbudgeted)
         if findings is not None:
             extra["autotune"] = findings
     if name == "resolution":

@@ -625,11 +625,13 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
              fixed: frozenset[str] = frozenset(), tune_batch: bool = True,
              loader_factory: Callable[[TrainConfig], Callable[[int], Any]] | None = None,
              budget_share: float | None = None, cache_path: str | Path | None = None,
-             time_capped: tuple[int, float] | None = None, data_key: str | None = None
-             ) -> tuple[TrainConfig, dict[str, Any]]:
+             time_capped: tuple[int, float] | None = None, data_key: str | None = None,
+             unbudgeted_steps: int = 0) -> tuple[TrainConfig, dict[str, Any]]:
     """The fastest measured settings for `config` on its device, and why.
 
     planned_steps: optimizer steps the run will take (compile must pay back within them).
+    unbudgeted_steps: that many of them (a final run that may be taken from another scenario
+    rather than trained) count for compile's payback, not for the measuring budget.
     time_capped: (steps, seconds): that many of the planned steps belong to a part of the run
     bounded in time (a search with a time budget), so they count only as far as the seconds
     reach at the measured speed.
@@ -747,16 +749,20 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
     def planned_at(img_s: float | None) -> int | None:
         return _capped(planned_steps, time_capped, img_s, config.effective_batch_size)
 
-    min_s = measuring_time(planned_at(warm.get("img_s")), config.effective_batch_size,
+    def budgeted_at(img_s: float | None) -> int | None:
+        planned = planned_at(img_s)
+        return None if planned is None else max(1, planned - unbudgeted_steps)
+
+    min_s = measuring_time(budgeted_at(warm.get("img_s")), config.effective_batch_size,
                            warm.get("img_s"), sum(len(c) for k, c in plan if k not in fixed))
     def budget_at(img_s: float) -> float:
-        return budget_share * planned_at(img_s) * config.effective_batch_size / img_s
+        return budget_share * budgeted_at(img_s) * config.effective_batch_size / img_s
 
     budget_s = None
     if budget_share is not None and planned_steps and warm.get("img_s"):
         budget_s = budget_at(warm["img_s"])
         log.info("autotune: measuring budget %.0f s (%.0f%% of the planned %d steps)", budget_s,
-                 100 * budget_share, planned_at(warm["img_s"]))
+                 100 * budget_share, budgeted_at(warm["img_s"]))
     fastest = warm.get("img_s") or 0.0
 
     def budget_left() -> float | None:

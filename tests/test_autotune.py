@@ -212,6 +212,23 @@ def test_dropout_is_decided_on_its_layers_not_by_a_race(monkeypatch):
     assert report["knobs"]["dropout_impl"]["reason"] == "set by the user"
 
 
+def test_unbudgeted_steps_count_for_compile_not_for_the_budget(monkeypatch):
+    """A final run that may be taken from another scenario: the budget is a share of the
+    rest, also when a time budget caps that rest (a share computed beforehand was not)."""
+    _fake_speeds(monkeypatch, lambda c: 100.0)  # batch 4: 0.04 s a step
+    _, whole = at.autotune(_config(), 3, planned_steps=1000, budget_share=0.1)
+    at._RESULTS.clear()
+    _, rest = at.autotune(_config(), 3, planned_steps=1000, budget_share=0.1,
+                          unbudgeted_steps=900)
+    assert whole["budget_s"] == pytest.approx(4.0, rel=0.05)
+    assert rest["budget_s"] == pytest.approx(0.4, rel=0.05)
+    at._RESULTS.clear()
+    # 100 search steps capped at 2 s (50 steps at 100 img/s) beside 900 unbudgeted ones
+    _, capped = at.autotune(_config(), 3, planned_steps=1000, budget_share=0.1,
+                            unbudgeted_steps=900, time_capped=(100, 2.0))
+    assert capped["budget_s"] == pytest.approx(0.2, rel=0.05)
+
+
 def test_user_set_knobs_are_kept_unmeasured():
     config, report = at.autotune(_config(amp="off", channels_last=False), 3, planned_steps=10,
                                  fixed=frozenset({"amp", "channels_last"}))

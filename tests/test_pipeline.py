@@ -1122,7 +1122,7 @@ def test_the_hpo_scenario_bounds_its_search_and_measuring_by_the_baselines_time(
             seen.update(kwargs)
             raise Recorded
 
-    def measured(config, args, index, steps, saved, time_capped=None, share=None):
+    def measured(config, args, index, steps, saved, time_capped=None, unbudgeted=0):
         seen["time_capped"] = time_capped
         return config, None
     monkeypatch.setattr(scenario, "OptunaTuner", Tuner)
@@ -1236,7 +1236,8 @@ def test_the_hpo_measuring_budget_is_a_share_of_its_search_when_its_final_may_be
     trained: a budget of 10% of search and final run was 11-13% of what the scenario ran."""
     seen = []
     monkeypatch.setattr(scenario, "autotune_scenario", lambda config, args, index, planned,
-                        saved, capped, share: seen.append((planned, share)) or (config, None))
+                        saved, capped, unbudgeted: seen.append((planned, unbudgeted))
+                        or (config, None))
     monkeypatch.setattr(scenario, "tune_hyperparameters", lambda config, *a, **k: (config, {}))
     monkeypatch.setattr(scenario, "least_tuning_epochs", lambda *a, **k: 4)
     args = pipeline.parse_args(["--data-dir", str(small), "--image-size", "32", "--epochs", "8",
@@ -1247,10 +1248,10 @@ def test_the_hpo_measuring_budget_is_a_share_of_its_search_when_its_final_may_be
     for tuned in ({"image_size": 32}, {"image_size": 32, "final": {"scenario": "resolution"}}):
         scenario.tune_scenario("hpo", config, args, index, tmp_path / "out",
                                scenario.torch.device("cpu"), tuned)
-    (planned, alone), (same, share) = seen
-    assert planned == same and alone == scenario.MEASURE_SHARE
-    steps = scenario.planned_steps(config, len(index.train), epochs=1)
-    assert share == pytest.approx(scenario.MEASURE_SHARE * 4 * steps / planned)
+    (planned, alone), (same, unbudgeted) = seen
+    assert planned == same and alone == 0  # compile still counts the final run's steps
+    assert unbudgeted == scenario.planned_steps(config, len(index.train))
+    assert planned - unbudgeted == scenario.planned_steps(config, len(index.train), epochs=1) * 4
 
 
 def test_the_steps_planned_under_torchrun_are_one_processs_share(monkeypatch):
