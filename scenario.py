@@ -533,8 +533,10 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
     log.info("== scenario %s: %s, %d px, batch %d, %d epochs on %s", name, config.model,
              config.image_size, config.batch_size, config.epochs, device)
     if config.cache_decoded:
-        # the final run's size, and the hpo search's next in this run
-        keep_sizes({config.image_size} | ({search_size(args, config.image_size)}
+        # the final run's size, and the hpo scenario's next in this run (its final run's, at
+        # --image-size when given, and its search's)
+        hpo_size = args.image_size or config.image_size
+        keep_sizes({config.image_size} | ({hpo_size, search_size(args, hpo_size)}
                                           if name == "resolution" and "hpo" in args.scenarios
                                           else set()))
     kept = weights_file(config.weights)
@@ -770,17 +772,24 @@ def earlier_if_better(row: dict[str, Any], replaced: dict[str, Any] | None,
     return kept
 
 
+SHOWN_FROM = "shown_from.txt"  # in runs/<run>/hpo: the scenario whose scalars were copied there
+
+
 def show_in_tensorboard(runs: Path, *, aside: str, kept: Path | None, copy: bool = False
                         ) -> None:
     """TensorBoard's hpo run shows the final run the row keeps: the scalars of the run that
     gave way move to hpo.<aside>, and the kept run's take their place (copied from the
     resolution scenario's folder, or moved back from where a grown study set them aside)."""
+    shown = runs / "hpo" / SHOWN_FROM
     try:
+        if copy and kept is not None and shown.is_file() and shown.read_text() == kept.name:
+            return  # a --resume that found the run finished: already shown
         if (runs / "hpo").is_dir():
             (runs / "hpo").rename(runs / f"hpo.{aside}")
         if kept is not None and kept.is_dir():
             if copy:
                 shutil.copytree(kept, runs / "hpo")
+                shown.write_text(kept.name)
             else:
                 kept.rename(runs / "hpo")
     except OSError as exc:

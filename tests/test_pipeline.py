@@ -1380,6 +1380,10 @@ def test_tensorboards_hpo_run_is_the_final_run_the_row_keeps(tmp_path):
     assert (runs / "hpo" / "events").read_text() == "kept"
     assert (runs / "resolution" / "events").read_text() == "kept"
     assert (runs / "hpo.winner-1" / "events").read_text() == "winner"
+    # a --resume that finds the run finished takes the same row again: shown already
+    scenario.show_in_tensorboard(runs, aside="winner-2", kept=runs / "resolution", copy=True)
+    assert not (runs / "hpo.winner-2").exists()
+    assert (runs / "hpo" / "events").read_text() == "kept"
     scenario.show_in_tensorboard(runs, aside="grown-1", kept=runs / "hpo.winner-1")  # moved
     assert (runs / "hpo" / "events").read_text() == "winner"
     assert not (runs / "hpo.winner-1").exists() and (runs / "hpo.grown-1").is_dir()
