@@ -72,14 +72,9 @@ class ResolutionTuner:
         self.epochs = epochs or base.epochs
         # A size whose one epoch costs more than twice the compute the sizes are compared at
         # cannot be compared at it (a trial trains whole epochs): it would lead on compute.
-        unfair = [s for s in sizes if s != base.image_size and
-                  self.epochs * (base.image_size / s) ** 2 < 0.5]
-        if unfair:
-            log.warning("resolution: %s px left out: one epoch there costs more than twice the "
-                        "compute the sizes are compared at (%d epochs at %d px); more --epochs "
-                        "would include %s", ",".join(map(str, unfair)), self.epochs,
-                        base.image_size, "it" if len(unfair) == 1 else "them")
-            sizes = [s for s in sizes if s not in unfair]
+        self.left_out = [s for s in sizes if s != base.image_size and
+                         self.epochs * (base.image_size / s) ** 2 < 0.5]  # said by run()
+        sizes = [s for s in sizes if s not in self.left_out]
         self.index, self.base, self.resolutions = index, base, sizes
         self.default_size, self.n_val = base.image_size, len(index.val)
         self.journal, self.resume = (Path(journal) if journal else None), resume
@@ -91,6 +86,11 @@ class ResolutionTuner:
         """Train every candidate (on resume, those the journal has no result for; a size
         clearly behind by half its compute is stopped there); return the picked size."""
         self.trials, self.reused = [], []
+        if self.left_out:
+            log.warning("resolution: %s px left out: one epoch there costs more than twice the "
+                        "compute the sizes are compared at (%d epochs at %d px); more --epochs "
+                        "would include %s", ",".join(map(str, self.left_out)), self.epochs,
+                        self.default_size, "it" if len(self.left_out) == 1 else "them")
         data = self.index.fingerprint(("train", "val"))  # what a trial's result depends on
         # Under torchrun every rank trains each size with the others (data-parallel), so all
         # take rank 0's journal and pick.

@@ -292,7 +292,8 @@ def search_verdict(plain: list[tuple[float, int, float]], ours: list[tuple[float
                  + (" (its first trial, the default configuration: the comparison shows "
                     "little)" if plain_to_best == plain[0][0] else "")
                  + (f"; ours came within 0.5 points after {reach[0] / plain_to_best:.2f}x that"
-                    if reach is not None and plain_to_best > 0 else ""))
+                    if reach is not None and plain_to_best > 0 and
+                    informative(plain_best, n_val, num_classes) else ""))
     return lines
 
 

@@ -144,7 +144,7 @@ def test_a_resumed_tuning_trains_only_the_sizes_its_journal_does_not_hold(tmp_pa
     assert trained == [24]
 
 
-def test_every_size_gets_about_the_same_compute(tmp_path, caplog):
+def test_every_size_gets_about_the_same_compute(tmp_path):
     """A size where one epoch costs over twice the compared compute is left out: its trial,
     at least one epoch, would lead on compute (256 px: 4x what 4 epochs at 64 px cost)."""
     index = index_dataset(make_folder(tmp_path / "d", n_train=4, n_test=2))
@@ -152,7 +152,7 @@ def test_every_size_gets_about_the_same_compute(tmp_path, caplog):
     tuner = ResolutionTuner(index, at_64, [48, 96, 128, 256], epochs=4)
     assert tuner.resolutions == [48, 64, 96, 128]
     assert [tuner.epochs_for(s) for s in tuner.resolutions] == [7, 4, 2, 1]
-    assert "256 px left out: one epoch there costs more than twice" in caplog.text
+    assert tuner.left_out == [256]  # run() says so
     assert ResolutionTuner(index, at_64, [256], epochs=16).resolutions == [64, 256]
 
 
@@ -291,3 +291,15 @@ def test_a_size_that_diverges_or_does_not_fit_is_left_out_not_the_whole_scenario
     monkeypatch.setattr(resolution_tuner, "fit", failing(replay(curves, calls), {64}, error))
     with pytest.raises(type(error())):
         ResolutionTuner(index, base, [48], epochs=4).run()
+
+
+def test_a_size_left_out_is_said_once_and_not_trained(tmp_path, monkeypatch, caplog):
+    import resolution_tuner
+    index = index_dataset(make_folder(tmp_path / "d", n_train=4, n_test=2))
+    calls = []
+    monkeypatch.setattr(resolution_tuner, "fit", replay({64: [0.5] * 4, 256: [0.9]}, calls))
+    tuner = ResolutionTuner(index, BASE.__class__(**{**BASE.to_dict(), "image_size": 64}),
+                            [256], epochs=4)
+    assert tuner.run() == 64 and calls == [64]
+    assert caplog.text.count("256 px left out: one epoch there costs more than twice") == 1
+
