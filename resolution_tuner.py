@@ -70,12 +70,9 @@ class ResolutionTuner:
         for size in sizes:  # TrainConfig checks each size against the model's minimum
             dataclasses.replace(base, image_size=size)
         self.epochs = epochs or base.epochs
-        # A size whose one epoch costs more than twice the compute the sizes are compared at
-        # cannot be compared at it (a trial trains whole epochs): it would lead on compute.
-        self.left_out = [s for s in sizes if s != base.image_size and
-                         self.epochs * (base.image_size / s) ** 2 < 0.5]  # said by run()
-        sizes = [s for s in sizes if s not in self.left_out]
-        self.index, self.base, self.resolutions = index, base, sizes
+        self.index, self.base = index, base
+        self.resolutions = comparable_sizes(sizes, base.image_size, self.epochs)
+        self.left_out = [s for s in sizes if s not in self.resolutions]  # said by run()
         self.default_size, self.n_val = base.image_size, len(index.val)
         self.journal, self.resume = (Path(journal) if journal else None), resume
         self.weights_dir = Path(weights_dir) if weights_dir else None
@@ -341,6 +338,13 @@ class ResolutionTuner:
         path = Path(path)
         fig.savefig(path)
         return path
+
+
+def comparable_sizes(sizes: list[int], default_size: int, epochs: int) -> list[int]:
+    """The sizes a trial can train at about the compute of `epochs` at the default size: the
+    default, and every other whose one epoch costs at most twice that (a trial trains whole
+    epochs, so a size past it would lead on compute, not size)."""
+    return [s for s in sizes if s == default_size or epochs * (default_size / s) ** 2 >= 0.5]
 
 
 def equal_compute_epochs(epochs: int, default_size: int, size: int) -> int:

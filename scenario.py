@@ -50,7 +50,7 @@ from modules.trainer import TIMING_WARMUP_STEPS, load_checkpoint, prepare, train
 from optuna_optimizer import (BATCH_SIZES, EarlierTrial, OptunaTuner, check_storage, end_trials,
                               follow_trials, shown_argv)
 from resolution_tuner import (CPU_RESOLUTIONS, GPU_RESOLUTIONS, QUICK_CPU_RESOLUTIONS,
-                              ResolutionTuner, equal_compute_epochs)
+                              ResolutionTuner, comparable_sizes, equal_compute_epochs)
 
 
 log = logging.getLogger("scenario")
@@ -324,9 +324,8 @@ def search_budget(args: RunOptions, baseline_s: float | None) -> tuple[float | N
 def tuning_runs(name: str, args: RunOptions, config: TrainConfig, device: torch.device) -> int:
     """The short trainings a tuned scenario's search runs: one per candidate size, or trials."""
     if name == "resolution":  # the sizes ResolutionTuner can compare at equal compute
-        sizes = tuned_resolutions(args, device, config.image_size)
-        return sum(s == config.image_size or short_budget(config) * (config.image_size / s) ** 2
-                   >= 0.5 for s in sizes)
+        return len(comparable_sizes(tuned_resolutions(args, device, config.image_size),
+                                    config.image_size, short_budget(config)))
     return trial_count(args)
 
 

@@ -113,8 +113,7 @@ class ComputeProbe:
         apply_process_settings(self.config, self.device)
 
     def sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        _sync(self.device)
 
     def timed_step(self) -> float:
         t0 = time.perf_counter()
@@ -209,6 +208,12 @@ def race_cost(knob: str, step_s: float, min_s: float, warmup_s: float) -> float:
     pairs += pairs % 2
     stepping = pairs * turn * step_s * (1 + ABORT_FACTOR)
     return max(2 * min_s, stepping) + warmup_s
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for the device's queued work, so that a clock read after it times that work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _error(exc: Exception) -> str:
@@ -340,19 +345,15 @@ def dropout_by_layer(config: TrainConfig, num_classes: int, device: torch.device
     impls = {"native": [nn.Dropout(p) for p, _ in inputs],
              "bytemask": [ByteMaskDropout(p) for p, _ in inputs]}
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     best = dict.fromkeys(impls, math.inf)
     with torch.no_grad():
         for turn in range(DROPOUT_OP_ROUNDS + 1):
             for name, layers in impls.items():
-                sync()
+                _sync(device)
                 mark = time.perf_counter()
                 for layer, (_, x) in zip(layers, inputs):
                     layer(x)
-                sync()
+                _sync(device)
                 if turn:  # the first turn pays each kernel's first call
                     best[name] = min(best[name], time.perf_counter() - mark)
     del inputs
