@@ -314,11 +314,12 @@ SWITCH_WORDS = {"on": True, "true": True, "yes": True, "1": True,
 
 def _switch(key: str, value: Any) -> bool:
     """A flag's value given to options(): a bool, or a word for one ("off" is not on)."""
-    if isinstance(value, str):
-        if value.strip().lower() not in SWITCH_WORDS:
-            raise UserError(f"{key}={value!r}: give True or False (or on/off)")
-        return SWITCH_WORDS[value.strip().lower()]
-    return bool(value)
+    if not isinstance(value, str):
+        return bool(value)
+    word = value.strip().lower()
+    if word not in SWITCH_WORDS:
+        raise UserError(f"{key}={value!r}: give True or False (or on/off)")
+    return SWITCH_WORDS[word]
 
 
 def setup_logging() -> None:

@@ -364,11 +364,10 @@ class _Epochs:
         # The finite check reads the losses once per optimizer step, after the backward is
         # queued: on a GPU the host waits for the forward while the device is still busy,
         # instead of idling the device with a sync between forward and backward.
-        flags = [bool(flag) for flag, _ in pending]
         # Under torchrun a global batch is bad when any rank's share of it is: every rank counts
         # those, so all stop together when training diverges, after as many as one process
         # would.
-        bad = sum(distributed.any_rank([not flag for flag in flags], self.device))
+        bad = sum(distributed.any_rank([not bool(flag) for flag, _ in pending], self.device))
         step_ok = bad == 0
         for flag, parts in pending:  # commit each batch's metrics exactly once
             if flag:
