@@ -341,7 +341,7 @@ class OptunaTuner:
         "keeping the default" trains in full (a --lr 0.05 above the searched range, a batch
         between its choices, weight decay 0 below it)."""
         if default:
-            params = {k: getattr(self.base, k) for k in self.SEARCHED}
+            params = self.searched(self.base)
         return self.base.as_trial(epochs=self.epochs, **params)
 
     def default_params(self) -> dict:
@@ -353,6 +353,11 @@ class OptunaTuner:
         wd = min(max(b.weight_decay, self.WEIGHT_DECAY_RANGE[0]), self.WEIGHT_DECAY_RANGE[1])
         batch = min(self.batch_sizes, key=lambda n: (abs(n - b.batch_size), n))
         return {"lr": lr, "batch_size": batch, "optimizer": b.optimizer, "weight_decay": wd}
+
+    @classmethod
+    def searched(cls, config: TrainConfig) -> dict:
+        """`config`'s values of the hyperparameters the search chooses."""
+        return {k: getattr(config, k) for k in cls.SEARCHED}
 
     def default_config(self) -> TrainConfig:
         """What the default trial trains (suggest() at default_params())."""
@@ -930,8 +935,7 @@ class OptunaTuner:
         # The study's best is not always what the final run trains (choice): both, and why.
         kept = {k: summary[k] for k in ("best_params", "best_value", "keeps_default", "choice",
                                         "n_trials", "n_complete", "n_pruned")}
-        kept["trained_params"] = summary["chosen_params"] or {
-            k: getattr(self.default_config(), k) for k in self.SEARCHED}
+        kept["trained_params"] = summary["chosen_params"] or self.searched(self.default_config())
         kept["study_name"] = self.study_name  # hpo-<dataset>-<run>: which run's search
         path.write_text(json.dumps(kept, indent=2, sort_keys=True))
         written.append(path)

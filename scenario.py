@@ -1068,7 +1068,7 @@ def _search(config: TrainConfig, args: RunOptions, index: DatasetIndex, output_d
     # again (trials another worker adds to a shared study do not make it train again).
     grow = started is not None and (tuner.new_trials > 0 or tuner.growth_pending())
     log.info("hpo: %s", summary["choice"])
-    params = summary["chosen_params"] or {k: getattr(config, k) for k in OptunaTuner.SEARCHED}
+    params = summary["chosen_params"] or OptunaTuner.searched(config)
     chosen = dataclasses.replace(config, **params)
     trained_anew, warm, replaced = True, None, None
     if started is not None:
@@ -1123,8 +1123,8 @@ def continued_summary(summary: dict[str, Any], before: TrainConfig, tuner: Optun
     (its parameters, fixed when it started), where the study's choice has moved since (on a
     shared study, other workers' trials), so the row and best_params.json do not name a
     winner this run did not train."""
-    trained = {k: getattr(before, k) for k in OptunaTuner.SEARCHED}
-    default = {k: getattr(tuner.default_config(), k) for k in OptunaTuner.SEARCHED}
+    trained = OptunaTuner.searched(before)
+    default = OptunaTuner.searched(tuner.default_config())
     now = summary["chosen_params"] or default
     if trained == now:
         return summary
