@@ -1,6 +1,7 @@
 """Prediction: class probabilities for image files from a model that load_model rebuilt."""
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -10,11 +11,16 @@ from modules.config import UserError, first_line
 from modules.dataset import eval_transform, load_rgb
 from modules.device import library_device
 
+log = logging.getLogger(__name__)
+
 
 def predict(model: nn.Module, image_paths, *, batch_size: int = 32, device=None) -> list[dict]:
     """Classify image files with a model from `load_model`.
 
-    Returns one dict per path, in order: {"path", "label", "prob", "probs": {class: prob}}.
+    Returns one dict per path, in order: {"path", "label", "prob", "probs": {class: prob},
+    "error"}. A file that cannot be decoded (missing, truncated, not an image) is not a reason
+    to lose the others' predictions: its dict has label and prob None, empty probs and the
+    reason in "error" (None for every other), and one warning counts such files.
     `device`: None keeps the model where it is; otherwise the model is moved there.
     """
     meta = getattr(model, "meta", None)
@@ -33,18 +39,31 @@ def predict(model: nn.Module, image_paths, *, batch_size: int = 32, device=None)
     # A model trained and tested on the decoded cache saw JPEGs decoded at reduced scale (PIL's
     # draft) before the resize: the same decode gives it the pixels its test accuracy was on.
     draft = meta["image_size"] if (meta.get("extra") or {}).get("decode") == "draft" else None
-    results: list[dict] = []
+    results: dict[int, dict] = {}
+    readable: list[tuple[int, torch.Tensor]] = []
     was_training = model.training
     model.eval()  # BatchNorm/Dropout must not use batch statistics at inference
     try:
-        for start in range(0, len(paths), batch_size):
-            chunk = paths[start:start + batch_size]
-            batch = torch.stack([transform(_decode(p, draft)) for p in chunk]).to(device)
-            probs = _softmax(model, batch)
-            results.extend(_describe(p, row, meta["class_names"]) for p, row in zip(chunk, probs))
+        for index, path in enumerate(paths):
+            image, error = _decode(path, draft)
+            if image is None:
+                results[index] = {"path": path, "label": None, "prob": None, "probs": {},
+                                  "error": error}
+            else:
+                readable.append((index, transform(image)))
+            if len(readable) == batch_size or (index == len(paths) - 1 and readable):
+                probs = _softmax(model, torch.stack([t for _, t in readable]).to(device))
+                for (i, _), row in zip(readable, probs):
+                    results[i] = _describe(paths[i], row, meta["class_names"])
+                readable = []
     finally:
         model.train(was_training)
-    return results
+    failed = [results[i] for i in sorted(results) if results[i]["error"] is not None]
+    if failed:
+        log.warning("%d of %d image(s) could not be decoded and have no prediction (first: %r: "
+                    "%s); their entries say why in \"error\".", len(failed), len(paths),
+                    failed[0]["path"], failed[0]["error"])
+    return [results[i] for i in range(len(paths))]
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -53,11 +72,11 @@ def _model_device(model: nn.Module) -> torch.device:
 
 
 def _decode(path: str, draft: int | None = None):
+    """(image, None), or (None, the one-line reason) for a file that cannot be decoded."""
     try:
-        return load_rgb(path, draft=draft)
+        return load_rgb(path, draft=draft), None
     except Exception as exc:  # missing, truncated, not an image, decompression bomb ...
-        reason = first_line(exc)
-        raise UserError(f"cannot decode image {path!r}: {reason}") from None
+        return None, first_line(exc)
 
 
 def _softmax(model: nn.Module, batch: torch.Tensor) -> list[list[float]]:
@@ -74,4 +93,5 @@ def _describe(path: str, probs: list[float], class_names: list[str]) -> dict:
         "label": class_names[best],
         "prob": float(probs[best]),
         "probs": {name: float(p) for name, p in zip(class_names, probs)},
+        "error": None,
     }

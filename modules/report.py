@@ -137,6 +137,11 @@ def plot_predictions(model_path: Path, samples: list[tuple[str, int]], class_nam
 
     chosen = random.Random(seed).sample(samples, min(n, len(samples)))
     predictions = predict(load_model(model_path), [path for path, _ in chosen])
+    # A test file gone or broken since the run has no prediction; predict() warned of it.
+    kept = [(sample, pred) for sample, pred in zip(chosen, predictions) if pred["error"] is None]
+    if not kept:
+        return None
+    chosen, predictions = [sample for sample, _ in kept], [pred for _, pred in kept]
     cols = min(4, len(chosen))
     rows = math.ceil(len(chosen) / cols)
     fig = figure(2.6 * cols, 2.8 * rows, dpi=110)

@@ -64,11 +64,37 @@ def test_predict_returns_class_labels_and_normalised_probs(saved, tmp_path):
         assert r["prob"] == max(r["probs"].values())
 
 
-def test_predict_names_undecodable_file(saved, tmp_path):
+def test_an_undecodable_file_loses_no_other_prediction(saved, tmp_path, caplog):
+    good = _write_images(tmp_path)
     bad = tmp_path / "broken.png"
     bad.write_bytes(b"not an image")
-    with pytest.raises(UserError, match="broken.png"):
-        predict(load_model(saved[1]), [bad])
+    missing = tmp_path / "gone.jpg"
+    paths = [good[0], bad, *good[1:], missing]
+    with caplog.at_level(logging.WARNING):
+        results = predict(load_model(saved[1]), paths, batch_size=2)
+    assert [r["path"] for r in results] == [str(p) for p in paths]
+    assert [r["error"] is None for r in results] == [True, False] + [True] * (len(good) - 1) + [False]
+    for r in results:
+        if r["error"] is None:
+            assert r["label"] in CLASSES
+        else:
+            assert (r["label"], r["prob"], r["probs"]) == (None, None, {})
+    alone = predict(load_model(saved[1]), good)
+    for r, same in zip([r for r in results if r["error"] is None], alone, strict=True):
+        assert r["label"] == same["label"]
+        assert all(math.isclose(r["probs"][c], same["probs"][c], abs_tol=1e-5) for c in CLASSES)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "2 of" in warned[0] and "broken.png" in warned[0]
+
+
+def test_the_prediction_grid_leaves_out_a_test_image_gone_since_the_run(saved, tmp_path):
+    from modules.report import PREDICTIONS_PNG, plot_predictions
+    good = _write_images(tmp_path)
+    samples = [(str(good[0]), 0), (str(tmp_path / "gone.jpg"), 1)]
+    out = tmp_path / "out"
+    out.mkdir()
+    assert plot_predictions(saved[1], samples, CLASSES, out) == out / PREDICTIONS_PNG
+    assert plot_predictions(saved[1], samples[1:], CLASSES, out) is None
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
@@ -276,8 +302,8 @@ def test_predict_decodes_as_the_model_was_tested_on_the_decoded_cache(tmp_path):
     mean, std = torch.tensor(IMAGENET_MEAN)[:, None, None], torch.tensor(IMAGENET_STD)[:, None, None]
     expected = (cached.float() / 255 - mean) / std
     transform = eval_transform(size)
-    drafted = transform(prediction._decode(str(path), draft=size))
-    full = transform(prediction._decode(str(path)))
+    drafted = transform(prediction._decode(str(path), draft=size)[0])
+    full = transform(prediction._decode(str(path))[0])
     assert torch.allclose(drafted, expected, atol=1e-5)
     assert (full - expected).abs().max() > 0.05
 
