@@ -247,7 +247,8 @@ def parse_args(argv: list[str] | None = None) -> RunOptions:
                 and distributed.launched_main():  # once, not once per torchrun process
             log.warning("--%s does nothing here: only the %s scenario uses it, and --scenarios "
                         "is %s", dest.replace("_", "-"), needs, ",".join(args.scenarios))
-    if args.worker_seed is not None and args.storage is None and distributed.launched_main():
+    if args.worker_seed is not None and args.storage is None and "hpo" in args.scenarios \
+            and distributed.launched_main():  # without hpo, the line above said it already
         log.warning("--worker-seed does nothing here: it seeds a worker of a shared --storage "
                     "study; without one the search is seeded by --seed")
     device = resolve_device(args.device)  # --device cuda without a GPU fails here

@@ -249,6 +249,10 @@ def test_options_no_scenario_reads_are_named(caplog):
     pipeline.parse_args(["--scenarios", "hpo", "--worker-seed", "7"])  # no shared study
     assert [r.getMessage()[:40] for r in caplog.records] == [
         "--worker-seed does nothing here: it seed"]
+    caplog.clear()
+    pipeline.parse_args(["--scenarios", "baseline", "--worker-seed", "7"])  # said once, not twice
+    assert [r.getMessage()[:40] for r in caplog.records] == [
+        "--worker-seed does nothing here: only th"]
 
 
 def test_options_no_scenario_reads_are_named_once_under_torchrun(caplog, monkeypatch):
