@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps, features
+from PIL import Image, features
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from torchvision import transforms as T
 from torchvision.transforms import functional as TF
@@ -42,11 +42,24 @@ VAL_FRACTION = 0.1  # share of each train class held out for validation when no 
 MIN_VAL_IMAGES, MAX_VAL_FRACTION = 500, 0.25
 
 
+# EXIF orientation (tag 0x0112) -> the transpose that shows the photo as the camera held it.
+ORIENTATION = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180,
+               4: Image.Transpose.FLIP_TOP_BOTTOM, 5: Image.Transpose.TRANSPOSE,
+               6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
+               8: Image.Transpose.ROTATE_90}
+
+
 def upright(img: Image.Image) -> Image.Image:
     """The image as the camera held it: phones store a portrait photo's pixels sideways with
-    an EXIF orientation tag, which a plain decode ignores."""
-    ImageOps.exif_transpose(img, in_place=True)
-    return img
+    an EXIF orientation tag, which a plain decode ignores. Only the tag is read:
+    ImageOps.exif_transpose also rewrites the EXIF block, and raises on a malformed one
+    (TypeError, struct.error ...) in photos that decode well. A block that cannot be read at
+    all leaves the pixels as stored."""
+    try:
+        method = ORIENTATION.get(img.getexif().get(0x0112))
+    except Exception:  # PIL raises assorted errors for a malformed block
+        return img
+    return img if method is None else img.transpose(method)
 
 
 def to_rgb(img: Image.Image) -> Image.Image:
@@ -390,6 +403,7 @@ def check_image(path: Path, sizes: dict[str, int] | None = None) -> str | None:
             img.load()
             if img.width < 1 or img.height < 1:
                 return "no pixels"
+            to_rgb(upright(img))  # the rest of what training's decode does, on the small image
         return None
     except PermissionError:
         return "unreadable (permission denied)"

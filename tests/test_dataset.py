@@ -379,6 +379,35 @@ def test_a_phone_photo_is_used_upright_on_every_path(tmp_path):
     assert cached[4, 16, 0] > 200 > cached[4, 16, 2] and cached[28, 16, 2] > 200 > cached[28, 16, 0]
 
 
+def test_a_photo_with_a_malformed_exif_block_is_used_upright(tmp_path):
+    """PIL decodes such a photo but raises rewriting its EXIF when turning it upright: it was
+    listed as good, then stopped every epoch and every cache build."""
+    import io
+
+    from PIL import ImageOps
+
+    from modules.fastdata import decode_resized
+    exif = Image.Exif()
+    exif[0x0112], exif[0x010F], exif[0x0110], exif[0x0131] = 6, "Canon", "EOS", "fw 1.0"
+    exif.get_ifd(0x8769)[0x9003] = "2020:01:01 00:00:00"
+    buffer = io.BytesIO()
+    pixels = np.random.default_rng(0).integers(0, 255, (16, 24, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(buffer, "JPEG", exif=exif)
+    data = bytearray(buffer.getvalue())
+    data[data.find(b"Exif\0\0") + 53] = 23  # one byte of a tag's value offset, as found in the wild
+    root = make_folder(tmp_path / "data", n_train=4, n_test=2)
+    path = root / "train" / "red" / "0.jpg"
+    path.write_bytes(bytes(data))
+    with Image.open(path) as img:
+        img.load()
+        with pytest.raises(Exception):  # noqa: B017 - the fault this guards against, in PIL
+            ImageOps.exif_transpose(img)
+    index = index_dataset(root)
+    assert not index.skipped and any(p == str(path) for p, _ in index.train + index.val)
+    assert load_rgb(path).size == (16, 24)  # its orientation tag read: upright
+    assert decode_resized(str(path), 32).shape[:2] == (32, 32)
+
+
 def test_a_wide_image_is_cropped_in_its_squashed_square_as_it_is_tested(monkeypatch):
     """eval_transform, predict and the decoded cache squash every image to a square: the
     training crop's aspect ratio is drawn there too (3/4 to 4/3 of the square, so 1.33 to
