@@ -297,7 +297,7 @@ def find_splits(root: Path) -> tuple[str, dict[str, Path]]:
     # train/ in any case, but a class folder named Train (beside Bus/, Car/) is not a split
     others = [f.name for f in folders if f.name.lower() not in SPLIT_NAMES]
     lower_train = any((root / name).is_dir() for name in TRAIN_NAMES)
-    if lower_train and not test.is_dir() and others:
+    if lower_train and not test.is_dir() and not val.is_dir() and others:
         log.info("%r has no test/ folder: train/ is taken as a class beside %s", str(root),
                  ", ".join(others[:3]) + (" ..." if len(others) > 3 else ""))
         return "class folders", {"all": root}
@@ -308,6 +308,12 @@ def find_splits(root: Path) -> tuple[str, dict[str, Path]]:
         splits = {"train": train, "test": test}
         if val.is_dir():
             splits["val"] = val
+        for names, used in ((TRAIN_NAMES, train), (TEST_NAMES, test), (VAL_NAMES, val)):
+            unused = [f.name for f in folders if f.name.lower() in names and f != used]
+            if unused and used.is_dir():  # training/ beside train/, Val/ beside val/ ...
+                log.warning("%r: %s beside %s/ %s not used (each split is read from one "
+                            "folder)", str(root), ", ".join(f"{u}/" for u in unused),
+                            used.name, "is" if len(unused) == 1 else "are")
         if others:
             log.warning("%r: %s beside train/ and test/ %s not used (a validation split is "
                         "read from %s/)", str(root), ", ".join(f"{o}/" for o in others),
@@ -318,6 +324,14 @@ def find_splits(root: Path) -> tuple[str, dict[str, Path]]:
         raise UserError(f"{str(root)!r} holds {', '.join(f.name + '/' for f in folders)}: split "
                         "folders, not classes, and no test split; expected train/<class> + "
                         "test/<class> (+ val/<class>), or a folder of class folders.")
+    # A class may be named train (beside bus/, car/), but a test/ or val/ beside classes holds
+    # a split of them: as a class, it would mix every class's images under one label.
+    splits = [f.name for f in folders if f.name.lower() in TEST_NAMES + VAL_NAMES]
+    if splits:
+        raise UserError(f"{str(root)!r} holds {', '.join(s + '/' for s in splits)} beside "
+                        f"{', '.join(f.name + '/' for f in folders if f.name not in splits)}: "
+                        "split folders are not classes; expected train/<class> + "
+                        "test/<class> (+ val/<class>), or a folder of class folders only.")
     if folders:
         return "class folders", {"all": root}
     raise UserError(f"{str(root)!r} has no class folders: expected seg_train/seg_train/<class> "
@@ -335,6 +349,12 @@ def _child(folder: Path, *parts: str) -> Path:
         except OSError:  # not a folder, or unreadable
             folder = exact
     return folder
+
+
+def class_name(folder: Path) -> str:
+    """A class folder's name as charts and logs can print it: a name that is not UTF-8 (zips
+    made on Windows) is written with escapes, b"caf\xe9" as 'caf\\xe9'."""
+    return folder.name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def _class_dirs(folder: Path) -> list[Path]:
@@ -357,10 +377,15 @@ def _image_files(folder: Path, seen: dict[str, Path], ignored: dict[str, int]
     stack = [(str(folder), root)]
     while stack:
         path, real = stack.pop()
+        # A folder that cannot be listed is not skipped, as os.walk would: its images would
+        # vanish from the counts without a word. PermissionError becomes index_dataset's line.
         try:
             entries = sorted(os.scandir(path), key=lambda entry: entry.name)
-        except OSError:  # unreadable: skipped, as os.walk does
-            continue
+        except PermissionError:
+            raise
+        except OSError as exc:
+            raise UserError(f"cannot list {path!r} in the data folder ({exc.strerror or exc}); "
+                            "fix it or move it out of the data folder.") from None
         subdirs = []
         for entry in entries:
             if entry.name.startswith("."):
@@ -427,10 +452,7 @@ def _scan_split(folder: Path, split: str, check: bool, seen: dict[str, Path],
                 and p.suffix.lower() in IMAGE_EXTS)
     if loose:
         ignored[OUTSIDE_CLASSES] = ignored.get(OUTSIDE_CLASSES, 0) + loose
-    # A folder name that is not UTF-8 (zips made on Windows) is named with escapes, so that
-    # charts and logs can print it: b"caf\xe9" is the class 'caf\\xe9'.
-    listed = {c.name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace"):
-              _image_files(c, seen, ignored) for c in classes}
+    listed = {class_name(c): _image_files(c, seen, ignored) for c in classes}
     per_class = {name: files for name, (files, _) in listed.items()}
     if numbered_below is not None:
         per_class = {name: [p for p in files if p.stem.isdigit() and int(p.stem) < numbered_below]
@@ -446,10 +468,12 @@ def _scan_split(folder: Path, split: str, check: bool, seen: dict[str, Path],
             reasons = dict(zip(every, pool.map(functools.partial(check_image, sizes=sizes),
                                                every)))
         skipped = [(str(p), r) for p, r in reasons.items() if r is not None]
+        undecodable = {c: sum(reasons[p] is not None for p in files)
+                       for c, files in per_class.items()}
         per_class = {c: [p for p in files if reasons[p] is None] for c, files in per_class.items()}
     for name, files in per_class.items():
         if not files:
-            bad = sum(1 for p, _ in skipped if Path(p).parent.name == name)
+            bad = undecodable[name] if check else 0
             extra = f" ({bad} undecodable files skipped)" if bad else \
                 (" (its images were already counted elsewhere through links)"
                  if listed[name][1] else "")
@@ -508,12 +532,8 @@ def index_dataset(root: Path, name: str | None = None, *, seed: int = 0, check: 
             scanned["train"], _val_share(scanned["train"], val_fraction), seed)
     classes = sorted(scanned["train"])
     if len(classes) < 2:
-        inner = [p.name for p in _class_dirs(root / classes[0])] if layout == "class folders" \
-            else []
         raise UserError(f"a classifier needs at least 2 classes, but {str(root)!r} has one, "
-                        f"{classes[0]!r}" + (f"; if the folders in it ({', '.join(inner[:3])}) "
-                                             f"are the classes, pass --data-dir "
-                                             f"{str(root / classes[0])!r}" if inner else "") + ".")
+                        f"{classes[0]!r}{_one_level_deeper(root, layout, classes[0])}.")
     for split in ("val", "test"):
         if sorted(scanned[split]) != classes:
             only_train = sorted(set(classes) - set(scanned[split]))
@@ -555,6 +575,18 @@ def index_dataset(root: Path, name: str | None = None, *, seed: int = 0, check: 
         log.warning("skipped %d undecodable image file(s) (%s%s); counted in skipped_files.",
                     len(skipped), examples, "; ..." if len(skipped) > 3 else "")
     return index
+
+
+def _one_level_deeper(root: Path, layout: str, only: str) -> str:
+    """For a lone class of class folders: the --data-dir that makes its folders the classes."""
+    folder = next((p for p in _class_dirs(root) if class_name(p) == only), None) \
+        if layout == "class folders" else None
+    inner = [class_name(p) for p in _class_dirs(folder)] if folder is not None else []
+    if not inner:
+        return ""
+    rename = ", renamed: its name is not UTF-8" if folder.name != only else ""
+    return (f"; if the folders in it ({', '.join(inner[:3])}) are the classes, pass "
+            f"--data-dir {str(root / only)!r}{rename}")
 
 
 def subset(index: DatasetIndex, per_class: dict[str, int], seed: int = 0) -> DatasetIndex:

@@ -340,6 +340,82 @@ def test_folder_mistakes_a_new_user_makes_are_named(tmp_path, caplog):
     assert "class 'dog' has no test images" in caplog.text
 
 
+def test_split_folders_among_classes_are_refused_or_named(tmp_path, caplog):
+    """A test/ or val/ beside class folders would train as one more class mixing them all; a
+    second folder of one split (training/ beside train/) would be silently left unread."""
+    def classes(root, names, n=4):
+        for name in names:
+            for i in range(n):
+                write_image(root / name / f"{i}.jpg", COLOURS["red"], seed=i)
+        return root
+
+    beside = classes(classes(tmp_path / "beside", ["cat", "dog"]) / "test", ["cat", "dog"]).parent
+    with pytest.raises(UserError, match=r"holds test/ beside cat/, dog/: split folders are not"):
+        index_dataset(beside)
+    root = tmp_path / "extra"
+    for split in ("train", "val"):
+        classes(root / split, ["cat", "dog"])
+    classes(root / "unlabeled", ["a"])
+    with pytest.raises(UserError, match=r"has train/ but no test/ folder"):
+        index_dataset(root)
+    root = tmp_path / "cased"
+    for split in ("Train", "Val", "pred"):
+        classes(root / split, ["cat", "dog"])
+    with pytest.raises(UserError, match=r"holds Val/ beside Train/, pred/"):
+        index_dataset(root)
+    root = make_folder(tmp_path / "twice", n_train=4, n_test=2)
+    make_folder(root / "training", n_train=1, n_test=0)
+    with caplog.at_level(logging.WARNING):
+        index_dataset(root)
+    assert "training/ beside train/ is not used" in caplog.text
+
+
+def test_a_folder_that_cannot_be_listed_is_an_error_not_fewer_images(folder, monkeypatch):
+    import errno
+    import os
+
+    from modules import dataset
+    listing = os.scandir
+    for error, message in ((PermissionError(errno.EACCES, "Permission denied"),
+                            r"^cannot read '.*phone' in the data folder \(permission denied"),
+                           (OSError(errno.EIO, "Input/output error"),
+                            r"^cannot list '.*phone' in the data folder \(Input/output error")):
+        def scandir(path, error=error):
+            if str(path).endswith("phone"):
+                error.filename = str(path)
+                raise error
+            return listing(path)
+        write_image(folder / "train" / "red" / "phone" / "0.jpg", COLOURS["red"])
+        monkeypatch.setattr(dataset.os, "scandir", scandir)
+        with pytest.raises(UserError, match=message):
+            index_dataset(folder)
+
+
+def test_a_class_of_undecodable_files_in_subfolders_says_how_many(folder):
+    for f in (folder / "train" / "green").iterdir():
+        f.unlink()
+    for i in range(3):
+        (folder / "train" / "green" / "2023" / f"{i}.jpg").parent.mkdir(exist_ok=True)
+        (folder / "train" / "green" / "2023" / f"{i}.jpg").write_bytes(b"not a jpeg")
+    with pytest.raises(UserError, match=r"'green' in the train split has no usable images "
+                                        r"\(3 undecodable files skipped\)"):
+        index_dataset(folder)
+
+
+def test_one_wrapping_folder_with_a_name_that_is_not_utf8_gets_the_one_line(tmp_path):
+    import os
+    root = tmp_path / "data"
+    wrapper = os.path.join(os.fsencode(root), b"Fotos_caf\xe9")
+    for name in ("cat", "dog"):
+        for i in range(3):
+            write_image(Path(os.fsdecode(os.path.join(wrapper, name.encode()))) / f"{i}.jpg",
+                        COLOURS["red"], seed=i)
+    with pytest.raises(UserError, match=r"has one, 'Fotos_caf\\\\xe9'; if the folders in it "
+                                        r"\(cat, dog\) are the classes, pass --data-dir .*, "
+                                        r"renamed: its name is not UTF-8\.$"):
+        index_dataset(root)
+
+
 def test_files_that_are_not_read_are_counted_and_named(tmp_path, caplog):
     """A .jpe is a JPEG and is read; an iPhone's .heic, a notes file and images dropped beside
     the class folders are not, and the user is told how many and why, not left to wonder."""
