@@ -599,9 +599,13 @@ class OptunaTuner:
                 pruner=self._make_pruner(), load_if_exists=True)
             created = False
         # Seeded by the trials already there: a resumed study's sampler in a new process would
-        # otherwise draw its first (random) points again, repeating trials already run.
-        self.study.sampler = optuna.samplers.TPESampler(
-            seed=(self.seed + len(self.study.trials)) % 2**32, constant_liar=True)
+        # otherwise draw its first (random) points again, repeating trials already run. On a
+        # shared study the two are mixed, not added: worker 3 joining at 6 trials would draw
+        # what worker 5 joining at 4 drew.
+        n = len(self.study.trials)
+        seed = int.from_bytes(hashlib.sha256(f"{self.seed}:{n}".encode()).digest()[:4], "little") \
+            if shared else (self.seed + n) % 2**32
+        self.study.sampler = optuna.samplers.TPESampler(seed=seed, constant_liar=True)
         data = self.study.user_attrs.get("data_fingerprint")
         if self.data_fingerprint and data and data != self.data_fingerprint and \
                 not self.index.same_data(data):  # an older version's form of the same data
@@ -615,6 +619,7 @@ class OptunaTuner:
         # On a shared study this run counts its own trials (every worker runs n_trials), over
         # its sessions; a study of its own, all of them.
         count_key = f"n_trials:{self.run_name}" if shared else "n_trials"
+        given_key = f"{count_key}:given"  # the last --n-trials the user gave, not a preset
 
         def mine(trial: optuna.trial.FrozenTrial) -> bool:
             return not shared or trial.user_attrs.get("run") == self.run_name
@@ -626,11 +631,16 @@ class OptunaTuner:
             count_key in self.study.user_attrs else self.n_trials
         if ended and self.resume and self.study.trials:
             # Its search ended (by its count or its time budget) when the final run started:
-            # only an explicit --n-trials grows it, and a growth cut short is finished by the
-            # next resume, which otherwise adds nothing.
+            # only an explicit --n-trials above the last one given (none given: above the
+            # trials run) grows it, so that the same command resumed again adds nothing; a
+            # growth cut short is finished by the next resume, which otherwise adds nothing.
             grown_key, _ = self._growth_keys()
-            n_trials = self.study.user_attrs.get(grown_key) if self.study_count else n_trials
-            if n_trials is None or n_trials <= done():
+            attrs = self.study.user_attrs
+            pending = attrs.get(grown_key) if attrs.get(grown_key, 0) > done() else None
+            asked = attrs.get(given_key, done())
+            more = self.n_trials if not self.study_count and self.n_trials > asked else None
+            n_trials = max((n for n in (pending, more) if n is not None), default=None)
+            if n_trials is None:
                 log.info("study %r: its %d trials as they are, none added", self.study_name,
                          len(self.study.trials))
                 return self.summary()
@@ -663,6 +673,8 @@ class OptunaTuner:
         have = done()  # a reused default trial among them
         to_run = n_trials - have
         self.study.set_user_attr(count_key, n_trials)
+        if not self.study_count:
+            self.study.set_user_attr(given_key, self.n_trials)
         if self.resume and have > reused:
             log.info("study %r: %d of %s %d trials done, %d to run", self.study_name, have,
                      "this run's" if shared else "its", n_trials, max(0, to_run))
@@ -762,8 +774,12 @@ class OptunaTuner:
                 "chosen_params": params, "keeps_default": params is None, "choice": reason,
                 "chosen_epoch_s": self.final_epoch_seconds(params),
                 "trial_size": self.base.image_size,
-                "n_trials": len(states), "n_pruned": states.count(optuna.trial.TrialState.PRUNED),
-                "n_complete": complete, "time_budget_s": self.timeout_s,
+                # trials that ran to their end or were stopped; a trial cut off with its
+                # session is FAIL, and its retry is another trial of the same parameters
+                "n_trials": complete + states.count(optuna.trial.TrialState.PRUNED),
+                "n_pruned": states.count(optuna.trial.TrialState.PRUNED),
+                "n_failed": states.count(optuna.trial.TrialState.FAIL), "n_complete": complete,
+                "time_budget_s": self.timeout_s,
                 "search_s": round(self.search_seconds(), 1), "study_name": self.study_name,
                 "storage": _without_password(self.storage_url)}
 
@@ -797,7 +813,11 @@ class OptunaTuner:
             f"file {Path(b.weights).name}"  # a path differs between workers' machines
         setup = {"image_size": b.image_size, "epochs": self.epochs, "model": b.model,
                  "weights": weights, "momentum": b.momentum, "scheduler": b.scheduler,
-                 "warmup_epochs": b.warmup_epochs, "max_grad_norm": b.max_grad_norm}
+                 "warmup_epochs": b.warmup_epochs, "max_grad_norm": b.max_grad_norm,
+                 # The default trial, which any worker may train, is the study's record of
+                 # these; the batch is left out: it may be what fits one worker's GPU.
+                 "default_lr": b.lr, "default_optimizer": b.optimizer,
+                 "default_weight_decay": b.weight_decay}
         saved = recorded = self.study.user_attrs.get("trial_setup")
         if saved is None:  # a study from before the record: its finished trials' epochs
             ran = {t.user_attrs.get("epochs_run") for t in self._complete()} - {None}
@@ -934,7 +954,7 @@ class OptunaTuner:
         summary = summary or self.summary()
         # The study's best is not always what the final run trains (choice): both, and why.
         kept = {k: summary[k] for k in ("best_params", "best_value", "keeps_default", "choice",
-                                        "n_trials", "n_complete", "n_pruned")}
+                                        "n_trials", "n_complete", "n_pruned", "n_failed")}
         kept["trained_params"] = summary["chosen_params"] or self.searched(self.default_config())
         kept["study_name"] = self.study_name  # hpo-<dataset>-<run>: which run's search
         path.write_text(json.dumps(kept, indent=2, sort_keys=True))

@@ -131,6 +131,8 @@ def test_an_interrupted_search_resumes_with_what_it_lacks_and_new_points(index, 
     summary = t.run()
     finished = [x for x in t.study.trials if x.state != optuna.trial.TrialState.FAIL]
     assert summary["n_complete"] == len(finished) == 4 and t.new_trials == 2
+    # the cut-off trial is FAIL and its retry another trial: 4 ran, not 5
+    assert (summary["n_trials"], summary["n_failed"]) == (4, 1)
     drawn = [x.params["lr"] for x in finished if not x.user_attrs.get("default")]
     assert len(set(drawn)) == len(drawn) == 3, drawn
 
@@ -955,6 +957,58 @@ def test_a_search_its_time_budget_ended_is_not_resumed_once_its_final_run_starte
     grown = tuner(index, tmp_path, n_trials=4, resume=True)
     grown.run(ended=True)
     assert grown.new_trials == 1
+
+
+def test_the_same_command_resumed_again_does_not_grow_a_search_its_budget_ended(
+        index, tmp_path, monkeypatch):
+    """`--n-trials 5 --time-budget S` ran 2 trials in S, then its final run started: resuming
+    that command after a crash in the final run added trials each time (5 is above 2), and
+    could set the finished final run aside. Only an --n-trials above the one given grows it."""
+    monkeypatch.setattr(optuna_optimizer, "fit", fake_fit)
+    first = tuner(index, tmp_path, n_trials=2)
+    first.run()
+    first.study.set_user_attr("n_trials:given", 5)  # asked for 5, the budget ended it at 2
+    first.study.set_user_attr("n_trials", 5)
+    again = tuner(index, tmp_path, n_trials=5, resume=True)
+    again.run(ended=True)
+    assert again.new_trials == 0
+    grown = tuner(index, tmp_path, n_trials=6, resume=True)
+    grown.run(ended=True)
+    assert grown.new_trials == 4 and len(grown.study.trials) == 6
+
+
+def test_workers_of_a_shared_study_do_not_draw_each_others_trials(index, tmp_path, monkeypatch):
+    """The sampler's seed was worker seed + trials in the study: worker 3 joining at 6 trials
+    drew exactly what worker 5 joining at 4 had drawn."""
+    monkeypatch.setattr(optuna_optimizer, "fit", fake_fit)
+    storage = f"sqlite:///{tmp_path / 'shared.db'}"
+
+    def worker(run, seed, n):
+        w = tuner(index, tmp_path / run, storage=storage, shared=True, run_name=run, seed=seed,
+                  n_trials=n)
+        w.run()
+        return w
+    worker("w0", 0, 4)
+    worker("w5", 5, 2)
+    study = worker("w3", 3, 2).study
+    drawn = [json.dumps(t.params, sort_keys=True) for t in study.trials
+             if not t.user_attrs.get("default")]
+    assert len(drawn) == 7 and len(set(drawn)) == 7, drawn
+
+
+def test_a_worker_with_another_default_is_refused_by_a_shared_study(index, tmp_path,
+                                                                   monkeypatch):
+    """The default trial, which any worker may pop and train with its own --lr, is recorded
+    with the creator's: a worker with another default would compare against a trial that
+    trained neither, and is refused in one line."""
+    monkeypatch.setattr(optuna_optimizer, "fit", fake_fit)
+    storage = f"sqlite:///{tmp_path / 'shared.db'}"
+    tuner(index, tmp_path / "a", storage=storage, shared=True, run_name="a").run()
+    other = tuner(index, tmp_path / "b", storage=storage, shared=True, run_name="b")
+    other.base = dataclasses.replace(other.base, lr=3e-3)
+    with pytest.raises(UserError, match=r"its trials trained default_lr=0.001, this run's "
+                                        r"would train default_lr=0.003"):
+        other.run()
 
 
 def test_the_default_trial_is_never_pruned_on_a_shared_study(index, tmp_path, monkeypatch):
