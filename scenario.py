@@ -1024,6 +1024,18 @@ def _search(config: TrainConfig, args: RunOptions, index: DatasetIndex, output_d
     n_trials = trial_count(args)
     trial_epochs = search_epochs(config, default_size)
     trial_size = search_size(args, config.image_size)
+    # Once the final run has started, its checkpoint holds the parameters it trains with: more
+    # trials (this process's, or another worker's on a shared --storage) could only change the
+    # study's best, and the checkpoint would then refuse to resume. `--resume --n-trials N`
+    # with N above the last N given grows it all the same: the final run is then trained
+    # again only when the choice changed.
+    final = checkpoint_file(output_dir, "hpo", run_id=args.run_id)
+    begun = load_checkpoint(final) if args.resume and final.exists() else None
+    started = begun["config"] if begun is not None else None
+    if started is not None and args.time_budget is None:
+        # The automatic budget bounded the search that ran before; a growth after it (asked
+        # for, or cut short and finished now) is bounded by its count.
+        budget = (None, "")
     stopping = {"asha": "successive halving over epochs", "hyperband": "Hyperband over epochs",
                 "median": "median stopping over epochs", "none": "no trial stopped early"}
     log.info("== hyperparameter search: %d trials of %d epochs at %d px%s (the default "
@@ -1051,18 +1063,10 @@ def _search(config: TrainConfig, args: RunOptions, index: DatasetIndex, output_d
                         earlier=earlier, study_count=args.n_trials is None, shared=shared,
                         run_name=f"{Path(output_dir).resolve()}#{args.run_id}",
                         sole_user=not shared)  # run() holds the output dir's lock
-    # Once the final run has started, its checkpoint holds the parameters it trains with: more
-    # trials (this process's, or another worker's on a shared --storage) could only change the
-    # study's best, and the checkpoint would then refuse to resume. `--resume --n-trials N`
-    # with N more than the study was asked for grows it all the same: the final run is then
-    # trained again only when the choice changed.
-    final = checkpoint_file(output_dir, "hpo", run_id=args.run_id)
-    begun = load_checkpoint(final) if args.resume and final.exists() else None
-    started = begun["config"] if begun is not None else None
     if started is not None:
         log.info("hpo: the final run had started (%s): resuming it with the parameters it "
-                 "started with; the study grows only with --n-trials N above the count it was "
-                 "asked for", final)
+                 "started with; the study grows only with an --n-trials N above the last one "
+                 "given", final)
     summary = tuner.run(ended=started is not None)
     # Grown in this session, or in an earlier one cut short before its final run was decided
     # again (trials another worker adds to a shared study do not make it train again).

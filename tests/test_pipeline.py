@@ -1314,6 +1314,28 @@ def test_a_growth_cut_short_before_its_final_run_trains_it_on_the_next_resume(
     assert (row["settings"]["lr"], row["settings"]["optimizer"]) == (0.005, "sgd")
 
 
+def test_a_growth_cut_short_is_finished_under_a_spent_automatic_budget(small, tmp_path,
+                                                                        monkeypatch):
+    """Without --n-trials the search's automatic budget (the baseline's time) was spent before
+    the final run started: a plain --resume still finishes the growth cut short, which it had
+    settled as done with no trial added."""
+    out = tmp_path / "out"
+    argv = ("--data-dir", str(small), "--scenarios", "hpo", "--image-size", "32", "--epochs", "2",
+            "--weights", "none", "--no-progress", "--no-autotune", "--output-dir", str(out))
+    assert run_main(*argv, "--n-trials", "2") == 0
+
+    def interrupted(self, summary=None):
+        raise KeyboardInterrupt
+    with monkeypatch.context() as m:
+        m.setattr(scenario.OptunaTuner, "save_plots", interrupted)
+        m.setattr(scenario.OptunaTuner, "objective", interrupted)  # cut short in its new trial
+        assert run_main(*argv, "--resume", "--n-trials", "3") != 0
+    monkeypatch.setattr(scenario, "search_budget", lambda args, baseline_s: (1e-3, "spent"))
+    assert run_main(*argv, "--resume") == 0
+    row = json.loads((out / "results.json").read_text())[-1]
+    assert row["hpo"]["n_trials"] == 3 and row["hpo"]["time_budget_s"] is None
+
+
 def test_the_time_to_the_baselines_accuracy_counts_the_final_runs_preparation():
     """Decoding the images into the cache and building the model come after the tuning and
     before the training clock starts: the time to the baseline's accuracy counts them."""
