@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,6 +91,17 @@ class TrainConfig:
     progress: bool = True              # tqdm bars
 
     def __post_init__(self) -> None:
+        # A checkpoint holds the config, and torch.load(weights_only=True) reads back builtin
+        # types only: an lr from np.logspace or a Path for weights would make it unreadable.
+        for f in dataclasses.fields(self):
+            value = _plain(getattr(self, f.name))
+            if value is not None and type(value) not in (bool, int, float, str):
+                raise UserError(f"{f.name} must be {f.type}, but got {type(value).__name__} "
+                                f"{value!r}.")
+            object.__setattr__(self, f.name, value)
+        if not isinstance(self.weights, str):
+            raise UserError(f"weights must be 'none', 'imagenet' or a file's path, but got "
+                            f"{self.weights!r}.")
         _choice("model", self.model, MODELS)
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("scheduler", self.scheduler, SCHEDULERS)
@@ -116,7 +129,8 @@ class TrainConfig:
         if not (isinstance(self.weight_decay, (int, float)) and math.isfinite(self.weight_decay)
                 and self.weight_decay >= 0):
             raise UserError(f"weight_decay must be a finite number >= 0, but got {self.weight_decay=}.")
-        if not (0 <= self.momentum < 1):
+        if isinstance(self.momentum, bool) or not isinstance(self.momentum, (int, float)) or \
+                not (0 <= self.momentum < 1):
             raise UserError(f"momentum must be in [0, 1), but got {self.momentum=}.")
         if self.max_grad_norm is not None:
             _positive_float("max_grad_norm", self.max_grad_norm)
@@ -167,6 +181,21 @@ class TrainConfig:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+def _plain(value: Any) -> Any:
+    """`value` as the builtin type it stands for: a numpy number or string, or a path's text."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, str):
+        return str(value)
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return value
 
 
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:

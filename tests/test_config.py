@@ -1,7 +1,9 @@
 """TrainConfig checks its values up front and names the bad one."""
 import dataclasses
 
+import numpy as np
 import pytest
+import torch
 
 from modules.config import TrainConfig, UserError
 
@@ -46,3 +48,22 @@ def test_learning_settings_leave_out_only_the_speed_knobs():
         base, amp="bf16", channels_last=True, dropout_impl="bytemask", num_workers=2).learning_settings()
     for change in ({"lr": 0.01}, {"batch_size": 64}, {"image_size": 64}, {"epochs": 3}):
         assert dataclasses.replace(base, **change).learning_settings() != base.learning_settings()
+
+
+def test_numpy_values_and_paths_are_kept_as_builtin_types_a_checkpoint_reads_back(tmp_path):
+    # a checkpoint holds the config, read back with torch.load(weights_only=True)
+    config = TrainConfig(lr=np.logspace(-3, -2, 2)[0], batch_size=np.int64(8),
+                         model=np.str_("resnet18"), weights=tmp_path / "start.pt")
+    assert config.to_dict() == {**TrainConfig().to_dict(), "lr": 1e-3, "batch_size": 8,
+                                "model": "resnet18", "weights": str(tmp_path / "start.pt")}
+    torch.save(config.to_dict(), tmp_path / "config.pt")
+    assert torch.load(tmp_path / "config.pt", weights_only=True) == config.to_dict()
+
+
+@pytest.mark.parametrize("field, value", [
+    ("momentum", "0.9"), ("momentum", None), ("weights", 3), ("weights", b"w.pt"),
+    ("channels_last", np.bool_(True)), ("cpu_threads", [2]),
+])
+def test_values_of_a_wrong_type_are_refused_by_name(field, value):
+    with pytest.raises(UserError, match=field):
+        TrainConfig(**{field: value})
