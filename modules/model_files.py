@@ -37,9 +37,10 @@ def save_model(model: nn.Module, path, *, arch: str, class_names, image_size: in
     payload = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
-        "arch": arch,
+        # str(): numpy strings pass the checks, but weights_only loading refuses them
+        "arch": str(arch),
         "num_classes": len(names),
-        "class_names": names,
+        "class_names": [str(n) for n in names],
         "image_size": int(image_size),
         "mean": [float(v) for v in mean],
         "std": [float(v) for v in std],

@@ -116,6 +116,15 @@ def test_saved_file_loads_with_weights_only(saved):
     assert all(t.device.type == "cpu" for t in payload["state_dict"].values())
 
 
+def test_numpy_class_names_and_arch_are_saved_as_strings_that_load_back(tmp_path):
+    model = build_model("squeezenet1_1", len(CLASSES), weights="none")
+    path = save_model(model, tmp_path / "m.pt", arch=np.str_("squeezenet1_1"),
+                      class_names=np.array(CLASSES), image_size=IMAGE_SIZE)  # a LabelEncoder's
+    meta = load_model(path).meta
+    assert meta["class_names"] == CLASSES and type(meta["class_names"][0]) is str
+    assert type(meta["arch"]) is str
+
+
 def test_save_strips_compile_and_ddp_prefixes(tmp_path):
     model = build_model("squeezenet1_1", 3, weights="none")
 
