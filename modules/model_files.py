@@ -47,6 +47,8 @@ def save_model(model: nn.Module, path, *, arch: str, class_names, image_size: in
         "state_dict": _cpu_state_dict(model),
         "extra": _json_roundtrip(extra),
     }
+    # A file that load_model would refuse is not written.
+    _check_state_dict_fits(payload, f"the model to save as {str(path)!r}")
     atomic_torch_save(payload, path)
     return path
 
@@ -56,7 +58,7 @@ def read_meta(path) -> dict:
     file checked as load_model checks it, without building the model."""
     path = Path(path)
     payload = _read_payload(path)
-    _check_state_dict_fits(payload, path)
+    _check_state_dict_fits(payload, f"model file {str(path)!r}")
     return _meta(payload)
 
 
@@ -65,7 +67,7 @@ def load_model(path, device="cpu") -> nn.Module:
     path = Path(path)
     device = library_device(device)
     payload = _read_payload(path)
-    _check_state_dict_fits(payload, path)
+    _check_state_dict_fits(payload, f"model file {str(path)!r}")
     model = build_model(payload["arch"], payload["num_classes"], weights="none")
     try:
         model.load_state_dict(payload["state_dict"])
@@ -207,9 +209,9 @@ def _read_payload(path: Path) -> dict:
     return payload
 
 
-def _check_state_dict_fits(payload: dict, path: Path) -> None:
-    """The file's tensors against the shapes its architecture and class count need, on the
-    meta device: no memory is spent on a model the file cannot fill (its class count alone
+def _check_state_dict_fits(payload: dict, what: str) -> None:
+    """A model file's tensors (or a model's about to be saved, `what`) against the shapes its
+    architecture and class count need, on the meta device: no memory is spent on a model the file cannot fill (its class count alone
     could ask for gigabytes)."""
     with torch.device("meta"):
         wanted = build_model(payload["arch"], payload["num_classes"], weights="none").state_dict()
@@ -219,6 +221,6 @@ def _check_state_dict_fits(payload: dict, path: Path) -> None:
                [f"{k} is {tuple(state[k].shape)}, not {tuple(v.shape)}"
                 for k, v in wanted.items() if k in state and state[k].shape != v.shape]
     if problems:
-        raise UserError(f"model file {str(path)!r} does not match architecture "
+        raise UserError(f"{what} does not match architecture "
                         f"{payload['arch']!r} with {payload['num_classes']} classes: "
                         f"{'; '.join(problems[:3])}{'; ...' if len(problems) > 3 else ''}.")

@@ -125,6 +125,16 @@ def test_numpy_class_names_and_arch_are_saved_as_strings_that_load_back(tmp_path
     assert type(meta["arch"]) is str
 
 
+def test_a_model_that_does_not_fit_its_arch_or_class_names_is_not_saved(tmp_path):
+    six = build_model("resnet18", 6, weights="none")
+    for arch, names in (("resnet18", list("abcde")), ("squeezenet1_1", list("abcdef"))):
+        with pytest.raises(UserError, match=f"does not match architecture '{arch}'") as err:
+            save_model(six, tmp_path / "m.pt", arch=arch, class_names=names,
+                       image_size=IMAGE_SIZE)
+        assert "\n" not in str(err.value)
+    assert not list(tmp_path.iterdir())
+
+
 def test_save_strips_compile_and_ddp_prefixes(tmp_path):
     model = build_model("squeezenet1_1", 3, weights="none")
 
