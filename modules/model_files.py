@@ -203,8 +203,10 @@ def _read_payload(path: Path) -> dict:
                             f"{_short(state)}.")
     except UserError as exc:
         raise UserError(f"model file {str(path)!r} is damaged: {exc}") from None
-    if payload["num_classes"] != len(payload["class_names"]):
-        raise UserError(f"{str(path)!r} has num_classes={_short(payload['num_classes'])} but "
+    # type(): 3.0 equals 3, but build_model cannot take it
+    if type(payload["num_classes"]) is not int or \
+            payload["num_classes"] != len(payload["class_names"]):
+        raise UserError(f"{str(path)!r} has num_classes={_short(payload['num_classes'])} for "
                         f"{len(payload['class_names'])} class_names; the file is damaged.")
     return payload
 

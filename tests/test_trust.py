@@ -330,6 +330,7 @@ def _hostile(tmp_path, payload, **changes) -> Path:
     ({"state_dict": [torch.zeros(1)]}, "state_dict must map"),
     ({"state_dict": {}}, "state_dict must map"),
     ({"num_classes": "3"}, "num_classes"),
+    ({"num_classes": 3.0}, "num_classes=3.0 for 3 class_names"),
 ])
 def test_a_model_file_claiming_bad_values_is_a_user_error(tmp_path, payload, changes, named):
     path = _hostile(tmp_path, payload, **changes)
