@@ -752,9 +752,14 @@ def earlier_if_better(row: dict[str, Any], replaced: dict[str, Any] | None,
     final = checkpoint_file(output_dir, "hpo", run_id=run_id)
     if distributed.is_main():
         grown = f"grown-{time.strftime('%Y%m%d-%H%M%S')}"
+        aside = final.with_name(f"hpo.{grown}.pt")
         try:
-            final.rename(final.with_name(f"hpo.{grown}.pt"))
-            Path(replaced["checkpoint"]).rename(final)
+            final.rename(aside)
+            try:
+                Path(replaced["checkpoint"]).rename(final)
+            except OSError:
+                aside.rename(final)  # else --resume would find no hpo checkpoint, and train again
+                raise
         except OSError as exc:  # the new run stays the hpo checkpoint, and its row with it
             log.warning("hpo: could not bring back the earlier final run's checkpoint (%s): "
                         "keeping the new final run", first_line(exc))

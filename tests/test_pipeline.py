@@ -1395,6 +1395,23 @@ def test_a_grown_studys_new_final_run_gives_way_to_a_better_earlier_one(tmp_path
     assert scenario.earlier_if_better(new, None, None, tmp_path, "r") is new
 
 
+def test_an_earlier_final_run_that_cannot_come_back_leaves_the_new_one_in_place(tmp_path,
+                                                                                 caplog):
+    """The earlier checkpoint was removed: the new run's row is kept, and so is its checkpoint
+    as the hpo one, which a later --resume finds finished."""
+    from modules.results import checkpoint_file
+    final = checkpoint_file(tmp_path, "hpo", run_id="r")
+    final.parent.mkdir(parents=True)
+    final.write_bytes(b"new final")
+    replaced = {"checkpoint": str(final.with_name("hpo.before-1.pt")), "seconds": 30.0}
+    new = {"val_acc": 0.5, "total_s": 100.0}
+    with caplog.at_level(logging.WARNING):
+        assert scenario.earlier_if_better(new, replaced, {"val_acc": 0.6}, tmp_path, "r") is new
+    assert "keeping the new final run" in caplog.text
+    assert [p.name for p in final.parent.iterdir()] == ["hpo.pt"]
+    assert final.read_bytes() == b"new final"
+
+
 def test_tensorboards_hpo_run_is_the_final_run_the_row_keeps(tmp_path):
     """A winner's final run that gave way to the resolution scenario's: TensorBoard drew the
     winner's curves as hpo beside a table showing the other run's."""
