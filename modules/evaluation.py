@@ -12,6 +12,8 @@ from torch import nn
 from torchmetrics.classification import MulticlassConfusionMatrix
 
 from modules import distributed
+from modules.device import library_device
+from modules.models import num_classes_of
 from modules.oom import is_out_of_memory, more_pieces, release
 
 log = logging.getLogger(__name__)
@@ -24,9 +26,10 @@ def evaluate(model: nn.Module, loader, *, device: torch.device | str | None = No
     """Loss, accuracy, per-class accuracy and confusion matrix of `model` over `loader`.
 
     A batch that runs out of memory is run again in halves (then quarters ...) for the rest of
-    the call, each halving said in the log; the figures do not depend on the pieces."""
-    device = torch.device(device) if device is not None else next(model.parameters()).device
-    num_classes = int(num_classes or model.num_classes)
+    the call, each halving said in the log; the figures do not depend on the pieces.
+    device: as load_model takes it ("auto" too); None runs where the model's weights are."""
+    device = library_device(device) if device is not None else next(model.parameters()).device
+    num_classes = int(num_classes or num_classes_of(model))
     memory_format = torch.channels_last if channels_last else torch.contiguous_format
     # Summed across processes below, only when each evaluated its own share (torchmetrics
     # would otherwise sum whole copies under torchrun). Predictions are an argmax and labels

@@ -140,6 +140,15 @@ def _replace_head(model: nn.Module, name: str, num_classes: int) -> None:
     model.num_classes = num_classes
 
 
+def num_classes_of(model: nn.Module) -> int:
+    """The class count build_model gave `model`."""
+    n = getattr(model, "num_classes", None)
+    if n is None:
+        raise UserError("the model has no num_classes attribute; build it with "
+                        "modules.models.build_model.")
+    return int(n)
+
+
 _UNREACHABLE: set[str] = set()  # models whose weights failed to download in this process
 
 

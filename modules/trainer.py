@@ -27,7 +27,7 @@ from modules.device import (REGIONS, apply_process_settings, autocast_dtype,  # 
                             region, resolve_device)
 from modules.evaluation import evaluate
 from modules.loaders import make_loaders
-from modules.models import build_model
+from modules.models import build_model, num_classes_of
 from modules.oom import is_out_of_memory, more_pieces, release
 
 log = logging.getLogger(__name__)
@@ -163,7 +163,7 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
     device = resolve_device(config.device)
     dtype = autocast_dtype(config.amp, device)
     model.to(device, memory_format=_memory_format(config))
-    num_classes = _num_classes(model)
+    num_classes = num_classes_of(model)
     if len(train_loader) == 0:
         raise UserError("the training split is empty; add images or lower --batch-size.")
     optimizer = make_optimizer(model, config, device)
@@ -641,14 +641,6 @@ def _more_splits(splits: int, failed_y: torch.Tensor, config: TrainConfig) -> in
                 "more accumulation: the effective batch stays %d", before, config.image_size,
                 math.ceil(config.batch_size / splits), splits, config.effective_batch_size)
     return splits
-
-
-def _num_classes(model: nn.Module) -> int:
-    n = getattr(model, "num_classes", None)
-    if n is None:
-        raise UserError("the model has no num_classes attribute; build it with "
-                        "modules.models.build_model.")
-    return int(n)
 
 
 def _summary_writer(run_dir, config: TrainConfig):

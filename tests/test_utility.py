@@ -11,8 +11,8 @@ from PIL import Image
 
 from modules.config import IMAGENET_MEAN, IMAGENET_STD, UserError
 from modules.models import build_model
-from modules.utility import (load_model, plot_comparison, predict, results_table, save_model,
-                             table_markdown)
+from modules.utility import (evaluate, load_model, plot_comparison, predict, results_table,
+                             save_model, table_markdown)
 
 CLASSES = ["cat", "dog", "fish"]
 IMAGE_SIZE = 64
@@ -100,13 +100,26 @@ def test_the_prediction_grid_leaves_out_a_test_image_gone_since_the_run(saved, t
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
 def test_a_device_that_is_not_here_is_a_one_line_user_error(saved, tmp_path):
     model = load_model(saved[1], device="auto")
+    loader = [(torch.randn(2, 3, IMAGE_SIZE, IMAGE_SIZE), torch.tensor([0, 2]))]
+    assert evaluate(model, loader, device="auto")["n"] == 2
     for device in ("cuda", "cuda:1", "gpu0", "mps", "xpu", "meta"):
         with pytest.raises(UserError, match=repr(device)):
             load_model(saved[1], device=device)
         with pytest.raises(UserError, match=repr(device)):
             predict(model, _write_images(tmp_path), device=device)
+        with pytest.raises(UserError, match=repr(device)):
+            evaluate(model, loader, device=device)
     assert predict(model, _write_images(tmp_path), device=torch.device("cpu"))
     assert predict(model, _write_images(tmp_path))  # the refused "meta" left its weights
+
+
+def test_evaluating_a_model_without_a_class_count_is_a_user_error():
+    model = build_model("squeezenet1_1", len(CLASSES), weights="none")
+    del model.num_classes  # as a torchvision model built directly
+    loader = [(torch.randn(2, 3, IMAGE_SIZE, IMAGE_SIZE), torch.tensor([0, 2]))]
+    with pytest.raises(UserError, match="no num_classes"):
+        evaluate(model, loader)
+    assert evaluate(model, loader, num_classes=len(CLASSES))["n"] == 2
 
 
 def test_saved_file_loads_with_weights_only(saved):
