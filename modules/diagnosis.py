@@ -270,8 +270,16 @@ def _cpu_compute_recs(f: _Figures, basis: str) -> list[str]:
 def _gpu_compute_recs(f: _Figures, basis: str) -> list[str]:
     recs = []
     if f.get("amp_dtype") in (None, "fp32"):
-        recs.append(f"Turn on AMP (--amp auto): bf16/fp16 tensor cores run several times faster "
-                    f"than fp32 ({basis}).")
+        # AMP stands or falls by its fastest 16-bit mode raced; a failed one ranks below any speed.
+        amp = (f.get("raced") or {}).get("amp") or {}
+        best = max(("bf16", "fp16"), key=lambda m: amp[m] if isinstance(amp.get(m), (int, float))
+                   else -1 if m in amp else -2)
+        slower = _measured_slower(f, "amp", best, "off")
+        if slower:
+            recs.append(f"AMP was measured slower here ({best} {slower}): keep it off ({basis}).")
+        else:
+            recs.append(f"Turn on AMP (--amp auto): bf16/fp16 tensor cores run several times "
+                        f"faster than fp32 ({basis}).")
     if not f.get("channels_last") and not _measured_slower(f, "channels_last"):
         recs.append(f"Try channels_last (--channels-last): cuDNN's tensor-core convolutions prefer NHWC ({basis}).")
     peak, limit, batch = f.num("peak_mem_mb"), f.num("mem_limit_mb"), f.num("batch_size")

@@ -252,6 +252,18 @@ def test_bf16_is_not_advised_where_the_autotuner_measured_it_slower():
     assert scenario.measured_speeds({"knobs": "x"}) == {} == scenario.measured_speeds(None)
 
 
+def test_amp_is_not_advised_on_a_gpu_where_its_fastest_16_bit_mode_was_measured_slower():
+    gpu = {"data_wait_frac": 0.04, "avg_step_ms": 48, "samples_per_s": 5300, "device": "cuda",
+           "channels_last": True, "amp_dtype": "fp32", "gpu_util_pct": 97}
+    assert any("Turn on AMP" in r for r in diagnose(gpu)["recommendations"])
+    lost = {"amp": {"bf16": 4410.0, "off": 5300.0, "fp16": 4380.0}}
+    recs = diagnose({**gpu, "raced": lost})["recommendations"]
+    assert not any("Turn on AMP" in r for r in recs)
+    assert any("AMP was measured slower here (bf16 4410 against 5300 img/s" in r for r in recs)
+    won = {"amp": {"bf16": "failed: out of memory", "off": 5300.0, "fp16": 9000.0}}
+    assert any("Turn on AMP" in r for r in diagnose({**gpu, "raced": won})["recommendations"])
+
+
 # ----------------------------------------------------------------------------- end to end
 
 class SlowDataset(Dataset):
