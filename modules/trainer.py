@@ -262,8 +262,9 @@ class _Epochs:
         # BatchNorm's running statistics are updated in the forward pass, before the loss is
         # checked: a window skipped for a NaN/inf puts them back as the window found them
         # (else they stay NaN, and so does every later evaluation).
-        self.norm_buffers = [b for m in model.modules()
-                             if isinstance(m, nn.modules.batchnorm._BatchNorm) for b in m.buffers()]
+        norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        self.batch_norm = bool(norms)
+        self.norm_buffers = [b for m in norms for b in m.buffers()]
         self.norm_saved = [b.detach().clone() for b in self.norm_buffers]
 
     def train_one(self, loader, epoch: int) -> dict[str, float]:
@@ -347,7 +348,8 @@ class _Epochs:
             # and with them its activations; by now they are released.
             self._restart_window()
             release(self.device)
-            self.splits = _more_splits(self.splits, window_batches[-1][1], self.config)
+            self.splits = _more_splits(self.splits, window_batches[-1][1], self.config,
+                                       self.batch_norm)
             self.oom_recoveries += 1
             first = 0  # the whole window again, from its first batch
 
@@ -630,16 +632,21 @@ class _Flag:
         return bool(self.host)
 
 
-def _more_splits(splits: int, failed_y: torch.Tensor, config: TrainConfig) -> int:
+def _more_splits(splits: int, failed_y: torch.Tensor, config: TrainConfig,
+                 batch_norm: bool) -> int:
     """Twice the chunks per loader batch after running out of memory, or OutOfMemoryError when
-    the chunk that failed already held a single sample."""
+    the chunk that failed already held a single sample. batch_norm: the model has BatchNorm,
+    whose batch statistics then come from each chunk, not the whole batch."""
     before = math.ceil(config.batch_size / splits)
     splits = more_pieces(splits, failed_y.shape[0], (
         f"out of memory even with one {config.image_size} px image per forward/backward "
         f"pass ({config.model}); lower --image-size or use a smaller --model."))
+    micro = math.ceil(config.batch_size / splits)
+    norm = (f"; its BatchNorm statistics are now computed per micro-batch of {micro} images"
+            if batch_norm else "")
     log.warning("out of memory at micro-batch %d (%d px); continuing with micro-batch %d and %dx "
-                "more accumulation: the effective batch stays %d", before, config.image_size,
-                math.ceil(config.batch_size / splits), splits, config.effective_batch_size)
+                "more accumulation: the effective batch stays %d%s", before, config.image_size,
+                micro, splits, config.effective_batch_size, norm)
     return splits
 
 

@@ -207,7 +207,9 @@ class FailsAfterItsNorm(TinyNet):
     (1, 1 + 3 * 2),  # batch 1 whole; the failed batch 2 and batches 3-4 in halves
     (2, 4 + 4),      # batch 2 fails: its window is replayed in halves, then window 2
 ])
-def test_an_oom_replay_leaves_batchnorm_as_if_only_the_replay_ran(accum, trained_forwards):
+def test_an_oom_replay_leaves_batchnorm_as_if_only_the_replay_ran(accum, trained_forwards,
+                                                                   caplog):
+    caplog.set_level(logging.WARNING, logger="modules.trainer")
     config = dataclasses.replace(BASE, model="resnet18", image_size=16, epochs=1, batch_size=8,
                                  grad_accum_steps=accum)
     set_seed(0)
@@ -216,6 +218,10 @@ def test_an_oom_replay_leaves_batchnorm_as_if_only_the_replay_ran(accum, trained
                    DataLoader(data(12, 16, seed=1), batch_size=8), config)
     assert result.settings["oom_recoveries"] == 1
     assert model.norm.num_batches_tracked.item() == trained_forwards
+    # the effective batch stays, but what BatchNorm normalises by does not
+    assert oom_warnings(caplog)[0].endswith(
+        f"the effective batch stays {8 * accum}; its BatchNorm statistics are now computed per "
+        "micro-batch of 4 images")
 
 
 @pytest.mark.parametrize("optimizer", ["adam", "adamw", "sgd"])
