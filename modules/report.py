@@ -309,7 +309,10 @@ def render_report(rows: list[dict[str, Any]], charts: list[str],
                      f"{settings.get('device', '?')}."
                      + "".join(f" {note}" for note in final_run_notes(row, detail=True))
                      + (f" Started from {row['start_weights']}."
-                        if str(row.get("start_weights", "")).startswith("random") else ""))
+                        if str(row.get("start_weights", "")).startswith("random") else "")
+                     + (f" Ran out of memory in training {settings['oom_recoveries']}x and went "
+                        f"on in micro-batches of {settings.get('micro_batch_size')} images."
+                        if settings.get("oom_recoveries") else ""))
         lines.append("")
         lines.append(f"**{diag.get('bottleneck', 'not diagnosed')}**: {diag.get('summary', '')}")
         lines += [f"- {rec}" for rec in diag.get("recommendations", [])]

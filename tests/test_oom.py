@@ -119,6 +119,16 @@ def test_oom_halves_the_micro_batch_and_trains_like_a_run_with_memory(
                            "8 and 2x more accumulation: the effective batch stays 32")
 
 
+def test_the_report_says_a_scenario_went_on_in_micro_batches():
+    from modules.report import render_report
+    settings = {"batch_size": 16, "micro_batch_size": 4, "oom_recoveries": 2}
+    text = render_report([{"scenario": "baseline", "settings": settings}], [])
+    assert "Ran out of memory in training 2x and went on in micro-batches of 4 images." in text
+    settings.update(micro_batch_size=16, oom_recoveries=0)
+    assert "Ran out of memory" not in render_report([{"scenario": "baseline",
+                                                       "settings": settings}], [])
+
+
 def test_oom_with_one_sample_per_pass_is_a_one_line_user_error(caplog):
     caplog.set_level(logging.WARNING, logger="modules.trainer")
     with pytest.raises(UserError) as err:
