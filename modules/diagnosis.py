@@ -159,7 +159,8 @@ def _contended(f: _Figures) -> dict[str, Any] | None:
 
 def _transfer_bound(f: _Figures) -> dict[str, Any] | None:
     h2d = f.num("h2d_frac")
-    if h2d is None or h2d <= THRESHOLDS.h2d_frac:
+    # On a CPU the timed copy is a layout conversion in RAM: no transfer that pinning speeds.
+    if not f.cuda or h2d is None or h2d <= THRESHOLDS.h2d_frac:
         return None
     share = f"{_pct(h2d)} of each{_step(f)} step is spent copying batches to the device"
     recs = [f"Set pin_memory=True and copy with non_blocking=True so the copy overlaps compute: "

@@ -24,12 +24,13 @@ REPORT_MD = "report.md"
 
 
 def step_breakdown(row: dict[str, Any]) -> dict[str, float] | None:
-    """Milliseconds per step waiting for data, copying to the device and computing."""
+    """Milliseconds per step waiting for data, copying to the device (on a CPU, only the
+    channels_last layout conversion) and computing."""
     step, wait, h2d = (finite_number(row.get(k)) for k in ("avg_step_ms", "data_wait_frac", "h2d_frac"))
     if step is None or wait is None:
         return None
     h2d = h2d or 0.0
-    return {"data wait": step * wait, "host-to-device": step * h2d,
+    return {"data wait": step * wait, "layout/copy to device": step * h2d,
             "compute": max(0.0, step * (1.0 - wait - h2d))}
 
 
@@ -51,7 +52,7 @@ def plot_breakdown(rows: list[dict[str, Any]], out_dir: Path) -> Path | None:
         rate_ax.annotate(NA if rate is None else f"{rate:.0f}", (i, rate or 0.0), ha="center",
                          va="bottom", fontsize="small")
     bottom = [0.0] * len(names)
-    for j, phase in enumerate(("data wait", "host-to-device", "compute")):
+    for j, phase in enumerate(("data wait", "layout/copy to device", "compute")):
         values = [parts[n][phase] for n in names]
         step_ax.bar(names, values, bottom=bottom, label=phase, color=f"C{j + 1}")
         bottom = [b + v for b, v in zip(bottom, values)]

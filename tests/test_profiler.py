@@ -175,6 +175,13 @@ def test_transfer_bound_recommends_pinned_memory():
     d = diagnose({"data_wait_frac": 0.05, "h2d_frac": 0.25, "avg_step_ms": 40, "device": "cuda"})
     assert d["bottleneck"] == "transfer-bound"
     assert any("pin_memory" in r and "25%" in r for r in d["recommendations"])
+    # on a CPU that share is a channels_last conversion: nothing is transferred or pinned
+    d = diagnose({"data_wait_frac": 0.05, "h2d_frac": 0.25, "avg_step_ms": 40, "device": "cpu"})
+    assert d["bottleneck"] != "transfer-bound"
+    assert not any("pin_memory" in r for r in d["recommendations"])
+    from modules.report import step_breakdown  # and the chart does not call it host-to-device
+    assert list(step_breakdown({"avg_step_ms": 40, "data_wait_frac": 0.05, "h2d_frac": 0.25})) \
+        == ["data wait", "layout/copy to device", "compute"]
 
 
 def test_overhead_bound_from_a_tiny_step_or_an_idle_gpu():
