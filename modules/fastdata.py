@@ -393,21 +393,34 @@ CGROUP_MEMORY_FILES = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.curr
                         "/sys/fs/cgroup/memory/memory.usage_in_bytes"))
 
 
-def available_ram() -> int:
-    """Bytes of RAM this process may still take: the machine's available memory, or less
-    where a container's memory limit (cgroup v2, else v1) leaves less."""
-    available = psutil.virtual_memory().available
+def cgroup_memory() -> tuple[int, int] | None:
+    """(limit, usage) in bytes of the container's memory (cgroup v2, else v1), or None where
+    no limit is set or readable."""
     for limit_file, usage_file in CGROUP_MEMORY_FILES:
         try:
             limit = Path(limit_file).read_text().strip()
             if limit == "max":
                 continue
-            left = int(limit) - int(Path(usage_file).read_text().strip())
+            return int(limit), int(Path(usage_file).read_text().strip())
         except (OSError, ValueError):
             continue
-        if 0 <= left < available:
-            return left
+    return None
+
+
+def available_ram() -> int:
+    """Bytes of RAM this process may still take: the machine's available memory, or less
+    where a container's memory limit leaves less."""
+    available = psutil.virtual_memory().available
+    cgroup = cgroup_memory()
+    if cgroup is not None and 0 <= cgroup[0] - cgroup[1] < available:
+        return cgroup[0] - cgroup[1]
     return available
+
+
+def total_ram() -> int:
+    """Bytes of RAM this process may take in all: the machine's, or a container's limit."""
+    total, cgroup = psutil.virtual_memory().total, cgroup_memory()
+    return min(total, cgroup[0]) if cgroup else total
 
 
 def cache_fits(index, size: int) -> bool:

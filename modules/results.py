@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import psutil
 import torch
 
 from modules import distributed
@@ -20,7 +19,7 @@ from modules.config import TrainConfig, UserError
 from modules.dataset import DatasetIndex
 from modules.device import native_bf16_cpu
 from modules.diagnosis import diagnose
-from modules.fastdata import CachedLoader
+from modules.fastdata import CachedLoader, total_ram
 from modules.files import ReadFailed, atomic_write_text
 from modules.model_files import read_meta, save_model
 from modules.selection import accuracy_se
@@ -210,7 +209,7 @@ def result_row(name: str, config: TrainConfig, result: TrainResult, test: dict[s
         alloc_retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
     else:  # resident memory of this process and its DataLoader workers, sampled
         peak_mb = system.get("ram_peak_mb")
-        mem_limit_mb = psutil.virtual_memory().total / 2**20
+        mem_limit_mb = total_ram() / 2**20
         alloc_retries = None
     row = {
         "scenario": name, "dataset": index.name, "data_fingerprint": index.fingerprint(),

@@ -342,5 +342,8 @@ def test_the_cache_budget_counts_every_process_and_a_containers_limit(folder, mo
     limit.write_text(str(300 * 2**20)), usage.write_text(str(100 * 2**20))
     monkeypatch.setattr(fastdata, "CGROUP_MEMORY_FILES", ((str(limit), str(usage)),))
     assert fastdata.available_ram() == min(200 * 2**20, fastdata.psutil.virtual_memory().available)
+    # the memory limit a CPU run's diagnosis measures its peak against
+    assert fastdata.total_ram() == min(300 * 2**20, fastdata.psutil.virtual_memory().total)
     limit.write_text("max")
     assert fastdata.available_ram() == fastdata.psutil.virtual_memory().available
+    assert fastdata.total_ram() == fastdata.psutil.virtual_memory().total
