@@ -25,10 +25,11 @@ class OutOfMemoryError(UserError, TORCH_OOM):
 
 def is_out_of_memory(exc: BaseException) -> bool:
     """CUDA (or any device's) allocator failure; older torch raised a plain RuntimeError, and
-    the CPU's allocator still does ("DefaultCPUAllocator: can't allocate memory")."""
+    the CPU's allocator still does ("DefaultCPUAllocator: can't allocate memory"), as do
+    cuBLAS and cuDNN when their workspace does not fit (CUBLAS_STATUS_ALLOC_FAILED)."""
     text = str(exc).lower() if isinstance(exc, RuntimeError) else ""
-    return isinstance(exc, TORCH_OOM) or "out of memory" in text or \
-        "can't allocate memory" in text
+    return isinstance(exc, TORCH_OOM) or any(
+        sign in text for sign in ("out of memory", "can't allocate memory", "alloc_failed"))
 
 
 def release(device: torch.device) -> None:

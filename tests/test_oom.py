@@ -162,11 +162,15 @@ def test_evaluation_out_of_memory_goes_on_in_smaller_pieces_with_the_same_figure
     assert isinstance(err.value, torch.OutOfMemoryError) and model.training  # mode restored
 
 
-def test_the_cpu_allocators_failure_is_out_of_memory():
+def test_cpu_cublas_and_cudnn_allocation_failures_are_out_of_memory():
     from modules.oom import is_out_of_memory
     assert is_out_of_memory(RuntimeError(
         "[enforce fail at alloc_cpu.cpp:127] data. DefaultCPUAllocator: can't allocate memory: "
         "you tried to allocate 68719476736 bytes. Error code 12 (Cannot allocate memory)"))
+    # cuBLAS and cuDNN failing to allocate their workspace
+    assert is_out_of_memory(RuntimeError(
+        "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))
+    assert is_out_of_memory(RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"))
     assert not is_out_of_memory(RuntimeError("shape mismatch"))
     assert not is_out_of_memory(ValueError("out of memory"))
 
