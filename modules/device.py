@@ -4,6 +4,7 @@ everything that trains or measures imports it; it imports only the config and th
 allocator."""
 from __future__ import annotations
 
+import os
 from contextlib import nullcontext
 
 import torch
@@ -108,3 +109,11 @@ def native_bf16_cpu() -> bool:
     except OSError:
         pass
     return False
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity mask (narrowed by taskset, cpusets and
+    containers), or every CPU where the platform has none (macOS, Windows)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1

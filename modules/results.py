@@ -7,7 +7,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -17,7 +16,7 @@ import torch
 from modules import distributed
 from modules.config import TrainConfig, UserError
 from modules.dataset import DatasetIndex
-from modules.device import native_bf16_cpu
+from modules.device import native_bf16_cpu, usable_cpus
 from modules.diagnosis import diagnose
 from modules.fastdata import CachedLoader, total_ram
 from modules.files import ReadFailed, atomic_write_text
@@ -248,7 +247,7 @@ def result_row(name: str, config: TrainConfig, result: TrainResult, test: dict[s
         "cpu_threads": result.settings.get("cpu_threads"),
         "batch_size": config.batch_size, "device": device.type, "mem_limit_mb": mem_limit_mb,
         "alloc_retries": alloc_retries, "num_workers": config.num_workers,
-        "cpu_count": os.cpu_count(), "channels_last": config.channels_last,
+        "cpu_count": usable_cpus(), "channels_last": config.channels_last,
         "compile": config.compile,
         "amp_dtype": result.settings.get("amp_dtype"),
         "native_bf16": native_bf16_cpu() if device.type == "cpu" else None,

@@ -221,6 +221,15 @@ def test_native_bf16_cpu_is_a_bool(monkeypatch):
     assert native_bf16_cpu() is False
 
 
+def test_usable_cpus_are_the_processs_affinity_not_the_machines_count(monkeypatch):
+    from modules import device
+    monkeypatch.setattr(device.os, "sched_getaffinity", lambda pid: {3}, raising=False)
+    monkeypatch.setattr(device.os, "cpu_count", lambda: 64)
+    assert device.usable_cpus() == 1
+    monkeypatch.delattr(device.os, "sched_getaffinity")  # macOS, Windows
+    assert device.usable_cpus() == 64
+
+
 def test_the_ops_table_is_sorted_by_the_training_devices_time(tmp_path):
     """A CPU run on a GPU machine sorted its ops by CUDA time, a column of zeros."""
     assert TorchProfiler(tmp_path, device="cpu")._cuda is False
