@@ -213,8 +213,8 @@ def _read_payload(path: Path) -> dict:
 
 def _check_state_dict_fits(payload: dict, what: str) -> None:
     """A model file's tensors (or a model's about to be saved, `what`) against the shapes its
-    architecture and class count need, on the meta device: no memory is spent on a model the file cannot fill (its class count alone
-    could ask for gigabytes)."""
+    architecture and class count need, on the meta device: no memory is spent on a model the
+    file cannot fill (its class count alone could ask for gigabytes)."""
     with torch.device("meta"):
         wanted = build_model(payload["arch"], payload["num_classes"], weights="none").state_dict()
     state = payload["state_dict"]
