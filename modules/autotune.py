@@ -517,14 +517,15 @@ def run_with_deadline(target: Callable[..., None], args: tuple, deadline_s: floa
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        try:
-            if os.name == "posix":
-                os.killpg(proc.pid, signal.SIGKILL)  # its own session: the child and its workers
-            else:
-                proc.kill()
-        except OSError:  # gone meanwhile
-            pass
+    # The group even when its leader has exited: a child that crashed (a segfault, the OOM
+    # killer) leaves the compiler workers it started, whose watcher died with it.
+    try:
+        if os.name == "posix":
+            os.killpg(proc.pid, signal.SIGKILL)  # its own session: the child and its workers
+        elif proc.poll() is None:
+            proc.kill()
+    except OSError:  # gone meanwhile
+        pass
     try:
         proc.wait(5)
     except subprocess.TimeoutExpired:
@@ -759,23 +760,26 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
     def budget_at(img_s: float) -> float:
         return budget_share * budgeted_at(img_s) * config.effective_batch_size / img_s
 
-    budget_s = None
-    if budget_share is not None and planned_steps and warm.get("img_s"):
-        budget_s = budget_at(warm["img_s"])
-        log.info("autotune: measuring budget %.0f s (%.0f%% of the planned %d steps)", budget_s,
-                 100 * budget_share, budgeted_at(warm["img_s"]))
-    fastest = warm.get("img_s") or 0.0
+    budget_s, fastest = None, 0.0
 
     def budget_left() -> float | None:
         """What is left of the budget, which shrinks as faster settings are measured: the run
-        trains at the fastest, and a first probe slowed by its warm-up must not widen it."""
+        trains at the fastest, and a first probe slowed by its warm-up must not widen it. It is
+        set by the first probe that measured a speed: when the first probe failed (settings
+        that do not fit), by the first candidate that trained, so that the rest stays bounded."""
         nonlocal budget_s, fastest
         if budget_s is None:
-            return None
+            if budget_share is None or not planned_steps or not current.get("img_s"):
+                return None
+            fastest = current["img_s"]
+            budget_s = budget_at(fastest)
+            log.info("autotune: measuring budget %.0f s (%.0f%% of the planned %d steps)",
+                     budget_s, 100 * budget_share, budgeted_at(fastest))
         if (current.get("img_s") or 0.0) > fastest:
             fastest = current["img_s"]
             budget_s = budget_at(fastest)
         return budget_s - (time.perf_counter() - started)
+    budget_left()  # the budget, when the first probe measured a speed
     # A challenger's warm-up is about as long as the first probe's, and on a GPU at least
     # GPU_WARMUP_S (cuDNN's algorithm search for each new layout or dtype; the first probe's
     # may have been paid by an earlier one at these shapes).
@@ -786,7 +790,8 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
         return race_cost(knob, step_s, min_s, warmup_s) * (len(candidates) - 1)
 
     def deadline() -> float | None:
-        return None if budget_s is None else time.perf_counter() + budget_left()
+        left = budget_left()
+        return None if left is None else time.perf_counter() + left
     if min_s < MIN_S:
         log.info("autotune: a short planned run: %.1f s per candidate, to measure within %.0f%% "
                  "of its time", min_s, 100 * MEASURE_SHARE)
@@ -796,7 +801,8 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
             continue
         # A knob whose races cannot finish within what is left of the budget is not started;
         # one that runs past it anyway (a candidate slower than estimated) is cut at its end.
-        if budget_s is not None and budget_left() < races_s(knob, candidates):
+        left = budget_left()
+        if left is not None and left < races_s(knob, candidates):
             knobs[knob] = {"choice": getattr(config, knob), "img_s": {}, "reason": (
                 f"not measured: {max(0.0, budget_left()):.1f} s left of the measuring budget "
                 f"({budget_s:.1f} s), too little for its races"
@@ -840,7 +846,8 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
     elif loader_factory is not None:
         cores = os.cpu_count() or 1
         candidates = sorted({0, *[n for n in (2, 4, 8) if n <= cores]})
-        if budget_s is not None and budget_left() <= 0:
+        left = budget_left()
+        if left is not None and left <= 0:
             knobs["num_workers"] = {"choice": config.num_workers, "img_s": {}, "reason": (
                 f"not measured: the measuring budget ({budget_s:.1f} s) was spent")}
         else:

@@ -344,6 +344,36 @@ def test_a_child_past_its_deadline_is_killed():
     assert time.perf_counter() - started < 15  # spawn start-up included, not the 60 s
 
 
+def _crashes_leaving_a_worker(pid_file, conn):
+    """A child that starts a worker (a compiler's, say) and dies without answering."""
+    worker = subprocess.Popen(["sleep", "120"])
+    with open(pid_file, "w") as f:
+        f.write(str(worker.pid))
+    os._exit(139)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"  # a zombie is killed
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_a_child_that_dies_does_not_leave_its_workers_running(tmp_path):
+    pid_file = tmp_path / "worker.pid"
+    finished, answer = at.run_with_deadline(_crashes_leaving_a_worker, (str(pid_file),), 60)
+    assert finished and "died (exit code 139)" in answer["error"]
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = _running(pid)
+    if alive:
+        os.kill(pid, 9)
+    assert not alive
+
+
 def test_a_real_compile_warm_up_past_the_deadline_is_abandoned(monkeypatch):
     """torch.compile of the model takes far longer than 3 s here: the child is killed then and
     eager is kept, with the reason saying so."""
@@ -389,6 +419,31 @@ def test_the_budget_shrinks_to_the_fastest_rate_measured(monkeypatch):
     monkeypatch.setattr(at, "_first_probe", slow_first)
     config, report = at.autotune(_config(), 3, planned_steps=10_000, budget_share=0.1)
     assert report["budget_s"] == pytest.approx(4.0, rel=0.05)
+
+
+def test_a_first_probe_that_fails_leaves_the_measuring_bounded(monkeypatch):
+    """The first probe's settings do not fit (channels_last's copy, threads fixed as under
+    torchrun): the budget was set only from the first probe, so every knob and compile's
+    warm-up were measured without bound. It is now set by the first candidate that trains."""
+    _fake_speeds(monkeypatch, lambda config: 1000.0)
+    real_init = at.ComputeProbe.__init__
+
+    def init(self, config, num_classes, batch_size=None):
+        if config.channels_last:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        real_init(self, config, num_classes, batch_size)
+    monkeypatch.setattr(at.ComputeProbe, "__init__", init)
+    deadlines = []
+
+    def no_compile(config, num_classes, current, planned_steps, deadline_s=None):
+        deadlines.append(deadline_s)
+        return config, {"choice": False, "img_s": {}, "reason": "not tried here"}
+    monkeypatch.setattr(at, "_tune_compile", no_compile)
+    config, report = at.autotune(_config(channels_last=True), 3, planned_steps=10_000,
+                                 budget_share=0.1, fixed=frozenset({"cpu_threads"}))
+    assert not config.channels_last
+    assert report["budget_s"] == pytest.approx(4.0, rel=0.05)  # 10% of 10,000 steps at 1,000/s
+    assert deadlines[0] is not None and deadlines[0] <= 4.0
 
 
 def test_steps_a_time_budget_bounds_count_only_as_far_as_its_seconds_reach(monkeypatch):
