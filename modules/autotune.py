@@ -1065,10 +1065,15 @@ def _valid_report(report: Any) -> dict[str, Any]:
     dicts, its figures numbers (an edited or older file must not fail later, mid-run)."""
     report = dict(report)
     knobs = report.get("knobs")
-    if not isinstance(knobs, dict) or not all(isinstance(v, dict) and "choice" in v
-                                             for v in knobs.values()):
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    if not isinstance(knobs, dict) or not all(
+            k in fields and isinstance(v, dict) and "choice" in v
+            and isinstance(v.get("img_s") or {}, dict) and isinstance(v.get("reason", ""), str)
+            for k, v in knobs.items()):
         raise ValueError("its knobs are not this version's")
-    for name in ("compute_img_s", "budget_s", "planned_steps"):
+    if not isinstance(report.get("phases_s") or {}, dict):
+        raise ValueError("phases_s is not this version's")
+    for name in ("compute_img_s", "budget_s", "planned_steps", "seconds_per_candidate"):
         value = report.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise ValueError(f"{name} is not a number")

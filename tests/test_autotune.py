@@ -515,6 +515,27 @@ def test_the_memory_probe_runs_only_when_the_starting_batch_does_not_fit(monkeyp
     assert probes[:2] == [4, 2] and fits[0] == 4 and config.batch_size == 2
 
 
+@pytest.mark.parametrize("report", [
+    {"knobs": {"amp": {"choice": "off", "img_s": 123.4, "reason": "r"}}},  # an older shape
+    {"knobs": {"amp": {"choice": "off", "img_s": {}, "reason": "r"}}, "phases_s": [1, 2]},
+    {"knobs": {"old_knob": {"choice": 1, "img_s": {"1": 2.0}, "reason": "r"}}},
+    {"knobs": {"amp": {"choice": "off", "img_s": {}, "reason": 7}}},
+    {"knobs": {}, "seconds_per_candidate": "2 s"},
+])
+def test_a_cache_entry_of_another_shape_is_measured_again_not_a_traceback(tmp_path, caplog,
+                                                                          report):
+    """_valid_report checked only that each knob had a choice: these failed later, mid-run."""
+    import logging
+    config = _config()
+    cache = tmp_path / "autotune_cache.json"
+    key = at.speed_key(config, 3)
+    cache.write_text(json.dumps({at.machine_key(): {key: {
+        "config": config.to_dict(), "report": {"compute_img_s": 100.0, **report}}}}))
+    with caplog.at_level(logging.INFO):
+        assert at._from_cache(cache, key) is None
+    assert "cannot reuse the entry" in caplog.text and "measuring again" in caplog.text
+
+
 def test_a_choice_is_reused_by_a_later_scenario_and_from_the_machine_cache(tmp_path, monkeypatch):
     cache = tmp_path / "autotune_cache.json"
     first, report = at.autotune(_config(), 3, planned_steps=10, cache_path=cache)
