@@ -32,6 +32,7 @@ from torch import nn
 
 from modules import hostmem
 from modules.config import TrainConfig, UserError, first_line
+from modules.device import usable_cpus
 from modules.files import atomic_write_text
 from modules.hardware import PROBE_BATCHES, max_batch_size
 from modules.models import ByteMaskDropout, build_model, has_bytemask_dropout
@@ -367,10 +368,12 @@ def dropout_by_layer(config: TrainConfig, num_classes: int, device: torch.device
 
 
 def thread_candidates() -> list[int]:
-    logical = os.cpu_count() or 1
-    physical = psutil.cpu_count(logical=False) or logical
-    return sorted({torch.get_num_threads(), physical, logical, max(1, logical // 2)},
-                  key=lambda n: (n != torch.get_num_threads(), n))
+    """Thread counts to race, the current one first, none above the CPUs this process may run
+    on (taskset, a container's cpuset)."""
+    logical = usable_cpus()
+    physical = min(logical, psutil.cpu_count(logical=False) or logical)
+    return sorted({min(logical, torch.get_num_threads()), physical, logical,
+                   max(1, logical // 2)}, key=lambda n: (n != torch.get_num_threads(), n))
 
 
 def amp_candidates(device: torch.device, start: str = "off") -> list[str]:
@@ -844,7 +847,7 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
             "the decoded-image cache gathers and augments batches in the training process; "
             "worker processes would only copy them")}
     elif loader_factory is not None:
-        cores = os.cpu_count() or 1
+        cores = usable_cpus()
         candidates = sorted({0, *[n for n in (2, 4, 8) if n <= cores]})
         left = budget_left()
         if left is not None and left <= 0:
@@ -980,14 +983,14 @@ def _with_run_fields(tuned: TrainConfig, start: TrainConfig) -> TrainConfig:
 
 @functools.lru_cache(maxsize=1)  # the machine does not change within a process
 def machine_key() -> str:
-    """The machine an autotune choice was measured on: CPU model and flags, core count, GPU
-    name and torch version. A change in any of them measures again."""
+    """The machine an autotune choice was measured on: CPU model and flags, the CPUs this
+    process may use, GPU name and torch version. A change in any of them measures again."""
     try:
         cpu = cpu_identity(Path("/proc/cpuinfo").read_text())
     except OSError:  # macOS, Windows
         cpu = " ".join([platform.machine(), platform.processor(), _sysctl_cpu()])
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no gpu"
-    parts = [cpu, str(os.cpu_count()), gpu, torch.__version__, *kernel_caps()]
+    parts = [cpu, str(usable_cpus()), gpu, torch.__version__, *kernel_caps()]
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
 
 

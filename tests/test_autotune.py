@@ -789,6 +789,20 @@ def test_a_compile_the_user_asked_for_is_set_after_measuring_the_rest_eager(monk
     assert report["knobs"]["compile"]["reason"].startswith("set by the user")
 
 
+def test_a_process_narrowed_to_fewer_cpus_races_and_keys_by_those(monkeypatch):
+    """Under taskset or a cpuset the autotuner raced thread counts it could not run and reused
+    the unrestricted machine's choice: both followed os.cpu_count()."""
+    at.machine_key.cache_clear()
+    whole = at.machine_key()
+    monkeypatch.setattr(at, "usable_cpus", lambda: 1)
+    at.machine_key.cache_clear()
+    try:
+        assert at.thread_candidates() == [1]
+        assert at.machine_key() != whole
+    finally:
+        at.machine_key.cache_clear()
+
+
 def test_the_machine_key_follows_the_kernels_in_effect_whichever_variable_capped_them(
         tmp_path):
     """oneDNN also reads DNNL_MAX_CPU_ISA: capped that way, bf16 ran 6x slower, and a bf16
