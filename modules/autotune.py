@@ -585,13 +585,18 @@ def measuring_time(planned_steps: int | None, samples_per_step: int, img_s: floa
 def tune_workers(make_loader: Callable[[int], Any], compute_img_s: float,
                  candidates: list[int], batches: int = 6, deadline: float | None = None
                  ) -> tuple[int, dict[str, Any]]:
-    """The fewest DataLoader workers whose loader outpaces the model; else the fastest count.
+    """The fewest DataLoader workers whose loader outpaces the model; else the fewest within
+    MIN_GAIN of the fastest count (a gain inside timing noise is not worth more processes).
     make_loader(num_workers) returns a fresh loader over the training data.
     deadline: a time.perf_counter() value (the measuring budget's end): no count is started
-    after it, and the one measuring then stops after its first timed batch."""
+    after it, one still warming up then is abandoned, and one measuring then stops after its
+    first timed batch. The first count is always measured."""
+    def past_deadline() -> bool:
+        return bool(figures) and deadline is not None and time.perf_counter() >= deadline
+
     figures: dict[str, float] = {}
     for n in candidates:
-        if figures and deadline is not None and time.perf_counter() >= deadline:
+        if past_deadline():
             break
         loader = make_loader(n)
         it = iter(loader)
@@ -603,6 +608,11 @@ def tune_workers(make_loader: Callable[[int], Any], compute_img_s: float,
                 next(it)
             except StopIteration:
                 break
+            if past_deadline():
+                break
+        if past_deadline():
+            del it, loader
+            break
         count, started = 0, time.perf_counter()
         for _ in range(batches):
             try:
@@ -616,7 +626,9 @@ def tune_workers(make_loader: Callable[[int], Any], compute_img_s: float,
         del it, loader
     measured = [n for n in candidates if str(n) in figures]
     enough = [n for n in measured if figures[str(n)] >= LOADER_HEADROOM * compute_img_s]
-    choice = min(enough) if enough else max(measured, key=lambda n: figures[str(n)])
+    fastest = max(figures[str(n)] for n in measured)
+    choice = min(enough) if enough else \
+        min(n for n in measured if MIN_GAIN * figures[str(n)] >= fastest)
     rates = ", ".join(f"{k} workers: {v:.0f} img/s" for k, v in figures.items())
     skipped = [str(n) for n in candidates if str(n) not in figures]
     reason = (f"{choice} workers deliver {figures[str(choice)]:.0f} img/s against the model's "

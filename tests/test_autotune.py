@@ -654,6 +654,46 @@ def test_the_worker_count_stops_measuring_at_the_deadline():
     assert "2, 4 not measured: the measuring budget was spent" in entry["reason"]
 
 
+def test_a_worker_count_warming_up_at_the_deadline_is_abandoned(monkeypatch):
+    """Each batch takes 0.1 s (a fake clock): 8 workers' 17 warm-up batches ran on 1.7 s past
+    a deadline 0.75 s away. They are now abandoned at the deadline."""
+    from types import SimpleNamespace
+    clock = [0.0]
+    monkeypatch.setattr(at, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def make_loader(n):
+        def batches():
+            while True:
+                clock[0] += 0.1
+                yield torch.zeros(32, 1), None
+        return batches()
+    choice, entry = at.tune_workers(make_loader, 1e6, [0, 8], deadline=0.75)
+    assert choice == 0 and list(entry["img_s"]) == ["0"]
+    assert clock[0] <= 0.75 + 0.1 + 1e-9  # one batch past it at most
+
+
+@pytest.mark.parametrize("rates, expected", [
+    ({0: 318.0, 8: 320.0}, 0),             # 0.6% faster: noise, not worth 8 processes
+    ({0: 318.0, 2: 330.0, 8: 320.0}, 2),   # 3.8% faster: a gain
+])
+def test_more_workers_are_not_taken_for_a_gain_inside_the_noise(monkeypatch, rates, expected):
+    """No count keeps up with the model: the fastest was taken, 8 workers at 320 img/s over
+    none at 318."""
+    from types import SimpleNamespace
+    clock = [0.0]
+    monkeypatch.setattr(at, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def make_loader(n):
+        def batches():
+            while True:
+                clock[0] += 10 / rates[n]  # a batch of 10 images at that rate
+                yield torch.zeros(10, 1), None
+        return batches()
+    choice, entry = at.tune_workers(make_loader, 1e6, list(rates))
+    assert entry["img_s"] == {str(n): rate for n, rate in rates.items()}
+    assert choice == expected
+
+
 def test_compile_pays_back_in_optimizer_steps_with_accumulation(monkeypatch):
     """planned_steps counts optimizer steps, each 4 micro-batches here: 1,000 of them at
     0.16 s eager and 0.08 s compiled pay back a 30 s warm-up after 374 (per micro-batch, the
