@@ -150,7 +150,9 @@ def race(incumbent: ComputeProbe, challenger: ComputeProbe, *, warmup: int = 2,
     included, take ABORT_FACTOR times the incumbent's median or more (bf16 on a CPU without
     bf16 units); its figures then rest on a step or two.
     deadline: a time.perf_counter() value (the measuring budget's end): the race stops at the
-    first even pair after it, min_steps or not ("cut").
+    first even pair after it, min_steps or not ("cut"); a challenger still warming up then (far
+    slower than race_cost assumes: bf16 on a CPU without bf16 units) is cut with no figures
+    ("img_s" None).
     Returns {"img_s": (incumbent, challenger), "warmup_s": the challenger's warm-up,
     "steps": the challenger's timed steps, "dropped": bool, "cut": bool}."""
     min_steps = MIN_STEPS if min_steps is None else min_steps
@@ -169,7 +171,12 @@ def race(incumbent: ComputeProbe, challenger: ComputeProbe, *, warmup: int = 2,
     dropped, cut, pairs = False, False, 0
     try:
         challenger.activate()
-        warm = [challenger.timed_step() for _ in range(warmup)]
+        warm = []
+        for _ in range(warmup):
+            warm.append(challenger.timed_step())
+            if deadline is not None and time.perf_counter() >= deadline:
+                return {"img_s": None, "warmup_s": sum(warm), "steps": 0, "dropped": False,
+                        "cut": True}
         recent = warm[-1:] if warmup > 1 else []
         started = time.perf_counter()
         while True:
@@ -299,6 +306,11 @@ def _pick(knob: str, candidates: list[Any], config: TrainConfig, num_classes: in
                                         num_classes, min_s=min_s, deadline=deadline)
         if challenger is None:
             figures[_label(value)] = result["error"]
+            continue
+        if result["img_s"] is None:
+            figures[_label(value)] = "not measured: the measuring budget was spent in its warm-up"
+            del challenger
+            _release()
             continue
         mine, theirs = result["img_s"]
         figures[_label(value)] = round(theirs, 2)

@@ -642,6 +642,37 @@ def test_a_race_past_the_budget_is_cut_at_its_end(monkeypatch):
     assert not at.race(a, b, warmup=1, min_steps=2, max_steps=2, min_s=0.0)["cut"]
 
 
+def test_a_challenger_warming_up_past_the_deadline_is_cut_there(monkeypatch):
+    """A challenger 50x slower than the incumbent (race_cost assumes 1.5x): its two warm-up
+    steps ran to 10 s on a deadline 1 s away before the deadline was looked at."""
+    from types import SimpleNamespace
+    clock = [0.0]
+    monkeypatch.setattr(at, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    class Probe:
+        def __init__(self, step_s):
+            self.step_s, self.batch, self.config = step_s, 4, _config()
+
+        def activate(self):
+            pass
+
+        def timed_step(self):
+            clock[0] += self.step_s
+            return self.step_s
+    result = at.race(Probe(0.1), Probe(5.0), warmup=2, deadline=1.0)
+    assert result["img_s"] is None and result["cut"] and clock[0] == 5.0
+
+
+def test_a_knob_whose_challenger_was_cut_in_its_warm_up_keeps_its_setting(monkeypatch):
+    probe = at.ComputeProbe(_config(), 3)
+    monkeypatch.setattr(at, "_challenge", lambda *a, **k: (object(), {
+        "img_s": None, "warmup_s": 5.0, "steps": 0, "dropped": False, "cut": True}))
+    current = {"probe": probe, "img_s": 100.0}
+    config, entry = at._pick("amp", ["off", "bf16"], _config(), 3, current, 0.0, 1e12)
+    assert config.amp == "off" and entry["choice"] == "off" and current["img_s"] == 100.0
+    assert "bf16 not measured: the measuring budget was spent in its warm-up" in entry["reason"]
+
+
 def test_the_worker_count_stops_measuring_at_the_deadline():
     import time
     made = []
