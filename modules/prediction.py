@@ -39,7 +39,7 @@ def predict(model: nn.Module, image_paths, *, batch_size: int = 32, device=None)
     # A model trained and tested on the decoded cache saw JPEGs decoded at reduced scale (PIL's
     # draft) before the resize: the same decode gives it the pixels its test accuracy was on.
     draft = meta["image_size"] if (meta.get("extra") or {}).get("decode") == "draft" else None
-    results: dict[int, dict] = {}
+    results: list[dict | None] = [None] * len(paths)
     readable: list[tuple[int, torch.Tensor]] = []
     was_training = model.training
     model.eval()  # BatchNorm/Dropout must not use batch statistics at inference
@@ -58,12 +58,12 @@ def predict(model: nn.Module, image_paths, *, batch_size: int = 32, device=None)
                 readable = []
     finally:
         model.train(was_training)
-    failed = [results[i] for i in sorted(results) if results[i]["error"] is not None]
+    failed = [r for r in results if r["error"] is not None]
     if failed:
         log.warning("%d of %d image(s) could not be decoded and have no prediction (first: %r: "
                     "%s); their entries say why in \"error\".", len(failed), len(paths),
                     failed[0]["path"], failed[0]["error"])
-    return [results[i] for i in range(len(paths))]
+    return results
 
 
 def _model_device(model: nn.Module) -> torch.device:
