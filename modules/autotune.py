@@ -384,8 +384,9 @@ def thread_candidates() -> list[int]:
     on (taskset, a container's cpuset)."""
     logical = usable_cpus()
     physical = min(logical, psutil.cpu_count(logical=False) or logical)
-    return sorted({min(logical, torch.get_num_threads()), physical, logical,
-                   max(1, logical // 2)}, key=lambda n: (n != torch.get_num_threads(), n))
+    current = min(logical, torch.get_num_threads())
+    return sorted({current, physical, logical, max(1, logical // 2)},
+                  key=lambda n: (n != current, n))
 
 
 def amp_candidates(device: torch.device, start: str = "off") -> list[str]:
@@ -831,7 +832,7 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
         left = budget_left()
         if left is not None and left < races_s(knob, candidates):
             knobs[knob] = {"choice": getattr(config, knob), "img_s": {}, "reason": (
-                f"not measured: {max(0.0, budget_left()):.1f} s left of the measuring budget "
+                f"not measured: {max(0.0, left):.1f} s left of the measuring budget "
                 f"({budget_s:.1f} s), too little for its races"
                 + (f"; as measured at {carried_px} px in this run" if knob in carried else ""))}
             log.info("autotune: %s = %s (%s)", knob, _label(knobs[knob]["choice"]),
