@@ -773,6 +773,19 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
         # short run's budget cannot pay; the batch is refitted for the final knobs below.
         config, _ = _fit_batch(config, num_classes, device, effective)
         first, warm = _first_probe(config, num_classes, MIN_S_FLOOR)
+    # A batch that still does not fit (one the user fixed, a resumed run's, or on a CPU, which
+    # has no memory probe) is measured in the micro-batches the trainer's out-of-memory
+    # recovery would train it in; before, every knob's candidates failed alike and the run
+    # ended with "no cpu_threads setting could train".
+    split_from, accum_from = config.batch_size, config.grad_accum_steps
+    while first is None and warm["out_of_memory"] and config.batch_size > 1:
+        accum = 2 * config.grad_accum_steps
+        config = dataclasses.replace(config, batch_size=math.ceil(effective / accum),
+                                     grad_accum_steps=accum)
+        log.info("autotune: batch %d does not fit in memory here; measuring %d x %d "
+                 "accumulation", split_from, config.batch_size, accum)
+        first, warm = _first_probe(config, num_classes, MIN_S_FLOOR)
+    split = config.batch_size < split_from and first is not None
     phases["first_probe"] = time.perf_counter() - mark
     current.update(probe=first, img_s=warm.get("img_s"))
     del first  # `current` holds the best probe so far, and only that one
@@ -902,6 +915,21 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
         phases["batch_fit"] = time.perf_counter() - mark
         log.info("autotune: batch = %d x %d accumulation (%s)", config.batch_size,
                  config.grad_accum_steps, knobs["batch_size"]["reason"])
+    if split and "batch_size" in fixed:
+        # The user's batch stays what the run learns with (a resumed checkpoint's too); the
+        # trainer splits it as measured when its first step runs out of memory.
+        measured_as = f"{config.batch_size} x {config.grad_accum_steps}"
+        config = dataclasses.replace(config, batch_size=split_from, grad_accum_steps=accum_from)
+        knobs["batch_size"] = {**knobs["batch_size"], "choice": split_from, "reason": (
+            f"{knobs['batch_size']['reason']}; it ran out of memory at these settings, so the "
+            f"knobs were measured in micro-batches ({measured_as} accumulation), as the "
+            "trainer's out-of-memory recovery will train it")}
+    elif split and "fits" not in knobs.get("batch_size", {"fits": None}):
+        knobs["batch_size"] = {
+            "choice": config.batch_size, "grad_accum_steps": config.grad_accum_steps,
+            "img_s": {}, "reason": (
+                f"batch {split_from} ran out of memory at these settings: effective batch "
+                f"{effective} = {config.batch_size} x {config.grad_accum_steps} accumulation")}
     findings = {"device": str(device), "image_size": config.image_size,
               "compute_img_s": round(compute_img_s, 2), "seconds": round(time.perf_counter() - started, 1),
               "seconds_per_candidate": round(min_s, 2),

@@ -515,6 +515,42 @@ def test_the_memory_probe_runs_only_when_the_starting_batch_does_not_fit(monkeyp
     assert probes[:2] == [4, 2] and fits[0] == 4 and config.batch_size == 2
 
 
+def _fits_up_to(monkeypatch, largest):
+    """Probes of more than `largest` samples per step run out of memory, as on a CPU's RAM."""
+    real_init = at.ComputeProbe.__init__
+
+    def init(self, config, num_classes, batch_size=None):
+        if (batch_size or config.batch_size) > largest:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to "
+                               "allocate 4294967296 bytes")
+        real_init(self, config, num_classes, batch_size)
+    monkeypatch.setattr(at.ComputeProbe, "__init__", init)
+
+
+def test_a_fixed_batch_that_does_not_fit_is_measured_in_micro_batches(monkeypatch):
+    """Every knob's candidates failed alike, and the run ended with "no cpu_threads setting
+    could train" where the trainer's out-of-memory recovery would have trained it."""
+    _fake_speeds(monkeypatch, lambda config: 1000.0)
+    _fits_up_to(monkeypatch, 2)
+    config, report = at.autotune(_config(batch_size=8), 3, planned_steps=10_000,
+                                 budget_share=0.1, fixed=frozenset({"batch_size"}))
+    assert (config.batch_size, config.grad_accum_steps) == (8, 1)  # what the user set
+    entry = report["knobs"]["batch_size"]
+    assert entry["choice"] == 8 and "set by the user" in entry["reason"]
+    assert "micro-batches (2 x 4 accumulation)" in entry["reason"]
+    assert report["compute_img_s"] == pytest.approx(1000.0, rel=0.05)
+
+
+def test_a_batch_that_does_not_fit_on_a_cpu_is_split_to_the_same_effective_batch(monkeypatch):
+    """A CPU has no memory probe (_fit_batch keeps the batch there)."""
+    _fake_speeds(monkeypatch, lambda config: 1000.0)
+    _fits_up_to(monkeypatch, 3)
+    config, report = at.autotune(_config(batch_size=8, grad_accum_steps=2), 3,
+                                 planned_steps=10_000, budget_share=0.1)
+    assert (config.batch_size, config.grad_accum_steps) == (2, 8)  # 16 = 2 x 8
+    assert "effective batch 16 = 2 x 8" in report["knobs"]["batch_size"]["reason"]
+
+
 @pytest.mark.parametrize("report", [
     {"knobs": {"amp": {"choice": "off", "img_s": 123.4, "reason": "r"}}},  # an older shape
     {"knobs": {"amp": {"choice": "off", "img_s": {}, "reason": "r"}}, "phases_s": [1, 2]},
