@@ -465,7 +465,30 @@ def _tune_compile(config: TrainConfig, num_classes: int, current: dict[str, Any]
     reason = (f"compiled {compiled_img_s:.1f} vs eager {eager_img_s:.1f} img/s; the "
               f"{result['warmup_s']:.0f} s warm-up pays back after {payback_steps} steps of {horizon}")
     return dataclasses.replace(config, compile=True), {"choice": True, "img_s": figures,
-                                                        "reason": reason}
+                                                        "reason": reason,
+                                                        "payback_steps": payback_steps}
+
+
+def _compile_pays_back(tuned: TrainConfig, findings: dict[str, Any], planned_steps: int | None,
+                       time_capped: tuple[int, float] | None
+                       ) -> tuple[TrainConfig, dict[str, Any]]:
+    """A reused choice of compile, measured for a run long enough to pay its warm-up back,
+    for this run: eager when this one plans fewer steps than that takes (a long run's choice
+    reused by a --quick run into the same output dir paid minutes of warm-up for seconds)."""
+    entry = (findings.get("knobs") or {}).get("compile") or {}
+    payback = entry.get("payback_steps")
+    if not tuned.compile or not isinstance(payback, int) or planned_steps is None:
+        return tuned, findings
+    now = _capped(planned_steps, time_capped, findings.get("compute_img_s"),
+                  tuned.effective_batch_size)
+    if now >= payback:
+        return tuned, findings
+    reason = (f"{entry.get('reason', '')}; not used here: this run plans {now} steps, fewer "
+              f"than the {payback} its warm-up takes to pay back")
+    log.info("autotune: compile = false (%s)", reason)
+    return dataclasses.replace(tuned, compile=False), {
+        **findings, "knobs": {**findings["knobs"], "compile": {**entry, "choice": False,
+                                                               "reason": reason}}}
 
 
 def _race_compile_with_deadline(config: TrainConfig, num_classes: int, deadline_s: float
@@ -690,6 +713,7 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
                      "batch %d", config.image_size, config.batch_size)
             if cache_path and _cache_entry(cache_path, key) is None:  # another output dir's
                 _to_cache(cache_path, key, tuned, findings)
+            tuned, findings = _compile_pays_back(tuned, findings, planned_steps, time_capped)
             return _with_run_fields(tuned, config), {**findings, "reused_from": "this run",
                                                      "seconds": 0.0}
     cached = _from_cache(cache_path, key) if cache_path and known is None else None
@@ -700,6 +724,7 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
         if known is None:
             _RESULTS[key] = (tuned, findings)
             apply_process_settings(tuned, resolve_device(tuned.device))
+            tuned, findings = _compile_pays_back(tuned, findings, planned_steps, time_capped)
             return _with_run_fields(tuned, config), {**findings, "seconds": 0.0}
     known = known or {}
     if known:  # those measured before start where they were chosen, and are not raced again

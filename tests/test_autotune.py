@@ -248,6 +248,30 @@ def test_compile_is_kept_only_when_it_pays_back(monkeypatch):
     assert config.compile is True and "pays back after" in report["knobs"]["compile"]["reason"]
 
 
+def test_a_reused_compile_is_left_off_for_a_run_too_short_to_pay_it_back(tmp_path,
+                                                                          monkeypatch):
+    """Chosen for a long run, compile was reused whole by a shorter one into the same output
+    dir (a --quick run after a full one), which then paid the warm-up it could not win back."""
+    monkeypatch.setattr(at.ComputeProbe, "__init__", _uncompiled_init(at.ComputeProbe.__init__))
+    _fake_speeds(monkeypatch, lambda c: 200.0 if c.compile else 100.0,
+                 warmup_s=lambda c: 15.0 if c.compile else 0.04)
+    cache = tmp_path / "autotune_cache.json"
+    config, report = at.autotune(_config(), 3, planned_steps=100_000, cache_path=cache)
+    payback = report["knobs"]["compile"]["payback_steps"]
+    assert config.compile is True and 1000 < payback < 100_000
+
+    def measure_again(*a, **k):
+        raise AssertionError("measured again")
+    monkeypatch.setattr(at, "_first_probe", measure_again)
+    for where in ("this run", str(cache)):
+        short, reused = at.autotune(_config(), 3, planned_steps=1000, cache_path=cache)
+        assert where in reused["reused_from"]
+        assert short.compile is False and "not used here" in reused["knobs"]["compile"]["reason"]
+        long, kept = at.autotune(_config(), 3, planned_steps=100_000, cache_path=cache)
+        assert long.compile is True and "not used" not in kept["knobs"]["compile"]["reason"]
+        at._RESULTS.clear()  # a new process: from the cache file
+
+
 def _uncompiled_init(init, built: list | None = None):
     """ComputeProbe.__init__ that builds a compile=True probe without compiling (the speeds
     are faked; a real torch.compile would take minutes here); `built` records each probe's
