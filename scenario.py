@@ -32,7 +32,7 @@ from modules.checkpoints import saved_config
 from modules.config import DISPLAY_ONLY, TrainConfig, UserError, first_line
 from modules.dataset import (DatasetIndex, data_path_of, index_dataset, load_rgb, make_loader,
                              resolve_source, subset, train_transform)
-from modules.device import apply_process_settings, autocast_dtype, resolve_device
+from modules.device import apply_process_settings, autocast_dtype, resolve_device, usable_cpus
 from modules.evaluation import evaluate
 from modules.fastdata import cache_fits, keep_sizes
 from modules.files import (atomic_write_text, folder_lock, kept_file, name_folder, run_log,
@@ -168,7 +168,7 @@ def scenario_config(name: str, args: RunOptions, device: torch.device) -> TrainC
 def optimized_settings(device: torch.device) -> dict[str, Any]:
     """The tuned scenarios' starting setup; with --autotune (the default) every speed knob in it
     is measured on this machine and kept only when it is faster."""
-    cores = os.cpu_count() or 1
+    cores = usable_cpus()
     settings = {"amp": "auto",           # bf16/fp16 on GPUs; off on CPUs until measured
                 "channels_last": True,
                 "cache_decoded": True}   # decode once; batched augmentation on the device

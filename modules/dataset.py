@@ -22,6 +22,7 @@ from torchvision import transforms as T
 from torchvision.transforms import functional as TF
 
 from modules import distributed
+from modules.device import usable_cpus
 from modules.config import IMAGENET_MEAN, IMAGENET_STD, TrainConfig, UserError, first_line
 
 # Images between PIL's limit and twice it are used (beyond, they are skipped as bombs); its
@@ -464,7 +465,7 @@ def _scan_split(folder: Path, split: str, check: bool, seen: dict[str, Path],
     skipped: list[tuple[str, str]] = []
     if check:
         every = [p for files in per_class.values() for p in files]
-        with ThreadPoolExecutor(max_workers=min(8, (os.cpu_count() or 1) * 2)) as pool:
+        with ThreadPoolExecutor(max_workers=min(8, usable_cpus() * 2)) as pool:
             reasons = dict(zip(every, pool.map(functools.partial(check_image, sizes=sizes),
                                                every)))
         skipped = [(str(p), r) for p, r in reasons.items() if r is not None]

@@ -4,8 +4,10 @@ everything that trains or measures imports it; it imports only the config and th
 allocator."""
 from __future__ import annotations
 
+import math
 import os
 from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 from torch.profiler import record_function
@@ -111,9 +113,30 @@ def native_bf16_cpu() -> bool:
     return False
 
 
+# A container's CPU quota, as (quota, period) files: cgroup v2 ("max 100000" is none), then v1
+# (a quota of -1 is none). Docker's --cpus and Kubernetes' limits set it, not the affinity.
+CGROUP_CPU_FILES = (("/sys/fs/cgroup/cpu.max", None),
+                    ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us"))
+
+
+def cgroup_cpus() -> int | None:
+    """The CPUs a container's quota allows (rounded up), or None where none is set or read."""
+    for quota_file, period_file in CGROUP_CPU_FILES:
+        try:
+            fields = Path(quota_file).read_text().split()
+            if period_file is not None:
+                fields = [fields[0], Path(period_file).read_text().strip()]
+            quota, period = (int(f) for f in fields[:2])
+        except (OSError, ValueError, IndexError):
+            continue  # "max", absent, unreadable
+        return math.ceil(quota / period) if quota > 0 and period > 0 else None
+    return None
+
+
 def usable_cpus() -> int:
     """The CPUs this process may run on: its affinity mask (narrowed by taskset, cpusets and
-    containers), or every CPU where the platform has none (macOS, Windows)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+    containers), or every CPU where the platform has none (macOS, Windows), within a
+    container's CPU quota."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    quota = cgroup_cpus()
+    return max(1, min(cpus, quota)) if quota else cpus

@@ -25,7 +25,7 @@ from PIL import Image
 from modules import distributed
 from modules.config import IMAGENET_MEAN, IMAGENET_STD, TrainConfig, UserError
 from modules.dataset import Sample, drops_last, eval_sampler, load_rgb, train_sampler
-from modules.device import resolve_device
+from modules.device import resolve_device, usable_cpus
 from modules.oom import MEMORY_MARGIN, OutOfMemoryError, is_out_of_memory, release
 
 log = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ def decoded_images(samples: list[Sample], size: int) -> tuple[torch.Tensor, torc
         images[i] = torch.from_numpy(decode_resized(samples[i][0], size)).permute(2, 0, 1)
 
     started = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+    with ThreadPoolExecutor(max_workers=usable_cpus()) as pool:
         list(pool.map(fill, range(len(samples))))
     log.info("decoded %d images once at %d px into a %.0f MB cache in %.1f s", len(samples), size,
              images.numel() / 2**20, time.perf_counter() - started)

@@ -227,7 +227,28 @@ def test_usable_cpus_are_the_processs_affinity_not_the_machines_count(monkeypatc
     monkeypatch.setattr(device.os, "cpu_count", lambda: 64)
     assert device.usable_cpus() == 1
     monkeypatch.delattr(device.os, "sched_getaffinity")  # macOS, Windows
+    monkeypatch.setattr(device, "CGROUP_CPU_FILES", ())
     assert device.usable_cpus() == 64
+
+
+@pytest.mark.parametrize("files, cpus", [
+    ({"cpu.max": "250000 100000\n"}, 3),                       # cgroup v2, docker --cpus=2.5
+    ({"cpu.max": "max 100000\n"}, 64),                         # v2, no quota
+    ({"quota": "50000\n", "period": "100000\n"}, 1),          # v1, half a CPU
+    ({"quota": "-1\n", "period": "100000\n"}, 64),            # v1, no quota
+    ({"cpu.max": "garbled"}, 64),
+    ({}, 64),
+])
+def test_usable_cpus_stay_within_a_containers_cpu_quota(tmp_path, monkeypatch, files, cpus):
+    """Docker's --cpus and Kubernetes' limits set a quota, not the affinity: the autotuner raced
+    64 threads in a container allowed 2."""
+    from modules import device
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    monkeypatch.setattr(device, "CGROUP_CPU_FILES", (
+        (str(tmp_path / "cpu.max"), None), (str(tmp_path / "quota"), str(tmp_path / "period"))))
+    monkeypatch.setattr(device.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    assert device.usable_cpus() == cpus
 
 
 def test_the_ops_table_is_sorted_by_the_training_devices_time(tmp_path):
