@@ -12,6 +12,7 @@ failed, left out of the pick, and not tried again on resume."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -226,8 +227,13 @@ class ResolutionTuner:
         return path, self.epochs_for(size)
 
     def _weights_path(self, size: int) -> Path | None:
-        return None if self.weights_dir is None else \
-            self.weights_dir / f"resolution-{size}px.weights.pt"
+        """Named by the trial's settings, as the journal keys its results: a resume back on
+        settings an earlier session trained (after one with another --lr) reuses their
+        journaled result, and must find their weights, not the other session's at that size."""
+        if self.weights_dir is None:
+            return None
+        digest = hashlib.sha256(_config_key(self.trial_config(size)).encode()).hexdigest()[:10]
+        return self.weights_dir / f"resolution-{size}px-{digest}.weights.pt"
 
     def trial_config(self, size: int) -> TrainConfig:
         """What the trial at `size` trains."""

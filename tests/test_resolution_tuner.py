@@ -63,12 +63,40 @@ def test_each_sizes_trial_keeps_its_weights_for_the_final_run(tmp_path):
     tuner.run()
     for size in (24, 32):
         path, epochs = tuner.weights_for(size)
-        assert path.name == f"resolution-{size}px.weights.pt" and epochs == tuner.epochs_for(size)
+        assert path.name.startswith(f"resolution-{size}px-") and epochs == tuner.epochs_for(size)
         kept = torch.load(path, weights_only=True)["state_dict"]
         model = build_model(BASE.model, len(index.classes), str(path))  # whole, head included
         for name, tensor in model.state_dict().items():
             torch.testing.assert_close(tensor, kept[name])
     assert ResolutionTuner(index, BASE, [32]).weights_for(24) == (None, 0)  # none kept
+
+
+def test_a_resume_back_on_earlier_settings_finds_their_weights_not_a_later_sessions(
+        tmp_path, monkeypatch):
+    """The journal keeps each settings' results, but the weights were named by size alone: a
+    session with another --lr overwrote them, and a third back on the first settings reused
+    their journaled trials with the second's weights, which the final run then continued."""
+    import dataclasses
+
+    import resolution_tuner
+    index = index_dataset(make_folder(tmp_path / "d", n_train=4, n_test=2))
+    real_fit = resolution_tuner.fit
+
+    def fit(idx, cfg, **kw):  # each model's first weight marks the lr it trained with
+        result = real_fit(idx, cfg, **kw)
+        with torch.no_grad():
+            next(result.model.parameters()).view(-1)[0] = cfg.lr
+        return result
+    monkeypatch.setattr(resolution_tuner, "fit", fit)
+    journal, weights = tmp_path / "resolution.tuning.json", tmp_path / "w"
+    for lr, trains in ((1e-3, True), (5e-2, True), (1e-3, False)):
+        tuner = ResolutionTuner(index, dataclasses.replace(BASE, lr=lr), [32], journal=journal,
+                                resume=True, weights_dir=weights)
+        tuner.run()
+        assert (tuner.reused == []) == trains
+        for size in (24, 32):
+            kept = torch.load(tuner.weights_for(size)[0], weights_only=True)["state_dict"]
+            assert next(iter(kept.values())).view(-1)[0].item() == pytest.approx(lr)
 
 
 def test_sizes_below_the_models_minimum_are_refused(tmp_path):
