@@ -182,7 +182,11 @@ class ResolutionTuner:
                      stop[0], 100 * stop[1])
             return trial
         if self.weights_dir is not None and distributed.is_main():
-            save_weights(result.model, self._weights_path(size))
+            try:
+                save_weights(result.model, self._weights_path(size))
+            except OSError as exc:  # the final run then starts from the beginning
+                log.warning("resolution %d px: could not keep the trial's weights (%s); a final "
+                            "run at this size trains from the start", size, first_line(exc))
         log.info("resolution %d px: val accuracy %.1f%%, %.0f img/s, %.1f s per epoch",
                  size, 100 * trial.val_acc, trial.samples_per_s, trial.epoch_s)
         return trial
@@ -265,10 +269,16 @@ class ResolutionTuner:
             return {}
 
     def _write_journal(self, data: str, entries: list[dict[str, Any]]) -> None:
+        """Rank 0 alone writes, so a failure (a full disk) is not raised: the other ranks
+        would go on into the next trial's collectives and fail there with a traceback. The
+        journal only spares a resume the sizes done."""
         if self.journal is not None and distributed.is_main():
-            atomic_write_text(json.dumps({"data": data, "trials": entries}, indent=2,
-                                         allow_nan=False),
-                              self.journal)
+            try:
+                atomic_write_text(json.dumps({"data": data, "trials": entries}, indent=2,
+                                             allow_nan=False), self.journal)
+            except OSError as exc:
+                log.warning("resolution tuning: could not write %s (%s); a resume trains these "
+                            "sizes again", self.journal, first_line(exc))
 
     @staticmethod
     def pick(trials: list[ResolutionTrial], n_val: int, default_size: int | None = None,

@@ -99,6 +99,29 @@ def test_a_resume_back_on_earlier_settings_finds_their_weights_not_a_later_sessi
             assert next(iter(kept.values())).view(-1)[0].item() == pytest.approx(lr)
 
 
+def test_a_journal_or_weights_that_cannot_be_written_do_not_stop_the_tuning(tmp_path,
+                                                                             monkeypatch, caplog):
+    """Only rank 0 writes them: raised there, the other ranks of a torchrun went on into the
+    next trial's collectives and ended with a gloo traceback. Each serves a resume or a warm
+    start only; the tuning goes on without it, and says so."""
+    import errno
+    import logging
+
+    import resolution_tuner
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(resolution_tuner, "atomic_write_text", full)
+    monkeypatch.setattr(resolution_tuner, "save_weights", full)
+    index = index_dataset(make_folder(tmp_path / "d", n_train=4, n_test=2))
+    tuner = ResolutionTuner(index, BASE, [32], journal=tmp_path / "j.json",
+                            weights_dir=tmp_path / "w")
+    with caplog.at_level(logging.WARNING):
+        assert tuner.run() in (24, 32)
+    assert tuner.weights_for(24) == (None, 0)
+    assert "could not write" in caplog.text and "could not keep the trial's weights" in caplog.text
+
+
 def test_sizes_below_the_models_minimum_are_refused(tmp_path):
     index = index_dataset(make_folder(tmp_path / "d", n_train=4, n_test=2))
     with pytest.raises(UserError, match="image_size"):
