@@ -47,6 +47,13 @@ def init_from_env(device_type: str) -> torch.device | None:
     process's device, or None when not launched by torchrun with more than one process."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return None
+    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if device_type == "cuda" and local_processes > torch.cuda.device_count():
+        # Checked by every process before joining, so all of them stop in one line rather
+        # than the extra ones on "invalid device ordinal" and the rest waiting for them.
+        raise UserError(f"torchrun started {local_processes} processes on this machine, which "
+                        f"has {torch.cuda.device_count()} GPU(s): pass --nproc-per-node "
+                        f"{torch.cuda.device_count()} (or fewer), one process per GPU")
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo",
                                 timeout=TIMEOUT)

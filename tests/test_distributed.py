@@ -305,3 +305,21 @@ def test_one_ranks_nan_batch_counts_once_on_every_rank(tmp_path, both):
     mp.spawn(_nan_batches, args=(str(tmp_path / "init"), out, both), nprocs=2)
     outcomes = [json.loads(Path(f"{out}.{r}").read_text()) for r in (0, 1)]
     assert outcomes == [{"nonfinite_steps": 4 if both else 2, "epochs": 2}] * 2, outcomes
+
+
+def test_more_processes_than_gpus_stop_in_one_line_before_joining(monkeypatch):
+    """The extra ones failed on "invalid device ordinal" with a traceback, and the others
+    waited for them to join."""
+    from modules import distributed
+    from modules.config import UserError
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+
+    def join(*a, **k):
+        raise AssertionError("joined the process group")
+    monkeypatch.setattr(distributed.dist, "init_process_group", join)
+    with pytest.raises(UserError, match="4 processes on this machine, which has 2 GPU.*"
+                                        "--nproc-per-node 2"):
+        distributed.init_from_env("cuda")
