@@ -28,7 +28,7 @@ import torch
 
 from modules import distributed
 from modules.autotune import MEASURE_SHARE, ComputeProbe, autotune, machine_key
-from modules.checkpoints import saved_config
+from modules.checkpoints import check_format, saved_config
 from modules.config import DISPLAY_ONLY, TrainConfig, UserError, first_line
 from modules.dataset import (DatasetIndex, data_path_of, index_dataset, load_rgb, make_loader,
                              resolve_source, subset, train_transform)
@@ -1035,7 +1035,8 @@ def _search(config: TrainConfig, args: RunOptions, index: DatasetIndex, output_d
     # with N above the last N given grows it all the same: the final run is then trained
     # again only when the choice changed.
     final = checkpoint_file(output_dir, "hpo", run_id=args.run_id)
-    begun = load_checkpoint(final) if args.resume and final.exists() else None
+    begun = check_format(load_checkpoint(final), final) if args.resume and final.exists() \
+        else None
     started = begun["config"] if begun is not None else None
     if started is not None and args.time_budget is None:
         # The automatic budget bounded the search that ran before; a growth after it (asked

@@ -169,9 +169,17 @@ def saved_config(ckpt: dict[str, Any]) -> dict[str, Any]:
     return {**defaults, **ckpt["config"]}
 
 
-def check_resumable(ckpt: dict[str, Any], config: TrainConfig, path: Path) -> None:
-    if ckpt.get("format") != CHECKPOINT_FORMAT:
+def check_format(ckpt: Any, path: Path) -> dict[str, Any]:
+    """`ckpt` when it is a checkpoint of this format (a torch file of another kind, a bare
+    state_dict, is not), else a one-line UserError."""
+    if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT or \
+            not isinstance(ckpt.get("config"), dict):
         raise UserError(f"checkpoint {str(path)!r} has an unknown format; delete it to start over.")
+    return ckpt
+
+
+def check_resumable(ckpt: dict[str, Any], config: TrainConfig, path: Path) -> None:
+    check_format(ckpt, path)
     saved = saved_config(ckpt)
     changed = [k for k in RESUME_KEYS if saved[k] != getattr(config, k)]
     if changed:

@@ -1482,3 +1482,24 @@ def test_a_final_run_continued_from_its_checkpoint_is_what_the_summary_names():
     assert "continues with them" in kept["choice"] and "trial 2 beats it" in kept["choice"]
     same = scenario.continued_summary(moved, scenario.dataclasses.replace(default, **winner), stub)
     assert same is moved  # nothing moved: as the study says
+
+
+def test_an_hpo_checkpoint_of_another_kind_is_refused_in_one_line(small, tmp_path, monkeypatch,
+                                                                  capsys):
+    """A torch file that is not a checkpoint (a bare state_dict) where the hpo final run's
+    checkpoint is: KeyError 'config', where the other scenarios refuse it in one line."""
+    from modules.models import build_model
+    out = tmp_path / "out"
+    argv = ("--data-dir", str(small), "--scenarios", "hpo", "--image-size", "32", "--epochs", "2",
+            "--weights", "none", "--no-progress", "--no-autotune", "--output-dir", str(out),
+            "--n-trials", "1")
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    with monkeypatch.context() as m:
+        m.setattr(scenario, "train", interrupted)
+        assert run_main(*argv) != 0
+    torch.save(build_model("squeezenet1_1", 3, "none").state_dict(), run_path(out) / "hpo.pt")
+    capsys.readouterr()
+    assert run_main(*argv, "--resume") == 2
+    assert "has an unknown format; delete it to start over" in capsys.readouterr().err
