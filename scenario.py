@@ -773,6 +773,8 @@ def earlier_if_better(row: dict[str, Any], replaced: dict[str, Any] | None,
     kept.update({k: row[k] for k in ("hpo", "autotune", "run_id") if k in row},
                 tuning_s=row["total_s"] - replaced["seconds"], total_s=row["total_s"],
                 grown_final=gave_way(row))
+    if distributed.is_main():  # a later --resume counts the kept run once, as its final run
+        write_clock(checkpoint_file(output_dir, "hpo", CLOCK_SUFFIX, run_id), kept["tuning_s"])
     return kept
 
 

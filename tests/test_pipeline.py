@@ -1439,7 +1439,14 @@ def test_a_kept_earlier_final_run_is_what_a_later_resume_continues(small, tmp_pa
     out = tmp_path / "out"
     argv = ("--data-dir", str(small), "--scenarios", "hpo", "--image-size", "32", "--epochs", "2",
             "--weights", "none", "--no-progress", "--no-autotune", "--output-dir", str(out))
-    assert run_main(*argv, "--n-trials", "2") == 0
+    real_prepare = scenario.prepare
+
+    def slow_prepare(*a, **k):  # a final run long enough that counting it twice shows
+        time.sleep(2)
+        return real_prepare(*a, **k)
+    with monkeypatch.context() as m:
+        m.setattr(scenario, "prepare", slow_prepare)
+        assert run_main(*argv, "--n-trials", "2") == 0
     first = json.loads((out / "results.json").read_text())[-1]
     better = {"lr": 0.005, "batch_size": 16, "optimizer": "sgd", "weight_decay": 1e-4}
     monkeypatch.setattr(scenario.OptunaTuner, "choice", lambda self: (better, "a new winner"))
@@ -1465,6 +1472,9 @@ def test_a_kept_earlier_final_run_is_what_a_later_resume_continues(small, tmp_pa
     again = json.loads((out / "results.json").read_text())[-1]
     assert again["resumed_from_epoch"] == 2 and again["history"] == first["history"]
     assert again["grown_final"] == kept["grown_final"]
+    # counted once, as the final run: the clock had it as tuning too (the set-aside's seconds)
+    assert again["tuning_s"] == pytest.approx(kept["tuning_s"], abs=0.5)
+    assert again["total_s"] == pytest.approx(kept["total_s"], abs=0.5)
 
 
 def test_a_final_run_continued_from_its_checkpoint_is_what_the_summary_names():
