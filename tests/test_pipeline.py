@@ -1442,7 +1442,7 @@ def test_a_kept_earlier_final_run_is_what_a_later_resume_continues(small, tmp_pa
     real_prepare = scenario.prepare
 
     def slow_prepare(*a, **k):  # a final run long enough that counting it twice shows
-        time.sleep(2)
+        time.sleep(3)
         return real_prepare(*a, **k)
     with monkeypatch.context() as m:
         m.setattr(scenario, "prepare", slow_prepare)
@@ -1473,8 +1473,8 @@ def test_a_kept_earlier_final_run_is_what_a_later_resume_continues(small, tmp_pa
     assert again["resumed_from_epoch"] == 2 and again["history"] == first["history"]
     assert again["grown_final"] == kept["grown_final"]
     # counted once, as the final run: the clock had it as tuning too (the set-aside's seconds)
-    assert again["tuning_s"] == pytest.approx(kept["tuning_s"], abs=0.5)
-    assert again["total_s"] == pytest.approx(kept["total_s"], abs=0.5)
+    assert again["tuning_s"] == pytest.approx(kept["tuning_s"], abs=1.5)
+    assert again["total_s"] == pytest.approx(kept["total_s"], abs=1.5)
 
 
 def test_a_final_run_continued_from_its_checkpoint_is_what_the_summary_names():
