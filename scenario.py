@@ -517,8 +517,9 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
             config, extra = tune_scenario(name, config, args, index, output_dir, device, tuned)
     finally:  # Ctrl-C and errors too: --resume then adds this session's tuning to the next's
         # A final run a grown study set aside counts as tuning, as a candidate trained.
+        replaced = extra.get("replaced_final") or {}
         tuning_s = earlier_s + time.perf_counter() - started + \
-            (extra.get("replaced_final") or {}).get("seconds", 0.0)
+            (0.0 if replaced.get(COUNTED) else replaced.get("seconds", 0.0))
         if name != "baseline" and distributed.is_main():
             write_clock(clock, tuning_s)
     lineage(extra.get("warm_start"), started_at, tuning_s, earlier_s)
@@ -584,6 +585,7 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
         log.info("%s had finished; %s", name, "keeping the figures measured while it trained"
                  if carried else "its machine figures cover only the test evaluation")
     earlier_final = (extra.get("replaced_final") or {}).pop(EARLIER_ROW, None)
+    (extra.get("replaced_final") or {}).pop(COUNTED, None)
     row = result_row(name, config, result, test, index, device, system,
                      data_path_of(train_loader), carried,
                      raced=measured_speeds(extra.get("autotune")))
@@ -604,6 +606,9 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
                                 kept=runs / kept["final_from"], copy=True)
         kept = earlier_if_better(kept, extra.get("replaced_final"), earlier_final, output_dir,
                                  args.run_id)
+        if distributed.is_main():  # compared: a later --resume finds the run finished
+            checkpoint_file(output_dir, "hpo", REPLACED_SUFFIX, args.run_id).unlink(
+                missing_ok=True)
         if kept is not row:
             log_row(kept)  # that model was offered to keep_best_model in its own session
             return kept
@@ -733,6 +738,27 @@ def default_if_better(row: dict[str, Any], same: dict[str, Any] | None) -> dict[
 
 
 EARLIER_ROW = "_row"  # the replaced final run's row, inside replaced_final until compared
+# A replaced final run set aside in an earlier session: its seconds are in the clock already.
+COUNTED = "_counted"
+# checkpoint_file(..., REPLACED_SUFFIX): a set-aside final run, until the new one is compared
+# with it (a new final run cut short, then resumed, is compared all the same).
+REPLACED_SUFFIX = ".replaced.json"
+
+
+def pending_replaced(output_dir: Path, run_id: str) -> dict[str, Any] | None:
+    """The final run an earlier session set aside for a grown study's new choice, whose new
+    final run that session did not finish: compared with it when this session finishes it.
+    None when there is none, or its checkpoint is gone."""
+    path = checkpoint_file(output_dir, "hpo", REPLACED_SUFFIX, run_id)
+    try:
+        replaced = json.loads(path.read_text())
+        if not isinstance(replaced, dict) or not Path(replaced["checkpoint"]).is_file():
+            return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    log.info("hpo: the final run before the study grew (%s) is compared with this one when it "
+             "ends", replaced["checkpoint"])
+    return {**replaced, COUNTED: True}
 
 
 def earlier_if_better(row: dict[str, Any], replaced: dict[str, Any] | None,
@@ -1097,6 +1123,7 @@ def _search(config: TrainConfig, args: RunOptions, index: DatasetIndex, output_d
                 log.info("hpo: the choice did not change: the final run is not trained again")
             chosen, trained_anew = before, False  # it continues from its checkpoint
             warm = resumed_start(output_dir, args, index.name, before.weights)
+            replaced = pending_replaced(output_dir, args.run_id)
             summary = continued_summary(summary, before, tuner)
             tuner.save_plots(summary)
         else:
@@ -1114,6 +1141,13 @@ def _search(config: TrainConfig, args: RunOptions, index: DatasetIndex, output_d
             log.info("hpo: the choice changed with the new trials: training the final run "
                      "again (the earlier one is kept as %s; its %.0f s count as tuning)", aside,
                      replaced["seconds"])
+            if distributed.is_main():
+                try:
+                    write_json(checkpoint_file(output_dir, "hpo", REPLACED_SUFFIX, args.run_id),
+                               replaced)
+                except OSError as exc:  # costs only the comparison after a cut-short session
+                    log.info("hpo: could not record the set-aside final run (%s)",
+                             first_line(exc))
         if distributed.is_main():
             tuner.growth_settled()
     else:

@@ -1477,6 +1477,39 @@ def test_a_kept_earlier_final_run_is_what_a_later_resume_continues(small, tmp_pa
     assert again["total_s"] == pytest.approx(kept["total_s"], abs=1.5)
 
 
+def test_a_new_final_run_cut_short_is_still_compared_with_the_one_it_replaced(small, tmp_path,
+                                                                              monkeypatch):
+    """The set-aside final run was known only in memory: a grown study's new final run cut
+    short (a Colab disconnect) and resumed was kept however it validated, and the earlier
+    model stayed aside."""
+    from modules import checkpoints
+    out = tmp_path / "out"
+    argv = ("--data-dir", str(small), "--scenarios", "hpo", "--image-size", "32", "--epochs", "2",
+            "--weights", "none", "--no-progress", "--no-autotune", "--output-dir", str(out))
+    assert run_main(*argv, "--n-trials", "2") == 0
+    first = json.loads((out / "results.json").read_text())[-1]
+    better = {"lr": 0.005, "batch_size": 16, "optimizer": "sgd", "weight_decay": 1e-4}
+    monkeypatch.setattr(scenario.OptunaTuner, "choice", lambda self: (better, "a new winner"))
+    real = scenario.default_if_better
+    monkeypatch.setattr(scenario, "default_if_better",  # the new final run validates lower
+                        lambda row, same: {**real(row, same), "val_acc": -1.0})
+    real_save = checkpoints.CheckpointSaver.save
+
+    def save_then_stop(self, *a, **k):
+        real_save(self, *a, **k)
+        if self.path is not None and self.path.name == "hpo.pt":
+            raise KeyboardInterrupt
+    with monkeypatch.context() as m:
+        m.setattr(checkpoints.CheckpointSaver, "save", save_then_stop)
+        assert run_main(*argv, "--resume", "--n-trials", "3") != 0
+    assert run_main(*argv, "--resume", "--n-trials", "3") == 0
+    row = json.loads((out / "results.json").read_text())[-1]
+    assert row["history"] == first["history"] and row["grown_final"]["settings"]["lr"] == 0.005
+    checkpoints_dir = run_path(out)
+    assert not list(checkpoints_dir.glob("hpo.before-*.pt"))  # it came back as hpo.pt
+    assert not (checkpoints_dir / "hpo.replaced.json").exists()
+
+
 def test_a_final_run_continued_from_its_checkpoint_is_what_the_summary_names():
     """On a shared study another worker's trial can overtake while this run's final run is
     cut short; resumed, the run continues its checkpoint's parameters, and the row and
