@@ -370,6 +370,9 @@ def equal_compute_epochs(epochs: int, default_size: int, size: int) -> int:
 
 
 def _config_key(config: TrainConfig) -> str:
-    """One trial's settings as a string: a journaled result is reused only for equal ones."""
-    return json.dumps(config.run_settings(), sort_keys=True)
+    """What one trial learns, as a string: a journaled result is reused only for equal
+    settings. Not the speed knobs: a resume on another machine (Colab's next VM) measures them
+    again, and a knob measured otherwise there trained every size again, whose noisy pick
+    could then differ from the final run's checkpoint, which refused to resume."""
+    return json.dumps(config.learning_settings(), sort_keys=True)
 

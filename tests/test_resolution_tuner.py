@@ -169,6 +169,14 @@ def test_a_resumed_tuning_trains_only_the_sizes_its_journal_does_not_hold(tmp_pa
     ResolutionTuner(index, quiet, [24, 32], journal=journal, resume=True).run()
     assert trained == []
 
+    # nor do speed knobs measured otherwise (a resume on Colab's next VM): every size was
+    # trained again, and a noisy pick that differed then made the final run's checkpoint
+    # refuse to resume
+    faster = BASE.__class__(**{**BASE.to_dict(), "channels_last": not BASE.channels_last,
+                               "cpu_threads": 1})
+    ResolutionTuner(index, faster, [24, 32], journal=journal, resume=True).run()
+    assert trained == []
+
     # a session that tries fewer sizes keeps the others' results for a later resume
     ResolutionTuner(index, BASE, [BASE.image_size], journal=journal, resume=True).run()
     assert len(json.loads(journal.read_text())["trials"]) == 2
