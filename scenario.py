@@ -1342,6 +1342,8 @@ def run(args: RunOptions, index: DatasetIndex | None = None) -> list[dict[str, A
         # Every process checks (so a refused --resume ends them all); rank 0's id is the run's.
         args.run_id = distributed.from_main(start_run(
             output_dir, index, resume=args.resume, seed=args.seed, quick=args.quick,
+            weights=str(weights_file(args.weights).resolve()) if weights_file(args.weights)
+            else args.weights,
             command=args.command or shlex.join(["python", *shown_argv(sys.argv)])))
         with (run_log(output_dir / "runs" / args.run_id / "run.log") if distributed.is_main()
               else contextlib.nullcontext()):

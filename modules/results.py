@@ -106,11 +106,14 @@ def forget_refused_run(output_dir: Path, run_id: str) -> None:
 
 
 def start_run(output_dir: Path, index: DatasetIndex, *, resume: bool, command: str,
-              seed: int | None = None, quick: bool | None = None) -> str:
-    """This run's id: with resume the newest run's, which must be on the same data; else a
-    new one (the UTC time), recorded as the newest. Earlier runs' files stay. `seed`, `quick`:
-    the --seed the data was split with and whether --quick took a subset of it, recorded so
-    that a refused resume can name the difference."""
+              seed: int | None = None, quick: bool | None = None,
+              weights: str | None = None) -> str:
+    """This run's id: with resume the newest run's, which must be on the same data and start
+    from the same weights; else a new one (the UTC time), recorded as the newest. Earlier
+    runs' files stay. `seed`, `quick`: the --seed the data was split with and whether --quick
+    took a subset of it, recorded so that a refused resume can name the difference.
+    `weights`: --weights (a file by its absolute path): a baseline resumed from its checkpoint
+    would otherwise go on from the earlier start without a word, its row naming the new one."""
     runs = _runs(output_dir)
     newest = runs[0] if runs else None
     # --resume continues the newest run that left something to continue, when one did: a run
@@ -145,6 +148,12 @@ def start_run(output_dir: Path, index: DatasetIndex, *, resume: bool, command: s
                 + (f"pass --seed {before} to continue it, or " if seeds else
                    "other images or another --seed's split; ")
                 + "drop --resume to start a new run beside it (nothing is deleted).")
+        if None not in (latest.get("weights"), weights) and latest["weights"] != weights:
+            raise UserError(
+                f"cannot resume: the newest run in {output_dir} ({latest['run_id']}) started "
+                f"from --weights {latest['weights']}, this one from --weights {weights}: pass "
+                f"--weights {latest['weights']} to continue it, or drop --resume to start a new "
+                "run beside it (nothing is deleted).")
         log.info("resuming run %s (%s)", latest["run_id"], latest.get("command") or "")
         if latest["run_id"] != newest["run_id"]:
             log.info("the newer run %s left nothing to continue", newest["run_id"])
@@ -163,6 +172,7 @@ def start_run(output_dir: Path, index: DatasetIndex, *, resume: bool, command: s
     if distributed.is_main():
         record = {"run_id": run_id, "dataset": index.name, "data_fingerprint": fingerprint,
                   "n_images": index.n_images(), "seed": seed, "quick": quick,
+                  "weights": weights,
                   "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                   "command": command}
         write_json(_record_path(output_dir, run_id), record)  # makes the run's folder

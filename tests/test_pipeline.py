@@ -1546,3 +1546,32 @@ def test_an_hpo_checkpoint_of_another_kind_is_refused_in_one_line(small, tmp_pat
     capsys.readouterr()
     assert run_main(*argv, "--resume") == 2
     assert "has an unknown format; delete it to start over" in capsys.readouterr().err
+
+
+def test_a_resume_from_other_weights_is_refused_in_one_line(small, tmp_path, monkeypatch,
+                                                            capsys):
+    """The baseline's checkpoint went on from the earlier start without a word, and its row
+    said it started from the new one."""
+    from modules import checkpoints
+    from modules.models import build_model
+    start = tmp_path / "start.pt"
+    torch.save(build_model("squeezenet1_1", 3, "none").state_dict(), start)
+    out = tmp_path / "out"
+    argv = ("--data-dir", str(small), "--scenarios", "baseline", "--image-size", "32",
+            "--epochs", "2", "--no-progress", "--output-dir", str(out))
+    real = checkpoints.CheckpointSaver.save
+
+    def save_then_stop(self, *a, **k):
+        real(self, *a, **k)
+        raise KeyboardInterrupt
+    with monkeypatch.context() as m:
+        m.setattr(checkpoints.CheckpointSaver, "save", save_then_stop)
+        assert run_main(*argv, "--weights", str(start)) != 0
+    capsys.readouterr()
+    assert run_main(*argv, "--weights", "none", "--resume") == 2
+    err = capsys.readouterr().err
+    assert f"started from --weights {start}" in err and "this one from --weights none" in err
+    # the same file named another way continues it
+    monkeypatch.chdir(tmp_path)
+    assert run_main(*argv, "--weights", "start.pt", "--resume") == 0
+    assert json.loads((out / "results.json").read_text())[-1]["resumed_from_epoch"] == 1
