@@ -1575,3 +1575,11 @@ def test_a_resume_from_other_weights_is_refused_in_one_line(small, tmp_path, mon
     monkeypatch.chdir(tmp_path)
     assert run_main(*argv, "--weights", "start.pt", "--resume") == 0
     assert json.loads((out / "results.json").read_text())[-1]["resumed_from_epoch"] == 1
+
+
+def test_scenarios_run_in_the_order_each_builds_on_whatever_order_they_are_typed():
+    """hpo typed first ran first: without the resolution scenario's size and trial, and
+    without this run's baseline time for its budget."""
+    assert pipeline.parse_args(["--scenarios", "hpo,resolution,baseline"]).scenarios == [
+        "baseline", "resolution", "hpo"]
+    assert pipeline.parse_args(["--scenarios", "hpo,baseline"]).scenarios == ["baseline", "hpo"]
