@@ -310,7 +310,7 @@ def test_unwritable_output_dir_is_one_clear_line(small, tmp_path, capsys):
 def test_no_workers_asked_for_is_no_workers_on_any_cpu(monkeypatch):
     """The tuned scenarios keep their workers alive between epochs on a CPU of more than two
     cores; --num-workers 0 asks for none, and nothing is left to keep alive."""
-    monkeypatch.setattr(scenario.os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(scenario, "usable_cpus", lambda: 8)
     args = pipeline.parse_args(["--num-workers", "0", "--device", "cpu"])
     for name in pipeline.SCENARIOS:
         config = pipeline.scenario_config(name, args, torch.device("cpu"))
