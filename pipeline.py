@@ -335,7 +335,9 @@ def setup_logging() -> None:
 
 
 # A folder or disk the run cannot write to: the user's to fix, not a bug.
-UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT)
+# ENOTDIR, EEXIST: a file where a folder of the output is to be made.
+UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT,
+              errno.ENOTDIR, errno.EEXIST)
 
 
 def user_error(exc: BaseException) -> str | None:

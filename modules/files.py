@@ -165,6 +165,10 @@ def write_error(path: Path | str | None, exc: BaseException) -> UserError:
         return UserError(f"no space left on the device holding {where}; free some "
                          f"space{other}, {then}")
     reason = getattr(exc, "strerror", None) or first_line(exc, limit=1000)
+    if code in (errno.ENOTDIR, errno.EEXIST):
+        return UserError(f"cannot write {where} ({reason}): a file stands where a folder of "
+                         f"that path is to be; move it{f' or pass another {option}' if option else ''}"
+                         f", {then}")
     if code in (errno.EACCES, errno.EPERM):
         other = f" or pass another {option}" if option else ""
         return UserError(f"cannot write {where} ({reason}); fix its permissions{other}, {then}")

@@ -305,6 +305,13 @@ def test_unwritable_output_dir_is_one_clear_line(small, tmp_path, capsys):
     assert "cannot write to --output-dir" in capsys.readouterr().err
     assert run_main("--data-dir", str(small), "--output-dir", str(blocker)) == 2
     assert "is a file, not a folder" in capsys.readouterr().err
+    # a file where a folder of the output is to be: a traceback (NotADirectoryError) before
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "checkpoints").write_text("x")
+    assert run_main("--data-dir", str(small), "--image-size", "32", "--epochs", "1",
+                    "--weights", "none", "--no-progress", "--output-dir", str(out)) == 2
+    assert "a file stands where a folder of that path is to be" in capsys.readouterr().err
 
 
 def test_no_workers_asked_for_is_no_workers_on_any_cpu(monkeypatch):
