@@ -22,8 +22,8 @@ from torchvision import transforms as T
 from torchvision.transforms import functional as TF
 
 from modules import distributed
-from modules.device import usable_cpus
 from modules.config import IMAGENET_MEAN, IMAGENET_STD, TrainConfig, UserError, first_line
+from modules.device import usable_cpus
 
 # Images between PIL's limit and twice it are used (beyond, they are skipped as bombs); its
 # warning for each one says nothing the user can act on.
