@@ -58,8 +58,11 @@ def evaluate(model: nn.Module, loader, *, device: torch.device | str | None = No
                 # outside the except block, whose traceback holds the failed pass's tensors
                 release(device)
                 splits = _smaller_pieces(splits, x.shape[0], tuple(x.shape[2:]))
-            loss_sum += F.cross_entropy(logits.float(), y, reduction="sum")
             scored = torch.isfinite(logits).all(dim=1)  # no host sync: masks, not indexing
+            # an unscored image's loss (NaN, inf) would make the split's NaN: left out, as from
+            # the accuracy
+            loss_sum += torch.where(scored, F.cross_entropy(logits.float(), y, reduction="none"),
+                                    0.0).sum()
             confusion.update(logits.nan_to_num(0.0), torch.where(scored, y, -1))
             unscored += (F.one_hot(y, num_classes) * (~scored).unsqueeze(1)).sum(dim=0)
     finally:
@@ -79,7 +82,9 @@ def evaluate(model: nn.Module, loader, *, device: torch.device | str | None = No
     # A class without images in this split has no accuracy (NaN, null in results.json),
     # not 0%: with a seeded split of a tiny class it happens.
     per_class = matrix.diag().double() / per_class_n
-    return {"loss": loss_sum.item() / total, "acc": matrix.diag().sum().item() / total,
+    n_scored = total - int(unscored.sum())
+    return {"loss": loss_sum.item() / n_scored if n_scored else float("nan"),
+            "acc": matrix.diag().sum().item() / total,
             "per_class_acc": per_class.tolist(), "confusion": matrix.tolist(), "n": total,
             "unscored": int(unscored.sum())}
 

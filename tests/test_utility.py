@@ -348,3 +348,30 @@ def test_earlier_runs_are_listed_newest_first_rows_without_an_id_last():
     lines = earlier_runs_lines(rows)
     assert [line.split(":")[0] for line in lines] == ["- 20261129-090000", "- 20261128-090000",
                                                       "- before run ids"]
+
+
+def test_an_unscored_image_leaves_the_splits_loss_finite():
+    """Its logits overflowed (inf, as fp16 can): left out of the accuracy, but its loss made
+    the split's NaN, in every epoch's val_loss and the row's test loss."""
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Overflowing(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, x):
+            out = self.fc(x)
+            return torch.where(x[:, :1] > 100, torch.full_like(out, float("inf")), out)
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 4), torch.randint(0, 3, (64,))
+    x[7, 0] = 1e4
+    model = Overflowing()
+    result = evaluate(model, DataLoader(TensorDataset(x, y), batch_size=16), device="cpu",
+                      num_classes=3)
+    assert result["unscored"] == 1 and result["n"] == 64
+    keep = torch.arange(64) != 7
+    with torch.no_grad():
+        expected = torch.nn.functional.cross_entropy(model(x[keep]), y[keep]).item()
+    assert result["loss"] == pytest.approx(expected, rel=1e-5)
