@@ -115,6 +115,9 @@ def _check_fused(cls, options: dict[str, Any], params: list[torch.Tensor],
                             "forloop.") from None
 
 
+ONECYCLE_MIN_STEPS = 4  # its ramp up and down each need a step or two
+
+
 def make_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, steps_per_epoch: int):
     """A per-optimizer-step schedule over the whole run. With warmup_epochs, cosine and constant
     first ramp the learning rate up linearly: a run that continues trained weights with a fresh
@@ -134,6 +137,12 @@ def make_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, steps_
             return 0.5 * (1 + math.cos(math.pi * (step - warmup) / (total_steps - warmup)))
         return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     if config.scheduler == "cosine":
+        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
+    if config.scheduler == "onecycle" and total_steps < ONECYCLE_MIN_STEPS:
+        # One or two steps would train at its starting rate, lr / 25, and the last at
+        # lr / 250,000: the run would barely move. Cosine takes the first at lr.
+        log.info("onecycle needs at least %d optimizer steps, this run has %d: cosine instead",
+                 ONECYCLE_MIN_STEPS, total_steps)
         return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
     if config.scheduler == "onecycle":
         # OneCycleLR would cycle SGD's momentum between 0.85 and 0.95 whatever --momentum
@@ -195,7 +204,9 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
             profiled_before = profiled_s
             row["elapsed_s"] = elapsed_before + (time.perf_counter() - started) - profiled_s
             _log_epoch(row, config.epochs, writer)
-            stopped_early = progress.record(row, model, config.early_stopping_patience)
+            # patience running out at the last epoch stops nothing: the run trained them all
+            stopped_early = progress.record(row, model, config.early_stopping_patience) and \
+                epoch + 1 < config.epochs
             saver.save(progress, stopped_early or epoch + 1 == config.epochs, model, optimizer,
                        scheduler, scaler, timer.state())
             if on_epoch is not None:

@@ -550,3 +550,30 @@ def test_a_resume_with_other_steps_per_epoch_or_momentum_is_refused(tmp_path):
         fit(dataclasses.replace(config, momentum=0.0), colour_data(24), checkpoint_path=path,
             resume=True)
     assert fit(config, colour_data(24), checkpoint_path=path, resume=True).resumed_from_epoch == 1
+
+
+def test_patience_running_out_at_the_last_epoch_is_not_an_early_stop(tmp_path):
+    """The run trained every epoch, yet said it stopped early; resumed after it had finished,
+    the same run said it had not."""
+    cfg = dataclasses.replace(BASE, epochs=3, early_stopping_patience=2)
+    val = colour_data(24, seed=1, shift=1)  # labels shifted: no epoch after the first is better
+    result = fit(cfg, val_data=val, checkpoint_path=tmp_path / "c.pt")
+    assert result.best_epoch == 1 and result.epochs_run == 3 and not result.stopped_early
+    again = fit(cfg, val_data=val, checkpoint_path=tmp_path / "c.pt", resume=True)
+    assert again.epochs_run == 3 and not again.stopped_early
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3])
+def test_onecycle_on_a_run_of_few_steps_trains_at_the_learning_rate(steps):
+    """Its first step takes lr / 25 and its last lr / 250,000: a run of one or two steps
+    barely moved. Cosine instead starts at lr."""
+    cfg = dataclasses.replace(BASE, scheduler="onecycle", epochs=1, lr=1e-3)
+    opt = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=cfg.lr)
+    scheduler = make_scheduler(opt, cfg, steps)
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-3)
+    for _ in range(steps):
+        opt.step()
+        scheduler.step()
+    many = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=cfg.lr)
+    make_scheduler(many, cfg, 100)
+    assert many.param_groups[0]["lr"] == pytest.approx(1e-3 / 25)  # one-cycle from 4 steps on
