@@ -337,8 +337,9 @@ class _Epochs:
         first = len(window_batches) - 1
         while True:
             try:
+                nominal = window_batches[0][1].shape[0]  # a short batch is the epoch's last
                 return first, [forward_backward(self.forward, bx, by, self.splits, window,
-                                                self.device, self.dtype, self.scaler)
+                                                self.device, self.dtype, self.scaler, nominal)
                                for bx, by in window_batches[first:]]
             except RuntimeError as exc:  # torch's OutOfMemoryError is a RuntimeError
                 if self.forward is not self.model and _compile_failed(exc):
@@ -400,6 +401,7 @@ class _Epochs:
         with region("optimizer_step"):
             if step_ok:  # a NaN/inf anywhere in the window skips its whole update
                 self.last_lr = self.optimizer.param_groups[0]["lr"]
+                window_scale(self.model, pending)
                 distributed.average_gradients(self.model)
                 optimizer_step(self.model, self.optimizer, self.scaler, self.config.max_grad_norm)
                 distributed.broadcast_state(self.model, buffers_only=True)
@@ -550,6 +552,19 @@ def train_step(forward, model: nn.Module, optimizer: torch.optim.Optimizer, scal
     return ok
 
 
+def window_scale(model: nn.Module, pending: list[tuple[Any, list]]) -> None:
+    """A window with a short batch (a loader that keeps the epoch's last, smaller one; the
+    pipeline's drop it) summed its gradients over window x nominal samples it did not all
+    have: scaled to the mean over those it had, as one large batch of them gives."""
+    sizes = [y.shape[0] for _, parts in pending for _, y, _ in parts]
+    nominal = sum(y.shape[0] for _, y, _ in pending[0][1]) if pending else 0
+    if not sizes or sum(sizes) == nominal * len(pending):
+        return
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, nominal * len(pending) / sum(sizes))
+
+
 def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler,
                    max_grad_norm: float | None) -> None:
     """Apply the accumulated gradients: clipped to max_grad_norm (unscaled first, so the true
@@ -562,17 +577,21 @@ def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler,
 
 
 def forward_backward(forward, x: torch.Tensor, y: torch.Tensor, splits: int, window: int,
-                     device: torch.device, dtype: torch.dtype | None, scaler
+                     device: torch.device, dtype: torch.dtype | None, scaler,
+                     nominal: int | None = None
                      ) -> tuple[Any, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
     """Forward and backward one loader batch, in `splits` chunks (1 until memory ran out).
 
-    Each chunk's loss is weighted by its share of the batch and divided by the batches in the
-    optimizer window, so the window's summed gradient is a mean over its samples however they
-    are cut. Nothing here waits for the device. Returns (finite, parts): bool(finite) is False
+    Each chunk's loss is weighted by its share of a `nominal` batch (default: this one) and
+    divided by the batches in the optimizer window, so the window's summed gradient is a sum
+    over its samples / (window x nominal): a mean over them however they are cut, once the
+    step has rescaled a window with a short batch (window_scale). Nothing here waits for the
+    device. Returns (finite, parts): bool(finite) is False
     when any chunk's loss was NaN/inf (the caller then skips the window's update);
     parts holds (logits, y, loss), detached, per chunk, for the epoch's metrics.
     """
     n = y.shape[0]
+    nominal = nominal or n
     size = math.ceil(n / splits)
     chunks = [(x, y)] if size >= n else list(zip(x.split(size), y.split(size)))
     finite, parts = None, []
@@ -595,7 +614,7 @@ def forward_backward(forward, x: torch.Tensor, y: torch.Tensor, splits: int, win
             finite = _Flag(host, ready)
         with region("backward"):
             # A whole batch keeps the plain loss / window (bit for bit as before chunking).
-            share = loss if cy.shape[0] == n else loss * (cy.shape[0] / n)
+            share = loss if cy.shape[0] == nominal else loss * (cy.shape[0] / nominal)
             # (no division by a window of 1: one kernel less each way, on a launch-bound GPU)
             scaler.scale(share / window if window > 1 else share).backward()
         parts.append((logits.detach(), cy, loss.detach()))

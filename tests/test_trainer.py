@@ -577,3 +577,19 @@ def test_onecycle_on_a_run_of_few_steps_trains_at_the_learning_rate(steps):
     many = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=cfg.lr)
     make_scheduler(many, cfg, 100)
     assert many.param_groups[0]["lr"] == pytest.approx(1e-3 / 25)  # one-cycle from 4 steps on
+
+
+def test_a_window_with_a_short_batch_updates_as_one_large_batch_of_its_samples():
+    """Each batch's mean loss was divided by the window's batch count: with batches 8, 8, 8
+    and 2, each of the last two samples weighed four times what one batch of 26 gives it."""
+    data = colour_data(26)
+
+    def trained(batch_size, accum):
+        cfg = dataclasses.replace(BASE, epochs=1, batch_size=batch_size, grad_accum_steps=accum)
+        set_seed(0)
+        keeps_last = DataLoader(data, batch_size=batch_size, shuffle=False)  # 8, 8, 8, 2
+        return train(TinyNet(), keeps_last, loader(colour_data(12, seed=1), cfg, False),
+                     cfg).model
+    one, four = trained(26, 1), trained(8, 4)
+    for a, b in zip(one.parameters(), four.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
