@@ -1254,8 +1254,11 @@ def same_setup(args: RunOptions, index: DatasetIndex, device: torch.device
         if row.get("scenario") == "baseline":
             # What it learned: the start weights, lr, batch, schedule ... (--weights none against
             # an ImageNet-weights baseline is another comparison); the seed is a draw, not a setup.
+            # settings["weights"] says "imagenet" also where they could not be fetched and it
+            # trained from random weights: start_weights says which it was.
             return all(settings.get(k) == v for k, v in base.learning_settings().items()
-                       if k != "seed")
+                       if k != "seed") and row.get("start_weights") in (
+                None, start_weights(base.model, args.weights))
         # A picked size: from trials of this run's settings and compute (the baseline's size,
         # always among them, trained short_budget epochs), started from the same weights.
         tuned = resolution()

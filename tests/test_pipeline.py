@@ -1226,7 +1226,9 @@ def test_an_earlier_runs_rows_count_only_for_the_same_setup(tmp_path):
               {**row("baseline", 64, 12), "data_fingerprint": "another folder named d"},
               row("baseline", 64, 12, weights="none"), row("baseline", 64, 12, lr=0.01),
               row("baseline", 64, 12, batch_size=64),  # another start or learning setting
-              row("baseline", 64, 12, world_size=2)]  # torchrun's 2 processes: another batch
+              row("baseline", 64, 12, world_size=2),  # torchrun's 2 processes: another batch
+              # "imagenet" asked for, but unreachable there: it trained from random weights
+              row("baseline", 64, 12, begun="random (ImageNet weights unreachable)")]
     path.write_text(json.dumps(others))
     match = scenario.same_setup(pipeline.parse_args(["--quick"]), index, cpu)
     assert previous_row(path, "baseline", "d", match=match) is None
