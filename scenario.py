@@ -1222,6 +1222,14 @@ def worker_seed(args: RunOptions) -> int:
     return seed
 
 
+def unfinished(results: list[dict[str, Any]], args: RunOptions) -> list[str]:
+    """The scenarios asked for that have no row of this run yet: a resumed session's report
+    shows the rows earlier sessions finished, which did finish, whether or not this session
+    has reached them again."""
+    done = {r.get("scenario") for r in results if r.get("run_id") == args.run_id}
+    return [name for name in args.scenarios if name not in done]
+
+
 def same_setup(args: RunOptions, index: DatasetIndex, device: torch.device
                ) -> Callable[[dict[str, Any]], bool]:
     """Whether an earlier run's row in the output dir was made with this run's data (its
@@ -1397,15 +1405,15 @@ def _run_scenarios(args: RunOptions, index: DatasetIndex, output_dir: Path,
                 path = output_dir / "results.json"
                 results = merge_results(path, rows)
                 write_json(path, results)
-                left = args.scenarios[len(rows):]
-                if left:  # and its report, which a lost VM (no except below) leaves as it is
-                    write_outputs(results, output_dir, args.run_id, unfinished=left, show=False)
+                if args.scenarios[len(rows):]:  # and its report, which a lost VM (no except
+                    # below) leaves as it is
+                    write_outputs(results, output_dir, args.run_id,
+                                  unfinished=unfinished(results, args), show=False)
     except BaseException:  # Ctrl-C or a failure: the finished scenarios' table and report
         if distributed.is_main() and rows and results:
-            done = {r["scenario"] for r in rows}
             try:
                 write_outputs(results, output_dir, args.run_id,
-                              unfinished=[n for n in args.scenarios if n not in done])
+                              unfinished=unfinished(results, args))
             except Exception as exc:  # the first error is the one to see
                 log.warning("could not write the finished scenarios' report (%s)",
                             first_line(exc))

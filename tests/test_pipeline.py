@@ -1592,3 +1592,26 @@ def test_scenarios_run_in_the_order_each_builds_on_whatever_order_they_are_typed
     assert pipeline.parse_args(["--scenarios", "hpo,resolution,baseline"]).scenarios == [
         "baseline", "resolution", "hpo"]
     assert pipeline.parse_args(["--scenarios", "hpo,baseline"]).scenarios == ["baseline", "hpo"]
+
+
+def test_a_resumed_sessions_report_does_not_call_finished_rows_unfinished(small, tmp_path,
+                                                                          monkeypatch):
+    """Stopped in a resumed session of a finished run, report.md showed the earlier
+    session's resolution row in its table and said resolution did not finish."""
+    out = tmp_path / "out"
+    argv = ("--data-dir", str(small), "--scenarios", "baseline,resolution", "--epochs", "1",
+            "--image-size", "32", "--resolutions", "24", "--weights", "none", "--no-progress",
+            "--output-dir", str(out))
+    assert run_main(*argv) == 0
+
+    def stop(*_, **__):
+        raise KeyboardInterrupt  # Stop pressed while the resumed run tunes again
+    monkeypatch.setattr(scenario, "tune_resolution", stop)
+    assert run_main(*argv, "--resume") != 0
+    report = (out / "report.md").read_text()
+    assert "| resolution |" in report and "did not finish" not in report
+    from types import SimpleNamespace
+    assert scenario.unfinished([{"scenario": "baseline", "run_id": "b"},
+                                {"scenario": "resolution", "run_id": "a"}],
+                               SimpleNamespace(run_id="b", scenarios=["baseline", "resolution"])
+                               ) == ["resolution"]
