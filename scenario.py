@@ -419,7 +419,7 @@ def tune_scenario(name: str, config: TrainConfig, args: RunOptions, index: Datas
     """A tuned scenario's measuring and search: the final run's configuration and what the
     row records of them (the baseline: its configuration as it is)."""
     default_size = config.image_size  # the baseline's
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {TUNED_ANEW: False}
     budget: tuple[float | None, str] = (None, "")
     if name == "hpo":
         budget = search_budget(args, baseline_seconds(args, output_dir, index, tuned, device))
@@ -451,14 +451,16 @@ def tune_scenario(name: str, config: TrainConfig, args: RunOptions, index: Datas
             None if budget[0] is None else (tuning, budget[0]), unbudgeted)
         if findings is not None:
             extra["autotune"] = findings
+        extra[TUNED_ANEW] = findings is not None and "reused_from" not in findings
     if name == "resolution":
         config, tuning = tune_resolution(config, args, index, output_dir, device, tuned)
         tuned["image_size"] = config.image_size
-        extra.update(tuning)
+        extra.update(tuning, **{TUNED_ANEW: extra.get(TUNED_ANEW) or tuning[TUNED_ANEW]})
     elif name == "hpo":
         config, tuning = tune_hyperparameters(config, args, index, output_dir, device,
                                               tuned.get("trial"), default_size, budget)
-        extra.update(tuning)
+        extra.update(tuning, **{TUNED_ANEW: extra.get(TUNED_ANEW) or
+                                tuning.get(TUNED_ANEW, True)})
     return config, extra
 
 
@@ -522,6 +524,7 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
             (0.0 if replaced.get(COUNTED) else replaced.get("seconds", 0.0))
         if name != "baseline" and distributed.is_main():
             write_clock(clock, tuning_s)
+    anew = extra.pop(TUNED_ANEW, True)
     lineage(extra.get("warm_start"), started_at, tuning_s, earlier_s)
     if name != "baseline":
         config = fill_time(config, name, args, output_dir, index, tuned, tuning_s,
@@ -529,6 +532,11 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
         config = distributed.from_main(config)  # under torchrun: rank 0's timing decides
     same = final_to_reuse(name, config, tuned)
     if same is not None:
+        before = None if anew else previous_row(output_dir / "results.json", name, index.name,
+                                                args.run_id)
+        if before is not None and before.get("final_from") == same["scenario"] and \
+                before.get("history") == same["row"].get("history"):
+            tuning_s = kept_seconds(before, tuning_s, clock)
         return same_final(same, extra, args, output_dir, tuning_s)
     log.info("== scenario %s: %s, %d px, batch %d, %d epochs on %s", name, config.model,
              config.image_size, config.batch_size, config.epochs, device)
@@ -592,6 +600,8 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
     row["prepare_s"] = prepare_s  # the hpo scenario counts it when it takes this final run
     if carried:
         keep_timeline(row, carried, extra.get("warm_start"))
+        if not anew:
+            tuning_s = kept_seconds(carried, tuning_s, clock if name != "baseline" else None)
     if name == "resolution":
         tuned["final"] = {"scenario": name, "config": config, "row": copy.deepcopy(row)}
     row.update(extra, run_id=args.run_id, tuning_s=tuning_s,
@@ -616,6 +626,24 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
     if distributed.is_main():
         keep_best_model(result, config, index, row, output_dir)
     return row
+
+
+# extra[TUNED_ANEW]: whether this session trained or measured anything in a scenario's tuning
+# (a size, a trial, a speed knob); popped before the row is written.
+TUNED_ANEW = "_tuned_anew"
+
+
+def kept_seconds(before: dict[str, Any], tuning_s: float, clock: Path | None) -> float:
+    """A resumed session that found the scenario finished, and tuned nothing anew, only read
+    back what the run had done: the row keeps the tuning seconds the run took (each resume
+    added its own before, and with them to total_s and the time ratios), and so does the
+    clock."""
+    seconds = before.get("tuning_s")
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool):
+        return tuning_s
+    if clock is not None and distributed.is_main():
+        write_clock(clock, seconds)
+    return float(seconds)
 
 
 def measured_speeds(autotune_report: dict[str, Any] | None) -> dict[str, Any]:
@@ -990,7 +1018,8 @@ def tune_resolution(config: TrainConfig, args: RunOptions, index: DatasetIndex,
     config, warm = warm_start(dataclasses.replace(config, image_size=size), "resolution",
                               f"the {size} px trial", weights, trial_epochs,
                               list(zip(trial.epoch_end_at, trial.val_curve)) if trial else [])
-    return config, {"resolution_trials": tuner.tradeoff(), "warm_start": warm}
+    return config, {"resolution_trials": tuner.tradeoff(), "warm_start": warm,
+                    TUNED_ANEW: len(tuner.reused) < len(tuner.trials)}
 
 
 def warm_start(config: TrainConfig, name: str, source: str, weights: Path | None,
@@ -1159,7 +1188,8 @@ def _search(config: TrainConfig, args: RunOptions, index: DatasetIndex, output_d
     if distributed.world_size() > 1:
         end_trials()
         distributed.from_main(chosen)
-    return chosen, {"hpo": summary, "warm_start": warm,
+    return chosen, {"hpo": summary, "warm_start": warm, TUNED_ANEW: tuner.new_trials > 0
+                    or bool(replaced and not replaced.get(COUNTED)),
                     **({"replaced_final": replaced} if replaced else {})}
 
 

@@ -1615,3 +1615,22 @@ def test_a_resumed_sessions_report_does_not_call_finished_rows_unfinished(small,
                                 {"scenario": "resolution", "run_id": "a"}],
                                SimpleNamespace(run_id="b", scenarios=["baseline", "resolution"])
                                ) == ["resolution"]
+
+
+def test_resuming_a_finished_run_leaves_its_times_as_they_were(small, tmp_path):
+    """Nothing was trained, yet each resume (RESUME left ticked, Run all again) added its
+    reading back of the journal and study to tuning_s, total_s and the time ratios."""
+    out = tmp_path / "out"
+    argv = ("--data-dir", str(small), "--epochs", "2", "--image-size", "32", "--resolutions",
+            "24", "--n-trials", "2", "--weights", "none", "--no-progress", "--no-autotune",
+            "--output-dir", str(out))
+    assert run_main(*argv) == 0
+
+    def times():
+        rows = json.loads((out / "results.json").read_text())
+        return {r["scenario"]: (r["tuning_s"], r["total_s"], r.get("total_vs_baseline"))
+                for r in rows}
+    first = times()
+    for _ in range(2):
+        assert run_main(*argv, "--resume") == 0
+        assert times() == first
