@@ -226,6 +226,9 @@ class ResolutionTuner:
         """(the weights the trial at `size` ended with, its best validation epoch's; its
         epochs), or (None, 0) when none were kept."""
         path = self._weights_path(size)
+        if path is not None and not path.exists():
+            # named by size alone before 6f4d200: a resumed run of that version keeps its own
+            path = path.with_name(f"resolution-{size}px.weights.pt")
         if path is None or not path.exists():
             return None, 0
         return path, self.epochs_for(size)

@@ -69,6 +69,10 @@ def test_each_sizes_trial_keeps_its_weights_for_the_final_run(tmp_path):
         for name, tensor in model.state_dict().items():
             torch.testing.assert_close(tensor, kept[name])
     assert ResolutionTuner(index, BASE, [32]).weights_for(24) == (None, 0)  # none kept
+    # a run of the version that named them by size alone, resumed: its weights are found
+    for path in (tmp_path / "w").glob("resolution-24px-*"):
+        path.rename(tmp_path / "w" / "resolution-24px.weights.pt")
+    assert tuner.weights_for(24)[0].name == "resolution-24px.weights.pt"
 
 
 def test_a_resume_back_on_earlier_settings_finds_their_weights_not_a_later_sessions(
