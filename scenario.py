@@ -38,7 +38,7 @@ from modules.fastdata import cache_fits, keep_sizes
 from modules.files import (atomic_write_text, folder_lock, kept_file, name_folder, run_log,
                            share_file)
 from modules.hardware import max_batch_size
-from modules.models import start_weights, weights_file
+from modules.models import possible_starts, start_weights, weights_file
 from modules.monitor import SystemSampler
 from modules.oom import is_out_of_memory, release
 from modules.profiler import TorchProfiler
@@ -537,6 +537,11 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
         if before is not None and before.get("final_from") == same["scenario"] and \
                 before.get("history") == same["row"].get("history"):
             tuning_s = kept_seconds(before, tuning_s, clock)
+        for key in (EARLIER_ROW, COUNTED):  # for a trained final run's comparison only
+            (extra.get("replaced_final") or {}).pop(key, None)
+        if distributed.is_main():
+            checkpoint_file(output_dir, "hpo", REPLACED_SUFFIX, args.run_id).unlink(
+                missing_ok=True)
         return same_final(same, extra, args, output_dir, tuning_s)
     log.info("== scenario %s: %s, %d px, batch %d, %d epochs on %s", name, config.model,
              config.image_size, config.batch_size, config.epochs, device)
@@ -1296,7 +1301,7 @@ def same_setup(args: RunOptions, index: DatasetIndex, device: torch.device
             # trained from random weights: start_weights says which it was.
             return all(settings.get(k) == v for k, v in base.learning_settings().items()
                        if k != "seed") and row.get("start_weights") in (
-                None, start_weights(base.model, args.weights))
+                {None} | possible_starts(base.model, args.weights))
         # A picked size: from trials of this run's settings and compute (the baseline's size,
         # always among them, trained short_budget epochs), started from the same weights.
         tuned = resolution()

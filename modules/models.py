@@ -150,17 +150,29 @@ def num_classes_of(model: nn.Module) -> int:
 
 
 _UNREACHABLE: set[str] = set()  # models whose weights failed to download in this process
+_TRIED: set[str] = set()  # models whose weights this process has tried to load
+UNREACHABLE_START = "random (ImageNet weights unreachable)"
 
 
 def start_weights(name: str, weights: str) -> str:
     """What a run asked to start from (`weights`, as the user gave it) actually was: the
     ImageNet weights, or a random start when they could not be fetched in this process."""
     if weights == "imagenet" and name in _UNREACHABLE:
-        return "random (ImageNet weights unreachable)"
+        return UNREACHABLE_START
     return weights
 
 
+def possible_starts(name: str, weights: str) -> set[str]:
+    """What start_weights may say of this process's runs: before it has tried to fetch the
+    ImageNet weights, either what was asked for or the random start of their being
+    unreachable."""
+    if weights == "imagenet" and name not in _TRIED:
+        return {weights, UNREACHABLE_START}
+    return {start_weights(name, weights)}
+
+
 def _load_imagenet(model: nn.Module, name: str) -> None:
+    _TRIED.add(name)
     if name in _UNREACHABLE:  # said once already; tuners build many models
         return
     weights = _WEIGHTS[name]

@@ -1186,7 +1186,7 @@ def test_on_main_raises_rank_0s_own_error_outside_torchrun():
         scenario.on_main(lambda: (_ for _ in ()).throw(scenario.UserError("wrong URL")))
 
 
-def test_an_earlier_runs_rows_count_only_for_the_same_setup(tmp_path):
+def test_an_earlier_runs_rows_count_only_for_the_same_setup(tmp_path, monkeypatch):
     """`--scenarios hpo` takes the resolution pick, and every row its comparison with the
     baseline, from earlier rows in the output dir: only rows of the same data split, model,
     kind of device and baseline (a --quick run's baseline is not a full run's), and of the
@@ -1199,7 +1199,11 @@ def test_an_earlier_runs_rows_count_only_for_the_same_setup(tmp_path):
 
     quick_baseline = scenario.scenario_config("baseline", pipeline.parse_args(["--quick"]), cpu)
 
+    from modules import models
     from modules.models import start_weights
+    # this process fetched the ImageNet weights: a baseline of random weights is another start
+    monkeypatch.setattr(models, "_TRIED", {"squeezenet1_1"})
+    monkeypatch.setattr(models, "_UNREACHABLE", set())
     started = start_weights("squeezenet1_1", "imagenet")
 
     def row(scenario, size, epochs, device="cpu", n_val=30, model="squeezenet1_1", trials=None,
@@ -1234,6 +1238,14 @@ def test_an_earlier_runs_rows_count_only_for_the_same_setup(tmp_path):
     assert previous_row(path, "baseline", "d", match=match) is None
     path.write_text(json.dumps([row("baseline", 64, 12, seed=7)]))  # another draw: the same setup
     assert previous_row(path, "baseline", "d", match=match) is not None
+    # before this process has tried to fetch them (the hpo budget is set before any model is
+    # built), an offline baseline's random start may be this run's too
+    unreachable = [row("baseline", 64, 12, begun=models.UNREACHABLE_START)]
+    path.write_text(json.dumps(unreachable))
+    assert previous_row(path, "baseline", "d", match=match) is None
+    monkeypatch.setattr(models, "_TRIED", set())
+    fresh = scenario.same_setup(pipeline.parse_args(["--quick"]), index, cpu)
+    assert previous_row(path, "baseline", "d", match=fresh) is not None
     # a pick from trials of other epochs (--epochs 6: 2 at 64 px), other start weights or
     # another lr is not this run's
     picks = [row("resolution", 48, 21, trials=[48, 64, 96], trial_epochs=2),
