@@ -1646,3 +1646,25 @@ def test_resuming_a_finished_run_leaves_its_times_as_they_were(small, tmp_path):
     for _ in range(2):
         assert run_main(*argv, "--resume") == 0
         assert times() == first
+
+
+def test_a_grown_studys_choice_taken_from_the_resolution_final_leaves_no_pending_record(
+        small, tmp_path, monkeypatch):
+    """The set-aside final run is recorded until a trained final run is compared with it; a
+    choice back to the default, whose final run is the resolution scenario's, trains none:
+    the record stayed behind, and its private keys reached the row."""
+    out = tmp_path / "out"
+    argv = ("--data-dir", str(small), "--scenarios", "resolution,hpo", "--resolutions", "32",
+            "--image-size", "32", "--epochs", "2", "--weights", "none", "--no-progress",
+            "--no-autotune", "--output-dir", str(out))
+    better = {"lr": 0.005, "batch_size": 16, "optimizer": "sgd", "weight_decay": 1e-4}
+    with monkeypatch.context() as m:
+        m.setattr(scenario.OptunaTuner, "choice", lambda self: (better, "a winner"))
+        assert run_main(*argv, "--n-trials", "1") == 0
+    assert json.loads((out / "results.json").read_text())[-1].get("final_from") is None
+    monkeypatch.setattr(scenario.OptunaTuner, "choice", lambda self: (None, "the default"))
+    assert run_main(*argv, "--resume", "--n-trials", "2") == 0
+    row = json.loads((out / "results.json").read_text())[-1]
+    assert row["final_from"] == "resolution" and row["replaced_final"]["params"]["lr"] == 0.005
+    assert not {"_row", "_counted"} & set(row["replaced_final"])
+    assert not (run_path(out) / "hpo.replaced.json").exists()
