@@ -525,6 +525,9 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
         if name != "baseline" and distributed.is_main():
             write_clock(clock, tuning_s)
     anew = extra.pop(TUNED_ANEW, True)
+    # private to the comparison with a set-aside final run (earlier_if_better), not the row's
+    earlier_final = replaced.pop(EARLIER_ROW, None)
+    replaced.pop(COUNTED, None)
     lineage(extra.get("warm_start"), started_at, tuning_s, earlier_s)
     if name != "baseline":
         config = fill_time(config, name, args, output_dir, index, tuned, tuning_s,
@@ -537,11 +540,7 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
         if before is not None and before.get("final_from") == same["scenario"] and \
                 before.get("history") == same["row"].get("history"):
             tuning_s = kept_seconds(before, tuning_s, clock)
-        for key in (EARLIER_ROW, COUNTED):  # for a trained final run's comparison only
-            (extra.get("replaced_final") or {}).pop(key, None)
-        if distributed.is_main():
-            checkpoint_file(output_dir, "hpo", REPLACED_SUFFIX, args.run_id).unlink(
-                missing_ok=True)
+        forget_replaced(output_dir, args.run_id)  # no trained final run to compare
         return same_final(same, extra, args, output_dir, tuning_s)
     log.info("== scenario %s: %s, %d px, batch %d, %d epochs on %s", name, config.model,
              config.image_size, config.batch_size, config.epochs, device)
@@ -597,8 +596,6 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
             carried = None  # a row of another run, not of the one in the checkpoint
         log.info("%s had finished; %s", name, "keeping the figures measured while it trained"
                  if carried else "its machine figures cover only the test evaluation")
-    earlier_final = (extra.get("replaced_final") or {}).pop(EARLIER_ROW, None)
-    (extra.get("replaced_final") or {}).pop(COUNTED, None)
     row = result_row(name, config, result, test, index, device, system,
                      data_path_of(train_loader), carried,
                      raced=measured_speeds(extra.get("autotune")))
@@ -621,9 +618,7 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
                                 kept=runs / kept["final_from"], copy=True)
         kept = earlier_if_better(kept, extra.get("replaced_final"), earlier_final, output_dir,
                                  args.run_id)
-        if distributed.is_main():  # compared: a later --resume finds the run finished
-            checkpoint_file(output_dir, "hpo", REPLACED_SUFFIX, args.run_id).unlink(
-                missing_ok=True)
+        forget_replaced(output_dir, args.run_id)  # compared: a later --resume finds it done
         if kept is not row:
             log_row(kept)  # that model was offered to keep_best_model in its own session
             return kept
@@ -773,16 +768,24 @@ def default_if_better(row: dict[str, Any], same: dict[str, Any] | None) -> dict[
 EARLIER_ROW = "_row"  # the replaced final run's row, inside replaced_final until compared
 # A replaced final run set aside in an earlier session: its seconds are in the clock already.
 COUNTED = "_counted"
-# checkpoint_file(..., REPLACED_SUFFIX): a set-aside final run, until the new one is compared
-# with it (a new final run cut short, then resumed, is compared all the same).
-REPLACED_SUFFIX = ".replaced.json"
+
+
+def replaced_record(output_dir: Path, run_id: str) -> Path:
+    """Where a set-aside final run is recorded until the new one is compared with it (a new
+    final run cut short, then resumed, is compared all the same)."""
+    return checkpoint_file(output_dir, "hpo", ".replaced.json", run_id)
+
+
+def forget_replaced(output_dir: Path, run_id: str) -> None:
+    if distributed.is_main():
+        replaced_record(output_dir, run_id).unlink(missing_ok=True)
 
 
 def pending_replaced(output_dir: Path, run_id: str) -> dict[str, Any] | None:
     """The final run an earlier session set aside for a grown study's new choice, whose new
     final run that session did not finish: compared with it when this session finishes it.
     None when there is none, or its checkpoint is gone."""
-    path = checkpoint_file(output_dir, "hpo", REPLACED_SUFFIX, run_id)
+    path = replaced_record(output_dir, run_id)
     try:
         replaced = json.loads(path.read_text())
         if not isinstance(replaced, dict) or not Path(replaced["checkpoint"]).is_file():
@@ -1177,8 +1180,7 @@ def _search(config: TrainConfig, args: RunOptions, index: DatasetIndex, output_d
                      replaced["seconds"])
             if distributed.is_main():
                 try:
-                    write_json(checkpoint_file(output_dir, "hpo", REPLACED_SUFFIX, args.run_id),
-                               replaced)
+                    write_json(replaced_record(output_dir, args.run_id), replaced)
                 except OSError as exc:  # costs only the comparison after a cut-short session
                     log.info("hpo: could not record the set-aside final run (%s)",
                              first_line(exc))
