@@ -36,6 +36,13 @@ def run_main(*argv: str) -> int:
     return pipeline.main(list(argv))
 
 
+def small_hpo(data: Path, out: Path, *more: str) -> tuple[str, ...]:
+    """The hpo scenario alone on the `small` folder, quickly: 32 px, 2 epochs, no autotune."""
+    return ("--data-dir", str(data), "--scenarios", "hpo", "--image-size", "32", "--epochs",
+            "2", "--weights", "none", "--no-progress", "--no-autotune", "--output-dir", str(out),
+            *more)
+
+
 @pytest.fixture
 def small(tmp_path):
     data = make_folder(tmp_path / "colours", n_train=16, n_test=6)
@@ -691,8 +698,7 @@ def test_resume_after_the_search_finished_does_not_extend_the_study(small, tmp_p
     """After a crash in the hpo scenario's final run, more trials could only change its best
     parameters (and the final checkpoint would then refuse to resume)."""
     out = tmp_path / "out"
-    argv = ("--data-dir", str(small), "--scenarios", "hpo", "--image-size", "32", "--epochs", "2",
-            "--weights", "none", "--no-progress", "--no-autotune", "--output-dir", str(out))
+    argv = small_hpo(small, out)
     assert run_main(*argv, "--n-trials", "2") == 0
     first = json.loads((out / "results.json").read_text())[-1]
     assert first["hpo"]["default_value"] is not None and first["hpo"]["n_trials"] == 2
@@ -734,8 +740,7 @@ def test_resume_with_more_trials_grows_a_finished_study(small, tmp_path, monkeyp
     study grows to N; the final run is trained again only when the choice changed (the
     earlier one kept aside). The same command resumed again adds nothing."""
     out = tmp_path / "out"
-    argv = ("--data-dir", str(small), "--scenarios", "hpo", "--image-size", "32", "--epochs", "2",
-            "--weights", "none", "--no-progress", "--no-autotune", "--output-dir", str(out))
+    argv = small_hpo(small, out)
     assert run_main(*argv, "--n-trials", "2") == 0
     first = json.loads((out / "results.json").read_text())[-1]
 
@@ -1295,9 +1300,7 @@ def test_a_resumed_scenario_counts_the_tuning_of_earlier_sessions(small, tmp_pat
     """Ctrl-C after the search, then --resume: the row's tuning time (and so its time against
     the baseline and --match-time's budget) includes the interrupted session's search."""
     out = tmp_path / "out"
-    argv = ("--data-dir", str(small), "--scenarios", "hpo", "--image-size", "32", "--epochs", "2",
-            "--weights", "none", "--no-progress", "--no-autotune", "--output-dir", str(out),
-            "--n-trials", "2")
+    argv = small_hpo(small, out, "--n-trials", "2")
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
@@ -1318,8 +1321,7 @@ def test_a_growth_cut_short_before_its_final_run_trains_it_on_the_next_resume(
     its final run was trained again: the next plain --resume trains the winner's final run,
     not the earlier checkpoint's settings under the winner's name."""
     out = tmp_path / "out"
-    argv = ("--data-dir", str(small), "--scenarios", "hpo", "--image-size", "32", "--epochs", "2",
-            "--weights", "none", "--no-progress", "--no-autotune", "--output-dir", str(out))
+    argv = small_hpo(small, out)
     assert run_main(*argv, "--n-trials", "2") == 0
     better = {"lr": 0.005, "batch_size": 16, "optimizer": "sgd", "weight_decay": 1e-4}
     monkeypatch.setattr(scenario.OptunaTuner, "choice", lambda self: (better, "a new winner"))
@@ -1341,8 +1343,7 @@ def test_a_growth_cut_short_is_finished_under_a_spent_automatic_budget(small, tm
     the final run started: a plain --resume still finishes the growth cut short, which it had
     settled as done with no trial added."""
     out = tmp_path / "out"
-    argv = ("--data-dir", str(small), "--scenarios", "hpo", "--image-size", "32", "--epochs", "2",
-            "--weights", "none", "--no-progress", "--no-autotune", "--output-dir", str(out))
+    argv = small_hpo(small, out)
     assert run_main(*argv, "--n-trials", "2") == 0
 
     def interrupted(self, summary=None):
@@ -1458,8 +1459,7 @@ def test_a_kept_earlier_final_run_is_what_a_later_resume_continues(small, tmp_pa
     """Its checkpoint came back as the hpo checkpoint: a --resume finds it finished, rather
     than the new run the row does not show."""
     out = tmp_path / "out"
-    argv = ("--data-dir", str(small), "--scenarios", "hpo", "--image-size", "32", "--epochs", "2",
-            "--weights", "none", "--no-progress", "--no-autotune", "--output-dir", str(out))
+    argv = small_hpo(small, out)
     real_prepare = scenario.prepare
 
     def slow_prepare(*a, **k):  # a final run long enough that counting it twice shows
@@ -1505,8 +1505,7 @@ def test_a_new_final_run_cut_short_is_still_compared_with_the_one_it_replaced(sm
     model stayed aside."""
     from modules import checkpoints
     out = tmp_path / "out"
-    argv = ("--data-dir", str(small), "--scenarios", "hpo", "--image-size", "32", "--epochs", "2",
-            "--weights", "none", "--no-progress", "--no-autotune", "--output-dir", str(out))
+    argv = small_hpo(small, out)
     assert run_main(*argv, "--n-trials", "2") == 0
     first = json.loads((out / "results.json").read_text())[-1]
     better = {"lr": 0.005, "batch_size": 16, "optimizer": "sgd", "weight_decay": 1e-4}
@@ -1554,9 +1553,7 @@ def test_an_hpo_checkpoint_of_another_kind_is_refused_in_one_line(small, tmp_pat
     checkpoint is: KeyError 'config', where the other scenarios refuse it in one line."""
     from modules.models import build_model
     out = tmp_path / "out"
-    argv = ("--data-dir", str(small), "--scenarios", "hpo", "--image-size", "32", "--epochs", "2",
-            "--weights", "none", "--no-progress", "--no-autotune", "--output-dir", str(out),
-            "--n-trials", "1")
+    argv = small_hpo(small, out, "--n-trials", "1")
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt
