@@ -358,10 +358,22 @@ def class_name(folder: Path) -> str:
     return folder.name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
+# Folders that archivers and Python leave beside the data: never a class. Any other name is
+# (a class may be named __background__ or _other).
+TOOL_FOLDERS = {"__macosx", "__pycache__"}
+
+
 def _class_dirs(folder: Path) -> list[Path]:
-    """Class folders: all but hidden ones and tools' own (__MACOSX, __pycache__); a class may
-    be named _other."""
-    return sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith((".", "__")))
+    """Class folders: all but hidden ones and tools' own (TOOL_FOLDERS)."""
+    return sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")
+                  and p.name.lower() not in TOOL_FOLDERS)
+
+
+def _loose_images(folder: Path) -> int:
+    """Image files directly in `folder` (not hidden): beside class or split folders, in no
+    class."""
+    return sum(1 for p in folder.iterdir() if not p.name.startswith(".") and p.is_file()
+               and p.suffix.lower() in IMAGE_EXTS)
 
 
 def _image_files(folder: Path, seen: dict[str, Path], ignored: dict[str, int]
@@ -448,9 +460,7 @@ def _scan_split(folder: Path, split: str, check: bool, seen: dict[str, Path],
     classes = _class_dirs(folder)
     if not classes:
         raise UserError(f"the {split} folder {str(folder)!r} has no class folders.")
-    # images beside the class folders have no class
-    loose = sum(1 for p in folder.iterdir() if not p.name.startswith(".") and p.is_file()
-                and p.suffix.lower() in IMAGE_EXTS)
+    loose = _loose_images(folder)
     if loose:
         ignored[OUTSIDE_CLASSES] = ignored.get(OUTSIDE_CLASSES, 0) + loose
     listed = {class_name(c): _image_files(c, seen, ignored) for c in classes}
@@ -475,12 +485,26 @@ def _scan_split(folder: Path, split: str, check: bool, seen: dict[str, Path],
     for name, files in per_class.items():
         if not files:
             bad = undecodable[name] if check else 0
+            other = _other_formats(next(c for c in classes if class_name(c) == name))
             extra = f" ({bad} undecodable files skipped)" if bad else \
                 (" (its images were already counted elsewhere through links)"
-                 if listed[name][1] else "")
+                 if listed[name][1] else f" (it holds {other}; this reads "
+                 f"{' '.join(sorted(IMAGE_EXTS))})" if other else "")
             where = f"the {split} split" if split != "all" else repr(str(folder))
             raise UserError(f"class {name!r} in {where} has no usable images{extra}.")
     return per_class, skipped
+
+
+def _other_formats(folder: Path) -> str:
+    """The files below `folder` that are not images this reads, counted by extension
+    ("3 .heic, 1 .txt"), for the message of a class left with no images."""
+    counts: dict[str, int] = {}
+    for path in folder.rglob("*"):
+        if not path.name.startswith(".") and path.is_file() and \
+                path.suffix.lower() not in IMAGE_EXTS:
+            key = path.suffix.lower() or "(no extension)"
+            counts[key] = counts.get(key, 0) + 1
+    return ", ".join(f"{n} {k}" for k, n in sorted(counts.items(), key=lambda kv: -kv[1])[:4])
 
 
 def _seeded_split(per_class: dict[str, list[Path]], fraction: float, seed: int
@@ -517,6 +541,12 @@ def index_dataset(root: Path, name: str | None = None, *, seed: int = 0, check: 
     try:
         layout, folders = find_splits(root)
         scanned, skipped, seen, ignored, sizes = {}, [], {}, {}, {}
+        # Images beside the split folders (train/, seg_train/seg_train/) are in no split.
+        above = {parent for folder in folders.values() if folder != root
+                 for parent in folder.parents if parent == root or root in parent.parents}
+        loose = sum(_loose_images(folder) for folder in above)
+        if loose:
+            ignored[OUTSIDE_CLASSES] = loose
         for split, folder in folders.items():
             scanned[split], bad = _scan_split(folder, split, check, seen, ignored, sizes,
                                               (numbered_below or {}).get(split))
@@ -563,8 +593,8 @@ def index_dataset(root: Path, name: str | None = None, *, seed: int = 0, check: 
                         "has" if len(missing) == 1 else "have", what,
                         "its" if len(missing) == 1 else "their", what)
     if ignored.get(OUTSIDE_CLASSES):
-        log.warning("ignored %d image(s) beside the class folders, in no class; move them into "
-                    "their class's folder to use them.", ignored[OUTSIDE_CLASSES])
+        log.warning("ignored %d image(s) outside the class folders, in no class; move them "
+                    "into their class's folder to use them.", ignored[OUTSIDE_CLASSES])
     kinds = sorted(((k, n) for k, n in ignored.items() if k != OUTSIDE_CLASSES),
                    key=lambda kv: -kv[1])
     if kinds:

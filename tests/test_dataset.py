@@ -431,7 +431,7 @@ def test_files_that_are_not_read_are_counted_and_named(tmp_path, caplog):
     assert any(p.endswith("extra.jpe") for p, _ in index.train + index.val)
     assert index.ignored == {".heic": 2, ".txt": 1, "images outside a class folder": 2}
     assert "5 other files ignored" in index.summary()
-    assert "ignored 2 image(s) beside the class folders" in caplog.text
+    assert "ignored 2 image(s) outside the class folders" in caplog.text
     assert "ignored 3 file(s) of formats this does not read (.heic: 2, .txt: 1); it reads" \
         in caplog.text
 
@@ -510,3 +510,42 @@ def test_a_wide_image_is_cropped_in_its_squashed_square_as_it_is_tested(monkeypa
     torch.manual_seed(0)
     assert np.array_equal(ours, np.array(T.RandomResizedCrop(32, scale=(0.6, 1.0),
                                                               antialias=True)(square)))
+
+
+def test_images_beside_the_split_folders_are_counted_too(tmp_path, caplog):
+    """Images dropped beside train/ and test/, or in Intel's outer seg_train/, are in no split:
+    counted and named, as images beside the class folders are."""
+    root = make_folder(tmp_path / "tt", "train/test", n_train=6, n_test=3)
+    for i in range(2):
+        write_image(root / f"unsorted{i}.png", COLOURS["green"], seed=i)
+    with caplog.at_level(logging.WARNING):
+        assert index_dataset(root).ignored == {"images outside a class folder": 2}
+    assert "ignored 2 image(s) outside the class folders" in caplog.text
+    intel = make_folder(tmp_path / "intel", "intel", n_train=6, n_test=3)
+    write_image(intel / "seg_train" / "stray.jpg", COLOURS["red"], seed=0)
+    write_image(intel / "seg_train" / "seg_train" / "stray2.jpg", COLOURS["red"], seed=1)
+    assert index_dataset(intel).ignored == {"images outside a class folder": 2}
+
+
+def test_a_class_named_with_double_underscores_is_a_class(tmp_path):
+    """Only the folders tools leave (__MACOSX, __pycache__) are not classes: a detection-style
+    __background__ class is trained, not dropped without a word."""
+    root = make_folder(tmp_path / "data", "train/test", n_train=6, n_test=3)
+    for split, n in (("train", 6), ("test", 3)):
+        for i in range(n):
+            write_image(root / split / "__background__" / f"{i}.png", COLOURS["green"], seed=i)
+        write_image(root / split / "__MACOSX" / "._0.png", COLOURS["green"], seed=0)
+    assert "__background__" in index_dataset(root).classes
+    assert "__MACOSX" not in index_dataset(root).classes
+
+
+def test_a_class_of_only_unread_formats_says_which(tmp_path):
+    """A class whose files are all of a format this does not read (an iPhone's .HEIC) is
+    refused, and the one line says what the folder holds and what is read."""
+    root = make_folder(tmp_path / "data", "train/test", n_train=6, n_test=3)
+    for i in range(3):
+        (root / "train" / "phone" / f"IMG_{i}.HEIC").parent.mkdir(parents=True, exist_ok=True)
+        (root / "train" / "phone" / f"IMG_{i}.HEIC").write_bytes(b"\0" * 64)
+    with pytest.raises(UserError, match=r"class 'phone' in the train split has no usable images "
+                                        r"\(it holds 3 \.heic; this reads .*\.jpg"):
+        index_dataset(root)
