@@ -849,6 +849,16 @@ class OptunaTuner:
         """The completed trial of the default configuration, if any."""
         return next((t for t in self._complete() if t.user_attrs.get("default")), None)
 
+    def _failed_default(self) -> str | None:
+        """Why the default configuration's trial ended without a result (it diverged, ran out
+        of memory: the pruner never stops it for falling behind), or None."""
+        trials = [t for t in self._require_study().trials if t.user_attrs.get("default")
+                  and t.state == optuna.trial.TrialState.PRUNED]
+        if not trials:
+            return None
+        reason = str(trials[-1].user_attrs.get("pruned_reason") or "pruned").strip()
+        return reason.splitlines()[0].split(";")[0][:160] if reason else "pruned"  # not its hint
+
     def epoch_seconds(self, params: dict | None) -> float | None:
         """Seconds per epoch (validation included) measured by the trial of `params` (None:
         the default trial), or None when no such trial recorded it."""
@@ -879,10 +889,20 @@ class OptunaTuner:
         complete = self._complete()
         if not complete:
             return None, "no trial completed: keeping the default configuration"
-        best = max(complete, key=lambda t: t.value)
         default = self._default_trial()
+        # A trial whose first epoch alone took more optimizer steps than the default's whole
+        # trial cannot be judged within them: it does not compete (batch 16 beside 64, over
+        # 3-epoch trials).
+        judged = [t for t in complete
+                  if default is None or self.within_default_steps(t, default)[1] > 0]
+        best = max(judged or complete, key=lambda t: t.value)
         n = len(self.index.val)
         if default is None:
+            failed = self._failed_default()
+            if failed is not None:  # its final run would fail the same way, and end the run
+                return dict(best.params), (
+                    f"the default configuration's trial failed ({failed}): training the "
+                    f"search's best instead (trial {best.number}, {100 * best.value:.1f}%)")
             return None, ("the default configuration has no completed trial to compare with: "
                           "keeping it")
         # Every trial trains the same epochs at the same size, so one that has left chance
@@ -906,12 +926,15 @@ class OptunaTuner:
     def within_default_steps(self, trial: optuna.trial.FrozenTrial,
                              default: optuna.trial.FrozenTrial) -> tuple[float, int]:
         """(`trial`'s best validation accuracy up to the last epoch by which it had taken no
-        more optimizer steps than the default trial's epochs took, that epoch). A smaller batch
+        more optimizer steps than the default trial's epochs took, that epoch; epoch 0 when its
+        first epoch took more than those, and it cannot be judged within them). A smaller batch
         takes more steps per epoch, and in trials this short a lead at equal epochs is mostly
         those extra steps: the search's batch-16 winners led the default after 4 epochs and
         ended below it (docs/tuning.md)."""
         ratio = trial.params["batch_size"] / self.base.batch_size  # what the default trained
-        last = max(1, min(self.epochs, int(self.epochs * ratio + 1e-9)))
+        last = min(self.epochs, int(self.epochs * ratio + 1e-9))
+        if last < 1:  # its first epoch took more steps than the default trial's epochs
+            return trial.value, 0
         values = [v for epoch, v in trial.intermediate_values.items() if epoch <= last]
         return (max(values) if values and last < self.epochs else trial.value), last
 

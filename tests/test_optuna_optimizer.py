@@ -757,6 +757,40 @@ def test_a_smaller_batch_must_beat_the_default_within_the_default_trials_steps(i
     assert params["batch_size"] == 16 and "after epoch" not in why
 
 
+def test_a_trial_whose_first_epoch_outsteps_the_default_trial_does_not_win(index, tmp_path):
+    """Batch 2 beside the default's 8 over 3-epoch trials: its first epoch alone takes 4/3 of
+    the default trial's optimizer steps, so no epoch of it can be judged within them. It does
+    not win however far ahead it ends; the best trial that can be judged still does."""
+    t = with_val_images(tuner(index, tmp_path, epochs=3, batch_sizes=(2, 8, 16)))
+    assert t.default_params()["batch_size"] == 8
+    t.study = optuna.create_study(direction="maximize")
+    for params, accs, attrs in ((t.default_params(), [0.3, 0.4, 0.45], {"default": True}),
+                                ({**PARAMS, "batch_size": 2}, [0.7, 0.8, 0.9], {}),
+                                ({**PARAMS, "batch_size": 16}, [0.4, 0.5, 0.6], {})):
+        t.study.add_trial(optuna.trial.create_trial(
+            params=params, distributions=t.distributions(), value=max(accs),
+            user_attrs=attrs, intermediate_values=dict(enumerate(accs, start=1))))
+    params, why = t.choice()
+    assert params["batch_size"] == 16 and "trial 2, 60.0%" in why and "beats" in why
+    assert t.within_default_steps(t.study.trials[1], t.study.trials[0])[1] == 0
+
+
+def test_a_default_that_diverged_gives_way_to_the_search_s_best(index, tmp_path, monkeypatch):
+    """The default configuration's trial diverged: its final run would diverge too and end the
+    scenario with nothing. The search's best completed trial is trained instead, and why is
+    said."""
+    from modules.trainer import DivergedError
+
+    def fit_(idx, config, on_epoch):
+        if config.lr == BASE.lr:
+            raise DivergedError("training diverged: the loss was NaN/inf in 3 batches")
+        return fake_fit(idx, config, on_epoch)
+    monkeypatch.setattr(optuna_optimizer, "fit", fit_)
+    summary = tuner(index, tmp_path, n_trials=3).run()
+    assert summary["chosen_params"] is not None and summary["chosen_params"]["lr"] != BASE.lr
+    assert "the default configuration's trial failed (training diverged" in summary["choice"]
+
+
 def test_a_study_given_by_storage_is_joined_whatever_the_database(index, tmp_path, monkeypatch):
     """--storage sqlite:///... names a study other runs search too, as a PostgreSQL URL does:
     a second run joins it and runs its own trials, where it used to stop with "already exists"
