@@ -389,7 +389,22 @@ class OptunaTuner:
         return optuna.trial.create_trial(
             params=self.default_params(), distributions=self.distributions(),
             value=max(0.0, max(e.val_curve)), user_attrs=attrs,
+            system_attrs=self._rungs_passed(e.val_curve),
             intermediate_values={epoch: acc for epoch, acc in enumerate(e.val_curve, start=1)})
+
+    def _rungs_passed(self, curve: list[float]) -> dict[str, float]:
+        """The successive halving rungs a trial of `curve` would have recorded had it trained
+        here (Optuna's completed_rung_<k>: its value at epoch first_rung * 3^k, asked at every
+        epoch but the last): a trial added whole is never asked, and without them the others
+        at a rung were not compared with the default. Hyperband has one bracket here (its
+        first rung is two thirds of the epochs), whose rungs are successive halving's."""
+        if self.pruner not in ("asha", "hyperband"):
+            return {}
+        rungs, k, epoch = {}, 0, self.first_rung()
+        while epoch < min(self.epochs, len(curve) + 1):
+            rungs[f"completed_rung_{k}"] = curve[epoch - 1]
+            k, epoch = k + 1, epoch * REDUCTION_FACTOR
+        return rungs
 
     def objective(self, trial) -> float:
         """Train one candidate; return its best validation accuracy."""

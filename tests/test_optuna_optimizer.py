@@ -442,6 +442,25 @@ def test_a_trial_already_trained_with_the_default_settings_is_not_trained_again(
         assert trained[0] == t.default_config() and len(trained) == 2
 
 
+@pytest.mark.parametrize("pruner", ["asha", "hyperband"])
+def test_a_reused_default_trial_is_at_the_rung_the_others_are_judged_at(index, tmp_path,
+                                                                         monkeypatch, pruner):
+    """A default trial taken whole from the resolution scenario is compared at successive
+    halving's first rung as a trained one is: a trial far behind it there is stopped."""
+    monkeypatch.setattr(optuna_optimizer, "fit", curves_by_lr([0.5, 0.9, 0.92], [0.3, 0.4, 0.45]))
+    probe = tuner(index, tmp_path / "probe", epochs=3)
+    earlier = optuna_optimizer.EarlierTrial(
+        config=probe.default_config(), val_curve=[0.5, 0.9, 0.92], weights=None, wall_s=3.0,
+        samples_per_s=50.0, source="the 24 px trial")
+    t = with_val_images(tuner(index, tmp_path, epochs=3, n_trials=2, pruner=pruner,
+                              earlier=earlier))
+    t.run()
+    default, other = t.study.trials
+    assert default.user_attrs["reused_from"] == "the 24 px trial"
+    assert default.system_attrs["completed_rung_0"] == 0.9  # first rung: epoch 2 of 3
+    assert other.state == optuna.trial.TrialState.PRUNED
+
+
 def test_the_resolution_trial_is_the_default_trial_with_early_stopping_too(index, tmp_path):
     """Trials never stop early (TrainConfig.as_trial), so a user's --early-stopping leaves the
     resolution scenario's trial at the kept size reusable as the search's default trial."""
