@@ -26,7 +26,7 @@ import torch
 
 from modules import distributed
 from modules.config import (CPU_ALLOCATORS, DROPOUT_IMPLS, MAX_IMAGE_SIZE, MAX_SEED, MIN_IMAGE_SIZE,
-                            MODELS, SCHEDULERS, TrainConfig, UserError)
+                            MODELS, SCHEDULERS, TrainConfig, UserError, first_line)
 from modules.device import autocast_dtype
 from modules.files import write_error
 from modules.models import check_weights_file
@@ -228,10 +228,12 @@ def parse_args(argv: list[str] | None = None) -> RunOptions:
     for option, value in (("--data-dir", args.data_dir), ("--local-dir", args.local_dir)):
         if value is not None and not value.strip():
             raise UserError(f"{option} is empty; name a folder.")
+    if args.storage is not None and not args.storage.strip():
+        raise UserError("--storage is empty; give a database URL (sqlite:///path/optuna.db), "
+                        "or leave it out for a study of the run's own.")
     for option, folder in (("--output-dir", args.output_dir), ("--local-dir", args.local_dir)):
         if args.data_dir is not None and folder is not None and \
-                Path(folder).expanduser().resolve().is_relative_to(
-                    Path(args.data_dir).expanduser().resolve()):
+                _resolved(option, folder).is_relative_to(_resolved("--data-dir", args.data_dir)):
             raise UserError(f"{option} {folder!r} is inside --data-dir {args.data_dir!r}: its "
                             "files would be read as data (a class of their own); put it "
                             "elsewhere.")
@@ -244,6 +246,7 @@ def parse_args(argv: list[str] | None = None) -> RunOptions:
             raise UserError(f"--weights must be none, imagenet or an existing file, but got "
                             f"{args.weights!r}.")
         check_weights_file(args.model, Path(args.weights))
+        _not_an_output("--weights", Path(args.weights), args.output_dir)
     for dest, needs in UNUSED_WITHOUT.items():  # a mistake worth a line, not a refusal
         if needs not in args.scenarios and getattr(args, dest) != parser.get_default(dest) \
                 and distributed.launched_main():  # once, not once per torchrun process
@@ -263,6 +266,28 @@ def parse_args(argv: list[str] | None = None) -> RunOptions:
         if name == "hpo" and isinstance(args.search_size, int):
             _check_size("--search-size", config, args.search_size)
     return args
+
+
+def _resolved(option: str, path: str) -> Path:
+    """Path(path), user and links resolved; a link loop on the way is one line, not Python's
+    RuntimeError."""
+    try:
+        return Path(path).expanduser().resolve()
+    except (OSError, RuntimeError) as exc:
+        raise UserError(f"cannot follow {option} {path!r} ({first_line(exc)}).") from None
+
+
+def _not_an_output(option: str, path: Path, output_dir: str) -> None:
+    """Refuse a start file that this run may replace: the best model kept in --output-dir
+    (<data set>_model.pt) or a checkpoint. It is read again for every model built, and the
+    later scenarios would start from what the baseline saved there."""
+    out, file = _resolved("--output-dir", output_dir), _resolved(option, str(path))
+    if (file.parent == out and file.name.endswith("_model.pt")) or \
+            file.is_relative_to(out / "checkpoints"):
+        raise UserError(f"{option} {str(path)!r} is a file this run may replace (its best "
+                        "model or a checkpoint, in --output-dir): the later scenarios would "
+                        "start from the baseline's result; copy it elsewhere first and pass "
+                        "the copy.")
 
 
 def _path_is(test: str, option: str, path: str) -> bool:
@@ -336,8 +361,9 @@ def setup_logging() -> None:
 
 # A folder or disk the run cannot write to: the user's to fix, not a bug.
 # ENOTDIR, EEXIST: a file where a folder of the output is to be made.
+# ENAMETOOLONG, ELOOP: a path the system cannot hold or follow.
 UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT,
-              errno.ENOTDIR, errno.EEXIST)
+              errno.ENOTDIR, errno.EEXIST, errno.ENAMETOOLONG, errno.ELOOP)
 
 
 def user_error(exc: BaseException) -> str | None:

@@ -169,6 +169,11 @@ def write_error(path: Path | str | None, exc: BaseException) -> UserError:
         return UserError(f"cannot write {where} ({reason}): a file stands where a folder of "
                          f"that path is to be; move it{f' or pass another {option}' if option else ''}"
                          f", {then}")
+    if code in (errno.ENAMETOOLONG, errno.ELOOP):
+        fix = "a name the file system can hold" if code == errno.ENAMETOOLONG else \
+            "a path without a link loop"
+        other = f"; pass {option} with {fix}," if option else f"; use {fix},"
+        return UserError(f"cannot write {where} ({reason}){other} {then}")
     if code in (errno.EACCES, errno.EPERM):
         other = f" or pass another {option}" if option else ""
         return UserError(f"cannot write {where} ({reason}); fix its permissions{other}, {then}")

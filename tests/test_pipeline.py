@@ -321,6 +321,38 @@ def test_unwritable_output_dir_is_one_clear_line(small, tmp_path, capsys):
     assert "a file stands where a folder of that path is to be" in capsys.readouterr().err
 
 
+def test_paths_the_system_cannot_follow_or_hold_are_one_line(small, tmp_path, capsys):
+    """An output folder that is a link to itself, or whose name is longer than a file system
+    holds, and an empty --storage: each one line, where they were tracebacks (RuntimeError,
+    ENAMETOOLONG) or a silently "shared" study in the run's own database."""
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    assert run_main("--data-dir", str(small), "--output-dir", str(loop)) == 2
+    assert "cannot follow --output-dir" in capsys.readouterr().err
+    assert run_main("--data-dir", str(small), "--output-dir", str(tmp_path / ("a" * 300))) == 2
+    assert "(File name too long); use a name the file system can hold" in \
+        capsys.readouterr().err
+    assert run_main("--data-dir", str(small), "--scenarios", "hpo", "--storage", " ") == 2
+    assert "--storage is empty" in capsys.readouterr().err
+
+
+def test_a_start_file_this_run_may_replace_is_refused(small, tmp_path, capsys):
+    """--weights naming the output's best model (or a checkpoint) would be read again after
+    the baseline replaced it: the later scenarios would start from the baseline's result."""
+    out = tmp_path / "out"
+    assert run_main("--data-dir", str(small), "--image-size", "32", "--epochs", "1",
+                    "--weights", "none", "--no-progress", "--output-dir", str(out)) == 0
+    saved = out / "colours_model.pt"
+    assert saved.exists()
+    assert run_main("--data-dir", str(small), "--weights", str(saved),
+                    "--output-dir", str(out)) == 2
+    assert "is a file this run may replace" in capsys.readouterr().err
+    copy = tmp_path / "start.pt"
+    copy.write_bytes(saved.read_bytes())
+    assert run_main("--data-dir", str(small), "--image-size", "32", "--epochs", "1",
+                    "--weights", str(copy), "--no-progress", "--output-dir", str(out)) == 0
+
+
 def test_no_workers_asked_for_is_no_workers_on_any_cpu(monkeypatch):
     """The tuned scenarios keep their workers alive between epochs on a CPU of more than two
     cores; --num-workers 0 asks for none, and nothing is left to keep alive."""
