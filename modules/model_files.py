@@ -196,6 +196,9 @@ def _read_payload(path: Path) -> dict:
                             f"{_short(payload['class_names'])}.")
         _check_class_names(payload["class_names"])
         _check_meta(payload["arch"], payload["image_size"], payload["mean"], payload["std"])
+        if not isinstance(payload.get("extra"), (dict, type(None))):
+            raise UserError(f"extra must be a dict or absent, but got "
+                            f"{_short(payload['extra'])}.")
         state = payload["state_dict"]
         if not (isinstance(state, dict) and state and all(
                 isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items())):

@@ -180,15 +180,16 @@ def _load_imagenet(model: nn.Module, name: str) -> None:
     aside = None
     try:
         try:
-            state = _fetch(weights)
+            state = _fitting(model, _fetch(weights))
         except Exception:
             if not cached.is_file():
                 raise
             # torch.hub never downloads a file it has again: a torn or damaged copy (a
-            # disconnect mid-download) would fail every run. Kept aside, fetched once more.
+            # disconnect mid-download), or another file under its name, would fail every run.
+            # Kept aside, fetched once more.
             aside = cached.with_name(cached.name + ".unreadable")
             os.replace(cached, aside)
-            state = _fetch(weights)
+            state = _fitting(model, _fetch(weights))
     except Exception as exc:  # offline, proxy, corrupt cache: training from scratch still works
         reason = first_line(exc)
         if isinstance(exc, RuntimeError) and "invalid hash value" in reason:
@@ -205,6 +206,15 @@ def _load_imagenet(model: nn.Module, name: str) -> None:
     model.load_state_dict(state)
     log.info("loaded ImageNet weights for %s%s", name, "" if aside is None else
              f" (downloaded again: the cached copy could not be read, kept aside as {aside})")
+
+
+def _fitting(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state`, when its names and shapes are `model`'s; else ValueError, before any tensor is
+    copied (load_state_dict copies those that match, then raises)."""
+    own = model.state_dict()
+    if set(own) != set(state) or any(own[k].shape != state[k].shape for k in own):
+        raise ValueError("the file holds weights of another architecture")
+    return state
 
 
 def _fetch(weights) -> dict[str, torch.Tensor]:

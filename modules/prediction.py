@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 import torch
@@ -60,9 +61,9 @@ def predict(model: nn.Module, image_paths, *, batch_size: int = 32, device=None)
         model.train(was_training)
     failed = [r for r in results if r["error"] is not None]
     if failed:
-        log.warning("%d of %d image(s) could not be decoded and have no prediction (first: %r: "
-                    "%s); their entries say why in \"error\".", len(failed), len(paths),
-                    failed[0]["path"], failed[0]["error"])
+        log.warning("%d of %d image(s) have no prediction (first: %r: %s); their entries say "
+                    "why in \"error\".", len(failed), len(paths), failed[0]["path"],
+                    failed[0]["error"])
     return results
 
 
@@ -86,7 +87,12 @@ def _softmax(model: nn.Module, batch: torch.Tensor) -> list[list[float]]:
     return logits.float().softmax(dim=1).cpu().tolist()
 
 
+NOT_FINITE = "the model's output is NaN/inf for this image (a diverged or overflowing model)"
+
+
 def _describe(path: str, probs: list[float], class_names: list[str]) -> dict:
+    if not all(math.isfinite(p) for p in probs):  # max() would name the first class
+        return {"path": path, "label": None, "prob": None, "probs": {}, "error": NOT_FINITE}
     best = max(range(len(probs)), key=probs.__getitem__)
     return {
         "path": path,

@@ -138,7 +138,8 @@ def plot_predictions(model_path: Path, samples: list[tuple[str, int]], class_nam
 
     chosen = random.Random(seed).sample(samples, min(n, len(samples)))
     predictions = predict(load_model(model_path), [path for path, _ in chosen])
-    # A test file gone or broken since the run has no prediction; predict() warned of it.
+    # A test file gone or broken since the run, or a NaN output, has no prediction (predict
+    # warned of it).
     kept = [(sample, pred) for sample, pred in zip(chosen, predictions) if pred["error"] is None]
     if not kept:
         return None

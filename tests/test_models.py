@@ -203,3 +203,28 @@ def test_weights_from_a_compiled_or_data_parallel_model_load(tmp_path):
     torch.save({f"_orig_mod.{k}": v for k, v in source.state_dict().items()}, tmp_path / "c.pt")
     loaded = build_model("resnet18", 3, str(tmp_path / "c.pt"))
     assert torch.equal(loaded.conv1.weight, source.conv1.weight)
+
+
+def test_another_architecture_s_file_in_the_hub_cache_is_kept_aside(tmp_path, monkeypatch,
+                                                                    caplog):
+    """A loadable file of other weights under the cached name (a resnet18 state_dict) was a
+    load_state_dict traceback; it is set aside as a damaged copy is, and offline the run
+    trains from random, said in one warning."""
+    monkeypatch.setattr(models, "_UNREACHABLE", set())
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    url = torchvision.models.SqueezeNet1_1_Weights.IMAGENET1K_V1.url
+    cached = tmp_path / "hub" / "checkpoints" / url.rsplit("/", 1)[-1]
+    cached.parent.mkdir(parents=True)
+    torch.save(torchvision.models.resnet18(weights=None).state_dict(), cached)
+    import torchvision.models._api as api
+
+    def offline(url, model_dir=None, **kw):
+        if cached.exists():
+            return torch.load(cached, weights_only=True)
+        raise OSError("<urlopen error [Errno -2] Name or service not known>")
+    monkeypatch.setattr(api, "load_state_dict_from_url", offline)
+    with caplog.at_level(logging.WARNING):
+        model = build_model("squeezenet1_1", 6, "imagenet")
+    assert model.classifier[1].out_channels == 6
+    assert (cached.parent / (cached.name + ".unreadable")).exists() and not cached.exists()
+    assert "training from random initialization" in caplog.text

@@ -377,3 +377,25 @@ def test_an_unscored_image_leaves_the_splits_loss_finite():
     with torch.no_grad():
         expected = torch.nn.functional.cross_entropy(model(x[keep]), y[keep]).item()
     assert result["loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_a_model_file_whose_extra_is_not_a_dict_is_damaged(saved, tmp_path):
+    """`extra` is read as a dict by the run's best-model check and by predict: any other value
+    was an AttributeError traceback there."""
+    payload = torch.load(saved[1], weights_only=True)
+    payload["extra"] = "draft"
+    torch.save(payload, tmp_path / "odd.pt")
+    with pytest.raises(UserError, match=r"is damaged: extra must be a dict or absent"):
+        load_model(tmp_path / "odd.pt")
+
+
+def test_a_non_finite_output_is_no_prediction(saved, tmp_path, caplog):
+    """A NaN head (a diverged model) made every image the first class, with probability nan;
+    such an image has no label, and its entry says why, as evaluation counts it unscored."""
+    model = load_model(saved[1])
+    with torch.no_grad():
+        model.classifier[1].weight.fill_(float("nan"))
+    with caplog.at_level(logging.WARNING):
+        results = predict(model, _write_images(tmp_path))
+    assert all(r["label"] is None and r["prob"] is None for r in results)
+    assert "NaN/inf" in results[0]["error"] and "3 of 3 image(s) have no prediction" in caplog.text
