@@ -57,6 +57,7 @@ try:
 except ValueError:  # not a number: keep the default rather than fail at import
     GRACE_S = 90.0
 HEARTBEAT_S, MAX_RETRY = max(1, int(GRACE_S // 3)), 2
+SQLITE_WAIT_S = 60.0
 BATCH_SIZES = (16, 32, 64, 128, 256)  # the search's choices, before the memory bound
 
 
@@ -534,7 +535,12 @@ class OptunaTuner:
             with warnings.catch_warnings():  # heartbeats and retries are flagged experimental
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 retry = retry_callback()
-                return opened(lambda: _Storage(self.storage_url, heartbeat_interval=HEARTBEAT_S,
+                # SQLite's own wait for another process's lock is 5 s: workers sharing a file
+                # (and a heartbeat thread each) wait longer before a write fails.
+                engine = {"connect_args": {"timeout": SQLITE_WAIT_S}} \
+                    if self.storage_url.startswith("sqlite") else None
+                return opened(lambda: _Storage(self.storage_url, engine_kwargs=engine,
+                                               heartbeat_interval=HEARTBEAT_S,
                                                grace_period=GRACE_S, **{keyword: retry}))
         except Exception as exc:  # SQLAlchemy raises many types for bad URLs / unreachable DBs
             raise storage_error(self.storage_url, exc) from None
@@ -583,6 +589,20 @@ class OptunaTuner:
         finished trials than n_trials (a --n-trials above the count it was asked for grows
         it; a growth cut short is finished); on a shared study only when n_trials is more than
         it was asked for."""
+        try:
+            return self._run(ended=ended)
+        except Exception as exc:
+            cause = None if isinstance(exc, UserError) else _storage_cause(exc)
+            if cause is None:
+                raise
+            # A database locked past its wait (another process holding SQLite's lock), a
+            # server gone: the trials recorded stay, and a trial cut off is retried.
+            raise UserError(
+                f"the study's storage {_without_password(self.storage_url)!r} failed "
+                f"({type(cause).__name__}: {_scrub(first_line(cause), self.storage_url)}); "
+                "the finished trials are kept: rerun with --resume to continue.") from None
+
+    def _run(self, *, ended: bool) -> dict:
         # We log one line per trial; Optuna's own warning for a failed trial carries the whole
         # traceback of a Ctrl-C, which the command line answers in one line.
         optuna.logging.set_verbosity(optuna.logging.ERROR)
@@ -1073,6 +1093,22 @@ def _copy_sqlite(source: Path, target: Path) -> None:
         raise UserError(f"cannot copy the Optuna study {str(source)!r} to {str(target)!r} "
                         f"({exc}); if it is damaged, move it aside and run again.") from None
     os.replace(tmp, target)
+
+
+def _storage_cause(exc: BaseException) -> BaseException | None:
+    """The storage error `exc` is or arose from (Optuna can fail on with another exception,
+    an UnboundLocalError, while handling one), or None: the database's own when there is one
+    ("database is locked"), not Optuna's wrapper of it."""
+    chain: list[BaseException] = []
+    while exc is not None and len(chain) < 10:
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    for kinds in ((sqlalchemy.exc.SQLAlchemyError, sqlite3.Error),
+                  (optuna.exceptions.StorageInternalError,)):
+        found = next((e for e in chain if isinstance(e, kinds)), None)
+        if found is not None:
+            return found
+    return None
 
 
 def _scrub(text: str, url: str) -> str:

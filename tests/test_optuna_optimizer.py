@@ -1148,3 +1148,29 @@ def test_a_retried_trial_is_judged_at_the_rungs_it_had_passed_before_the_kill():
     assert again.system_attrs["failed_trial"] == 0
     assert not [k for k in again.system_attrs if k.startswith("completed_rung_")]
     assert study.trials[0].system_attrs["completed_rung_0"] == 0.66  # the original as it was
+
+
+def test_a_database_locked_mid_search_is_one_line_and_the_search_resumes(index, tmp_path,
+                                                                        monkeypatch):
+    """Another process holding SQLite's lock past the wait (the sqlite3 shell, a stuck
+    worker) failed the search with pages of chained tracebacks. It is one line that says to
+    resume, and the resumed search keeps the finished trial and completes."""
+    monkeypatch.setattr(optuna_optimizer, "SQLITE_WAIT_S", 0.2)
+    t = tuner(index, tmp_path, n_trials=3)
+    database = t.storage_url.removeprefix("sqlite:///")
+    holder = []
+
+    def fit_(idx, config, on_epoch):
+        if len(holder) == 0 and config.lr != BASE.lr:  # trial 1: another process locks it
+            holder.append(sqlite3.connect(database, isolation_level=None))
+            holder[0].execute("BEGIN EXCLUSIVE")
+        return fake_fit(idx, config, on_epoch)
+    monkeypatch.setattr(optuna_optimizer, "fit", fit_)
+    with pytest.raises(UserError, match=r"the study's storage .* failed \(.*database is locked"
+                                        r".*rerun with --resume to continue"):
+        t.run()
+    holder[0].execute("ROLLBACK")
+    holder[0].close()
+    resumed = tuner(index, tmp_path, n_trials=3, resume=True)
+    summary = resumed.run()
+    assert summary["n_complete"] == 3 and resumed.study.trials[0].user_attrs["default"]
