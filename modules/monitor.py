@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
 from pathlib import Path
@@ -78,7 +79,7 @@ class SystemSampler:
             return self
         self._reset()
         self._halt.clear()
-        psutil.cpu_percent(interval=None)  # primes it: its first reading is always 0
+        psutil.cpu_percent(interval=None, percpu=True)  # primes it: its first reading is 0
         # Children already running (the notebook's TensorBoard, an earlier scenario's loader
         # workers) are not this scenario's: their memory and CPU time are left out.
         self._before = {(p.pid, _created(p)) for p in self._tree()[1:]}
@@ -129,7 +130,7 @@ class SystemSampler:
             return False
 
     def _read_cpu(self, dt: float) -> None:
-        machine_pct = psutil.cpu_percent(interval=None)
+        machine_pct = _busy_pct(psutil.cpu_percent(interval=None, percpu=True))
         self._process_cpu_s += self._cpu_delta()
         self._rss_peak = max(self._rss_peak, self._tree_rss())
         self._machine_pct_s += machine_pct * dt
@@ -227,7 +228,9 @@ class SystemSampler:
         if self._gpu is None:
             return
         nvml = self._nvml
-        self._gpu_util.append(float(nvml.nvmlDeviceGetUtilizationRates(self._gpu).gpu))
+        # Apart: NVML reports no utilisation on a MIG slice, and the memory peak stays.
+        self._try(lambda: self._gpu_util.append(
+            float(nvml.nvmlDeviceGetUtilizationRates(self._gpu).gpu)))
         used = int(nvml.nvmlDeviceGetMemoryInfo(self._gpu).used)
         self._gpu_mem_peak = used if self._gpu_mem_peak is None else max(self._gpu_mem_peak, used)
 
@@ -276,6 +279,17 @@ class SystemSampler:
                 "energy_j": energy,
                 "n_samples": self._n,
             }
+
+
+def _busy_pct(per_cpu: list[float]) -> float:
+    """How busy the CPUs this process may run on were (taskset, a cpuset), in percent: the
+    others' idle time would hide another load on these (the diagnosis' cpu-contended)."""
+    try:
+        mine = [per_cpu[i] for i in os.sched_getaffinity(0) if i < len(per_cpu)]
+    except (AttributeError, OSError):  # macOS, Windows: no affinity to read
+        mine = []
+    mine = mine or per_cpu
+    return sum(mine) / len(mine) if mine else 0.0
 
 
 def _created(process: psutil.Process) -> float | None:

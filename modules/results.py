@@ -389,7 +389,10 @@ def compare_to_baseline(rows: list[dict[str, Any]], baseline: dict[str, Any] | N
                 (row.get("tuning_s") or 0.0) + (row.get("prepare_s") or 0.0) + final
             where = None if final is None else "final run"
         row["time_to_baseline_acc_s"], row["baseline_acc_reached_in"] = reached, where
-        row["test_acc_vs_baseline"] = 100 * (row["test_acc"] - baseline["test_acc"])
+        # An earlier baseline's NaN accuracy was written as null (json_safe).
+        mine, theirs = row.get("test_acc"), baseline.get("test_acc")
+        row["test_acc_vs_baseline"] = 100 * (mine - theirs) if all(
+            isinstance(v, (int, float)) and math.isfinite(v) for v in (mine, theirs)) else None
         base_total = baseline.get("total_s") or baseline.get("wall_s")
         total = row.get("total_s") or row.get("wall_s")
         row["total_vs_baseline"] = total / base_total if total and base_total else None

@@ -997,6 +997,10 @@ def test_each_row_is_compared_with_the_baseline():
     assert slow["baseline_acc_reached_in"] is None and base["baseline_acc_reached_in"] == "final run"
     assert "after 4 s (tuning included), in the trial its final run continues from" in \
         "\n".join(report.versus_baseline_lines([base, fast]))
+    # an earlier baseline whose test accuracy was NaN, written as null: no difference, no
+    # TypeError
+    scenario.compare_to_baseline([fast], {**base, "test_acc": None})
+    assert fast["test_acc_vs_baseline"] is None
 
 
 def test_a_start_trial_counts_only_the_epochs_trained_in_the_scenario():

@@ -421,3 +421,33 @@ def test_a_cpu_run_that_other_processes_slowed_is_called_contended(monkeypatch):
     assert diagnose({**busy, "device": "cuda"})["bottleneck"] != "cpu-contended"
     assert diagnose({k: v for k, v in busy.items() if k != "process_cpu_pct"})[
         "bottleneck"] == "compute-bound"
+
+
+def test_the_machine_s_busy_share_is_read_on_the_cpus_this_run_may_use(monkeypatch):
+    """Under taskset or a cpuset, the run's CPUs busy with another load and the rest idle
+    averaged to under the contention threshold, so the slowdown read as compute-bound."""
+    from modules import monitor
+    monkeypatch.setattr(monitor.os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert monitor._busy_pct([100.0, 1.0]) == 100.0
+    monkeypatch.setattr(monitor.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert monitor._busy_pct([100.0, 1.0]) == pytest.approx(50.5)
+    monkeypatch.delattr(monitor.os, "sched_getaffinity", raising=False)  # macOS
+    assert monitor._busy_pct([100.0, 1.0]) == pytest.approx(50.5)
+
+
+def test_a_gpu_without_a_utilisation_reading_keeps_its_memory_peak(monkeypatch):
+    """NVML has no utilisation on a MIG slice: that reading failed, and the memory peak read
+    after it in the same step was lost with it."""
+    from types import SimpleNamespace
+
+    class NoUtilisation:
+        def nvmlDeviceGetUtilizationRates(self, handle):
+            raise RuntimeError("Not Supported")
+
+        def nvmlDeviceGetMemoryInfo(self, handle):
+            return SimpleNamespace(used=512 * 2**20)
+    sampler = SystemSampler(interval_s=10)
+    sampler._gpu, sampler._nvml = object(), NoUtilisation()
+    sampler._read_gpu()
+    sampler._read_gpu()
+    assert sampler._gpu_util == [] and sampler._gpu_mem_peak == 512 * 2**20
