@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -429,7 +430,7 @@ def test_measuring_stays_within_its_budget_share():
         assert knobs[name]["choice"] == getattr(config, name) and knobs[name]["img_s"] == {}
 
 
-def test_the_budget_shrinks_to_the_fastest_rate_measured(monkeypatch):
+def test_the_budget_shrinks_to_the_fastest_rate_measured(monkeypatch, caplog):
     """A first probe slowed by its warm-up (here 10x) must not widen the budget: the run trains
     at the settings chosen, so the budget follows the fastest rate measured. At the first
     probe's 100 img/s, 10% of 10,000 steps of 4 images is 40 s; at the 1,000 img/s the races
@@ -441,8 +442,11 @@ def test_the_budget_shrinks_to_the_fastest_rate_measured(monkeypatch):
         probe, result = real_first(config, num_classes, min_s)
         return probe, {**result, "img_s": result["img_s"] / 10}
     monkeypatch.setattr(at, "_first_probe", slow_first)
-    config, report = at.autotune(_config(), 3, planned_steps=10_000, budget_share=0.1)
+    with caplog.at_level(logging.INFO):
+        config, report = at.autotune(_config(), 3, planned_steps=10_000, budget_share=0.1)
     assert report["budget_s"] == pytest.approx(4.0, rel=0.05)
+    # said, so that "n s left of the measuring budget (4.0 s)" does not contradict the 40 s
+    assert "measuring budget now 4.0 s" in caplog.text
 
 
 def test_a_first_probe_that_fails_leaves_the_measuring_bounded(monkeypatch):
