@@ -29,7 +29,7 @@ import torch
 from modules import distributed
 from modules.autotune import MEASURE_SHARE, ComputeProbe, autotune, machine_key
 from modules.checkpoints import check_format, saved_config
-from modules.config import DISPLAY_ONLY, TrainConfig, UserError, first_line
+from modules.config import DEFAULTS, DISPLAY_ONLY, TrainConfig, UserError, first_line
 from modules.dataset import (DatasetIndex, data_path_of, index_dataset, load_rgb, make_loader,
                              resolve_source, subset, train_transform)
 from modules.device import apply_process_settings, autocast_dtype, resolve_device, usable_cpus
@@ -1047,7 +1047,9 @@ def warm_start(config: TrainConfig, name: str, source: str, weights: Path | None
     log.info("%s: the final run starts from the weights %s ended with (%d epochs in)", name,
              source, epochs)
     warmup = 0.0 if config.scheduler == "onecycle" else WARMUP_EPOCHS  # it ramps up already
-    return dataclasses.replace(config, weights=str(weights), warmup_epochs=warmup), {
+    # Its epochs draw the data order and augmentation after the trial's, not the same again.
+    return dataclasses.replace(config, weights=str(weights), warmup_epochs=warmup,
+                               data_epoch_offset=epochs), {
         "from": source, "trial_epochs": epochs, "weights": str(weights),
         "curve": [{"at": at, "val_acc": acc} for at, acc in curve]}
 
@@ -1301,8 +1303,9 @@ def same_setup(args: RunOptions, index: DatasetIndex, device: torch.device
             # an ImageNet-weights baseline is another comparison); the seed is a draw, not a setup.
             # settings["weights"] says "imagenet" also where they could not be fetched and it
             # trained from random weights: start_weights says which it was.
-            return all(settings.get(k) == v for k, v in base.learning_settings().items()
-                       if k != "seed") and row.get("start_weights") in (
+            # (a setting a row's version did not have, at its default)
+            return all(settings.get(k, DEFAULTS[k]) == v
+                       for k, v in base.learning_settings().items() if k != "seed") and row.get("start_weights") in (
                 {None} | possible_starts(base.model, args.weights))
         # A picked size: from trials of this run's settings and compute (the baseline's size,
         # always among them, trained short_budget epochs), started from the same weights.

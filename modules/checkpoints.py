@@ -6,7 +6,6 @@ their augmentation streams from epoch to epoch, and a resume starts them afresh,
 augmentations, not its data order, differ from the uninterrupted run's."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 from dataclasses import dataclass, field
@@ -18,7 +17,7 @@ import torch
 from torch import nn
 
 from modules import distributed
-from modules.config import TrainConfig, UserError
+from modules.config import DEFAULTS, TrainConfig, UserError
 from modules.files import atomic_torch_save, read_torch_file
 
 log = logging.getLogger(__name__)
@@ -165,8 +164,7 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
 
 def saved_config(ckpt: dict[str, Any]) -> dict[str, Any]:
     """A checkpoint's config, a setting its version did not have at the default it had then."""
-    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
-    return {**defaults, **ckpt["config"]}
+    return {**DEFAULTS, **ckpt["config"]}
 
 
 def check_format(ckpt: Any, path: Path) -> dict[str, Any]:

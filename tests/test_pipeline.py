@@ -471,9 +471,13 @@ def test_quick_run_does_all_three_scenarios_on_synthetic_data(tmp_path, monkeypa
     for name in ("resolution", "hpo"):
         weights = Path(rows[name]["warm_start"]["weights"])
         assert weights.parent == run_path(out) and rows[name]["settings"]["weights"] == str(weights)
-        # continued weights, a fresh optimizer: the rate ramps up over its first epoch
+        # continued weights, a fresh optimizer: the rate ramps up over its first epoch; its
+        # data order and augmentation go on from the trial's epochs, not those again
         assert rows[name]["settings"]["warmup_epochs"] == 1
+        assert rows[name]["settings"]["data_epoch_offset"] == \
+            rows[name]["warm_start"]["trial_epochs"] > 0
     assert rows["baseline"]["settings"]["warmup_epochs"] == 0
+    assert rows["baseline"]["settings"]["data_epoch_offset"] == 0
     # the start trial's epochs, in seconds since its scenario started, for time to accuracy
     picked = next(t for t in trials if t["image_size"] == size)
     curve = rows["resolution"]["warm_start"]["curve"]

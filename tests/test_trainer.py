@@ -593,3 +593,45 @@ def test_a_window_with_a_short_batch_updates_as_one_large_batch_of_its_samples()
     one, four = trained(26, 1), trained(8, 4)
     for a, b in zip(one.parameters(), four.parameters()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+class RecordingSampler(EpochSampler):
+    """EpochSampler that keeps the order it gave at each epoch it was set to."""
+
+    def __init__(self, n: int, seed: int):
+        super().__init__(n, seed)
+        self.orders: dict[int, list[int]] = {}
+
+    def __iter__(self):
+        order = list(super().__iter__())
+        self.orders[self.epoch] = order
+        return iter(order)
+
+
+def test_a_run_continuing_a_trial_draws_the_epochs_after_the_trials(tmp_path):
+    """A final run starts from its trial's weights with the same seed: its first epochs
+    replayed the trial's exact shuffles and augmentation on weights that had just trained on
+    them. With data_epoch_offset it continues the trial's sequence instead; the global RNG
+    (augmentation, dropout) is reseeded too."""
+    from conftest import make_folder
+    from modules.dataset import index_dataset
+    from modules.trainer import prepare
+    data = colour_data()
+
+    def orders(config):
+        sampler = RecordingSampler(len(data), config.seed)
+        train(TinyNet(), DataLoader(data, batch_size=8, sampler=sampler),
+              loader(colour_data(seed=1), config, train=False), config)
+        return sampler.orders
+    trial = orders(dataclasses.replace(BASE, epochs=4))
+    final = orders(dataclasses.replace(BASE, epochs=2, data_epoch_offset=2))
+    assert sorted(final) == [2, 3] and final[2] == trial[2] and final[3] == trial[3]
+    assert final[2] != trial[0]
+    index = index_dataset(make_folder(tmp_path / "data", n_train=4, n_test=2))
+    config = dataclasses.replace(BASE, image_size=32)
+    prepare(index, config)
+    fresh = torch.rand(3)
+    prepare(index, config)
+    assert torch.equal(torch.rand(3), fresh)  # the same seed, the same draws
+    prepare(index, dataclasses.replace(config, data_epoch_offset=4))
+    assert not torch.equal(torch.rand(3), fresh)
