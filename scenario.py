@@ -541,6 +541,9 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
                 before.get("history") == same["row"].get("history"):
             tuning_s = kept_seconds(before, tuning_s, clock)
         forget_replaced(output_dir, args.run_id)  # no trained final run to compare
+        if args.profile and distributed.is_main():
+            log.info("%s: no profiler trace of its own: it trains nothing the %s scenario's "
+                     "trace does not show", name, same["scenario"])
         return same_final(same, extra, args, output_dir, tuning_s)
     log.info("== scenario %s: %s, %d px, batch %d, %d epochs on %s", name, config.model,
              config.image_size, config.batch_size, config.epochs, device)
@@ -1047,9 +1050,9 @@ def warm_start(config: TrainConfig, name: str, source: str, weights: Path | None
     log.info("%s: the final run starts from the weights %s ended with (%d epochs in)", name,
              source, epochs)
     warmup = 0.0 if config.scheduler == "onecycle" else WARMUP_EPOCHS  # it ramps up already
-    # Its epochs draw the data order and augmentation after the trial's, not the same again.
-    return dataclasses.replace(config, weights=str(weights), warmup_epochs=warmup,
-                               data_epoch_offset=epochs), {
+    # The trial's seed: its first epochs replay the trial's draws. Drawing the epochs after
+    # them measured no better (docs/tuning.md).
+    return dataclasses.replace(config, weights=str(weights), warmup_epochs=warmup), {
         "from": source, "trial_epochs": epochs, "weights": str(weights),
         "curve": [{"at": at, "val_acc": acc} for at, acc in curve]}
 
@@ -1305,8 +1308,8 @@ def same_setup(args: RunOptions, index: DatasetIndex, device: torch.device
             # trained from random weights: start_weights says which it was.
             # (a setting a row's version did not have, at its default)
             return all(settings.get(k, DEFAULTS[k]) == v
-                       for k, v in base.learning_settings().items() if k != "seed") and row.get("start_weights") in (
-                {None} | possible_starts(base.model, args.weights))
+                       for k, v in base.learning_settings().items() if k != "seed") and \
+                row.get("start_weights") in ({None} | possible_starts(base.model, args.weights))
         # A picked size: from trials of this run's settings and compute (the baseline's size,
         # always among them, trained short_budget epochs), started from the same weights.
         tuned = resolution()

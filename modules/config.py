@@ -71,9 +71,6 @@ class TrainConfig:
     max_grad_norm: float | None = None  # clip the global L2 norm of gradients; None = no clipping
     early_stopping_patience: int | None = None  # epochs without a better val accuracy; None = off
     max_nonfinite_steps: int = 5       # NaN/inf batches with no update between them before giving up
-    # Epochs of data order, augmentation and dropout the start weights already trained on (a
-    # final run continuing its trial): this run draws the epochs after them, not those again.
-    data_epoch_offset: int = 0
     # speed knobs
     amp: str = "off"                   # "auto" picks fp16 (CUDA) / bf16 (CUDA sm80+) / off (CPU)
     channels_last: bool = False
@@ -125,7 +122,6 @@ class TrainConfig:
         _positive_int("batch_size", self.batch_size, high=1 << 20)
         _positive_int("grad_accum_steps", self.grad_accum_steps, high=1 << 16)
         _positive_int("max_nonfinite_steps", self.max_nonfinite_steps, high=1 << 20)
-        _positive_int("data_epoch_offset", self.data_epoch_offset, low=0, high=100_000)
         _positive_float("lr", self.lr)
         if not (isinstance(self.warmup_epochs, (int, float)) and not isinstance(self.warmup_epochs, bool)
                 and math.isfinite(self.warmup_epochs) and self.warmup_epochs >= 0):

@@ -282,7 +282,7 @@ class _Epochs:
         """One epoch over `loader` (0-based `epoch`); returns its training row."""
         started = time.perf_counter()
         if hasattr(loader.sampler, "set_epoch"):
-            loader.sampler.set_epoch(epoch + self.config.data_epoch_offset)
+            loader.sampler.set_epoch(epoch)
         self.model.train()
         metrics = _EpochMetrics(self.device)
         self.last_lr = self.optimizer.param_groups[0]["lr"]  # of the epoch's last step
@@ -696,14 +696,11 @@ def prepare(index, config: TrainConfig) -> tuple[nn.Module, Any, Any, Any]:
     """Seed, then build the model and the (train, val, test) loaders for a DatasetIndex."""
     set_seed(config.seed)
     model = build_model(config.model, len(index.classes), config.weights, config.dropout_impl)
-    # A run continuing a trial draws other augmentation and dropout than the trial's first
-    # epochs did (the loaders' shuffle follows the epoch: data_epoch_offset).
-    seed = config.seed + 7919 * config.data_epoch_offset
-    if distributed.rank() > 0 or seed != config.seed:
+    if distributed.rank() > 0:
         # Under torchrun each rank draws its own augmentation, dropout masks and worker seeds,
         # as the decoded cache's do; rank 0 draws as one process. The weights, drawn above
         # alike, are rank 0's anyway (train broadcasts them).
-        set_seed(rank_seed(seed))
+        set_seed(rank_seed(config.seed))
     return (model, *make_loaders(index, config))
 
 

@@ -471,13 +471,9 @@ def test_quick_run_does_all_three_scenarios_on_synthetic_data(tmp_path, monkeypa
     for name in ("resolution", "hpo"):
         weights = Path(rows[name]["warm_start"]["weights"])
         assert weights.parent == run_path(out) and rows[name]["settings"]["weights"] == str(weights)
-        # continued weights, a fresh optimizer: the rate ramps up over its first epoch; its
-        # data order and augmentation go on from the trial's epochs, not those again
+        # continued weights, a fresh optimizer: the rate ramps up over its first epoch
         assert rows[name]["settings"]["warmup_epochs"] == 1
-        assert rows[name]["settings"]["data_epoch_offset"] == \
-            rows[name]["warm_start"]["trial_epochs"] > 0
     assert rows["baseline"]["settings"]["warmup_epochs"] == 0
-    assert rows["baseline"]["settings"]["data_epoch_offset"] == 0
     # the start trial's epochs, in seconds since its scenario started, for time to accuracy
     picked = next(t for t in trials if t["image_size"] == size)
     curve = rows["resolution"]["warm_start"]["curve"]
@@ -1282,6 +1278,11 @@ def test_an_earlier_runs_rows_count_only_for_the_same_setup(tmp_path, monkeypatc
     match = scenario.same_setup(pipeline.parse_args(["--quick"]), index, cpu)
     assert previous_row(path, "baseline", "d", match=match) is None
     path.write_text(json.dumps([row("baseline", 64, 12, seed=7)]))  # another draw: the same setup
+    assert previous_row(path, "baseline", "d", match=match) is not None
+    # a row of a version without a later setting had it at its default
+    older = row("baseline", 64, 12)
+    del older["settings"]["max_nonfinite_steps"]
+    path.write_text(json.dumps([older]))
     assert previous_row(path, "baseline", "d", match=match) is not None
     # before this process has tried to fetch them (the hpo budget is set before any model is
     # built), an offline baseline's random start may be this run's too
