@@ -41,6 +41,7 @@ import pipeline  # noqa: E402
 import scenario  # noqa: E402
 from modules.results import latest_run  # noqa: E402
 from modules.selection import informative, tie_margin  # noqa: E402
+from throughput import at_least_1  # noqa: E402
 
 log = logging.getLogger("scenarios")
 
@@ -217,10 +218,13 @@ def targets(rows: list[dict]) -> list[str]:
 def search_setup(data: list[str], args, out: Path):
     """(the parsed pipeline options, the data, the hpo scenario's configuration) that the
     search comparisons train with."""
-    ns = pipeline.parse_args(data + (["--quick"] if args.quick else []) + ["--no-progress",
-                             "--device", args.device] + args.pipeline_args)
-    index = pipeline.load_data(ns, out)
-    config = pipeline.scenario_config("hpo", ns, pipeline.resolve_device(ns.device))
+    try:
+        ns = pipeline.parse_args(data + (["--quick"] if args.quick else []) + [
+            "--no-progress", "--device", args.device] + args.pipeline_args)
+        index = pipeline.load_data(ns, out)
+        config = pipeline.scenario_config("hpo", ns, pipeline.resolve_device(ns.device))
+    except pipeline.UserError as exc:  # the pipeline's own one line, as pipeline.main gives it
+        raise SystemExit(f"error: {exc}") from None
     return ns, index, scenario.dataclasses.replace(config, progress=False)
 
 
@@ -394,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-dir", default="others/bench_scenarios")
     p.add_argument("--json", help="also write the rows and the target lines here")
     p.add_argument("--compare-search", action="store_true")
-    p.add_argument("--search-trials", type=int, default=8)
+    p.add_argument("--search-trials", type=at_least_1, default=8)
     p.add_argument("--search-only", action="store_true",
                    help="with --compare-search or --compare-fidelity: skip the three scenarios")
     p.add_argument("--compare-fidelity", action="store_true",
@@ -402,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fidelity-size", type=int,
                    help="the lower size (default: 3/4 of the search's, to a multiple of 16, "
                         "as the search's --search-size auto)")
-    p.add_argument("--fidelity-configs", type=int, default=8)
+    p.add_argument("--fidelity-configs", type=at_least_1, default=8)
     p.add_argument("--pretrain-on", metavar="SET",
                    help="start every run from weights trained here on all of another set (a "
                         "stand-in for ImageNet weights, unreachable offline), e.g. animals")
@@ -410,7 +414,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     pipeline.setup_logging()
     out = Path(args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    try:  # before the runs: a --json that cannot be written is said now, not after them
+        out.mkdir(parents=True, exist_ok=True)
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SystemExit(f"error: cannot make {exc.filename!r} ({exc.strerror})") from None
     if args.pretrain_on:
         model = pretrain_model(args.pretrain_on, args.dataset, args.pipeline_args)
     data = data_folder(args.dataset, out / "data")  # first: an unknown set stops here

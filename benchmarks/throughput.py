@@ -427,19 +427,30 @@ def time_to_accuracy(args, device: torch.device, cache_dir: Path) -> dict:
                                              "compile")}}
 
 
+def at_least_1(text: str) -> int:
+    """An argparse type: a whole number of 1 or more (0 rounds left no median to print)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
+    return value
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--model", choices=MODELS, default="squeezenet1_1")
-    p.add_argument("--image-size", type=int, default=150)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--images-per-class", type=int, default=100,
+    p.add_argument("--image-size", type=at_least_1, default=150)
+    p.add_argument("--batch-size", type=at_least_1, default=32)
+    p.add_argument("--images-per-class", type=at_least_1, default=100,
                    help="training images per class (6 classes); one epoch is measured")
-    p.add_argument("--steps", type=int, default=20,
+    p.add_argument("--steps", type=at_least_1, default=20,
                    help="timed pure-compute steps when the pipeline row is skipped (else pure "
                         "compute is timed in alternation with the pipeline, window by window)")
-    p.add_argument("--rounds", type=int, default=5,
+    p.add_argument("--rounds", type=at_least_1, default=5,
                    help="every row is measured once per round; medians over rounds")
     p.add_argument("--no-compile", action="store_true",
                    help="do not let the autotuner try torch.compile (its warm-up is minutes on a CPU)")
@@ -447,13 +458,13 @@ def main(argv=None) -> int:
                    "pure_compute,pipeline,baseline,lightning")
     p.add_argument("--time-to-accuracy", action="store_true",
                    help="also run baseline and optimized training to the baseline's accuracy")
-    p.add_argument("--tta-epochs", type=int, default=15)
-    p.add_argument("--tta-per-class", type=int, default=200)
-    p.add_argument("--tta-val-per-class", type=int, default=100,
+    p.add_argument("--tta-epochs", type=at_least_1, default=15)
+    p.add_argument("--tta-per-class", type=at_least_1, default=200)
+    p.add_argument("--tta-val-per-class", type=at_least_1, default=100,
                    help="validation images per class: the target is read off them (600 read "
                         "an accuracy to about +-2%%; 120 to +-4.5%%, more than a few epochs "
                         "of progress)")
-    p.add_argument("--tta-image-size", type=int, default=64)
+    p.add_argument("--tta-image-size", type=at_least_1, default=64)
     p.add_argument("--data-dir", default="others/bench_data",
                    help="where the synthetic images are generated (once)")
     p.add_argument("--trace", metavar="DIR",

@@ -366,3 +366,21 @@ def test_an_interrupted_export_of_a_real_set_is_made_again(tmp_path, monkeypatch
         bench.data_folder("fake", tmp_path)
     assert bench.data_folder("fake", tmp_path) == ["--data-dir", str(tmp_path / "fake")]
     assert len(calls) == 2 and (tmp_path / "fake" / "b").is_dir()
+
+
+def test_benchmark_mistakes_are_one_line_before_any_run(tmp_path, capsys):
+    """--rounds 0 ended the throughput benchmark in a StatisticsError after its measuring; a
+    pipeline option the search comparison's setup refuses, and a --json in a folder that does
+    not exist yet (which ended the scenarios benchmark after its whole run), are one line or
+    made now."""
+    from conftest import make_folder
+    with pytest.raises(SystemExit) as exited:
+        _benchmark_module("throughput").main(["--device", "cpu", "--rounds", "0"])
+    assert exited.value.code == 2 and "--rounds: must be 1 or more" in capsys.readouterr().err
+    data = make_folder(tmp_path / "data", n_train=6, n_test=2)
+    scenarios = _benchmark_module("scenarios")
+    with pytest.raises(SystemExit, match=r"^error: .*"):
+        scenarios.main(["--dataset", str(data), "--device", "cpu", "--output-dir",
+                        str(tmp_path / "bench"), "--json", str(tmp_path / "new" / "s.json"),
+                        "--search-only", "--compare-search", "--", "--image-size", "5"])
+    assert (tmp_path / "new").is_dir()
