@@ -210,9 +210,14 @@ def _load_imagenet(model: nn.Module, name: str) -> None:
 
 def _fitting(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`state`, when its names and shapes are `model`'s; else ValueError, before any tensor is
-    copied (load_state_dict copies those that match, then raises)."""
+    copied (load_state_dict copies those that match, then raises). BatchNorm's step counters
+    are left out: files saved before PyTorch had them (torchvision's ResNet weights) lack
+    them, and load_state_dict fills them in."""
+    def counted(names):
+        return {k for k in names if not k.endswith("num_batches_tracked")}
     own = model.state_dict()
-    if set(own) != set(state) or any(own[k].shape != state[k].shape for k in own):
+    if counted(own) != counted(state) or any(own[k].shape != state[k].shape
+                                             for k in counted(own)):
         raise ValueError("the file holds weights of another architecture")
     return state
 

@@ -228,3 +228,19 @@ def test_another_architecture_s_file_in_the_hub_cache_is_kept_aside(tmp_path, mo
     assert model.classifier[1].out_channels == 6
     assert (cached.parent / (cached.name + ".unreadable")).exists() and not cached.exists()
     assert "training from random initialization" in caplog.text
+
+
+def test_imagenet_weights_saved_before_batchnorm_counted_its_steps_load(tmp_path, monkeypatch):
+    """torchvision's ResNet files predate BatchNorm's num_batches_tracked: load_state_dict
+    fills it in, and the check for another architecture's file must not refuse them."""
+    monkeypatch.setattr(models, "_UNREACHABLE", set())
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    reference = torchvision.models.resnet18(weights=None)
+    url = torchvision.models.ResNet18_Weights.IMAGENET1K_V1.url
+    cached = tmp_path / "hub" / "checkpoints" / url.rsplit("/", 1)[-1]
+    cached.parent.mkdir(parents=True)
+    torch.save({k: v for k, v in reference.state_dict().items()
+                if not k.endswith("num_batches_tracked")}, cached)
+    model = build_model("resnet18", 6, "imagenet")
+    torch.testing.assert_close(model.conv1.weight, reference.conv1.weight)
+    assert cached.exists()
