@@ -920,7 +920,9 @@ class OptunaTuner:
         """(the parameters the final run should train, why); None keeps the default
         configuration: the search's best must have left chance and beat the default trial on
         validation by more than one standard error of the difference, within no more epochs
-        and no more optimizer steps than the default trial took (within_default_steps)."""
+        and no more optimizer steps than the default trial took (within_default_steps). A
+        default whose trial diverged or ran out of memory gives way to the best completed
+        trial, left chance or not: its own final run would fail the same way."""
         complete = self._complete()
         if not complete:
             return None, "no trial completed: keeping the default configuration"
@@ -928,8 +930,8 @@ class OptunaTuner:
         # A trial whose first epoch alone took more optimizer steps than the default's whole
         # trial cannot be judged within them: it does not compete (batch 16 beside 64, over
         # 3-epoch trials).
-        judged = [t for t in complete
-                  if default is None or self.within_default_steps(t, default)[1] > 0]
+        judged = [t for t in complete if default is None or t.number == default.number
+                  or self.within_default_steps(t, default)[1] > 0]
         best = max(judged or complete, key=lambda t: t.value)
         n = len(self.index.val)
         if default is None:
@@ -966,6 +968,8 @@ class OptunaTuner:
         takes more steps per epoch, and in trials this short a lead at equal epochs is mostly
         those extra steps: the search's batch-16 winners led the default after 4 epochs and
         ended below it (docs/tuning.md)."""
+        if trial.number == default.number:  # its recorded batch is the nearest choice's
+            return trial.value, self.epochs
         ratio = trial.params["batch_size"] / self.base.batch_size  # what the default trained
         last = min(self.epochs, int(self.epochs * ratio + 1e-9))
         if last < 1:  # its first epoch took more steps than the default trial's epochs

@@ -794,6 +794,22 @@ def test_a_trial_whose_first_epoch_outsteps_the_default_trial_does_not_win(index
     assert t.within_default_steps(t.study.trials[1], t.study.trials[0])[1] == 0
 
 
+def test_the_default_trial_is_judged_whatever_batch_it_is_recorded_at(index, tmp_path):
+    """A default batch between the search's choices is recorded at the nearest (4 for 8): over
+    1-epoch trials its own ratio read 0 epochs within its steps, the default left the
+    comparison, and a batch-2 trial won on its whole value, "after epoch 0"."""
+    t = with_val_images(tuner(index, tmp_path, epochs=1, batch_sizes=(2, 4)))
+    assert t.default_params()["batch_size"] == 4 and t.base.batch_size == 8
+    t.study = optuna.create_study(direction="maximize")
+    for params, acc, attrs in ((t.default_params(), 0.45, {"default": True}),
+                               ({**PARAMS, "batch_size": 2}, 0.9, {})):
+        t.study.add_trial(optuna.trial.create_trial(
+            params=params, distributions=t.distributions(), value=acc, user_attrs=attrs,
+            intermediate_values={1: acc}))
+    params, why = t.choice()
+    assert params is None and "keeping the default" in why and "epoch 0" not in why
+
+
 def test_a_default_that_diverged_gives_way_to_the_search_s_best(index, tmp_path, monkeypatch):
     """The default configuration's trial diverged: its final run would diverge too and end the
     scenario with nothing. The search's best completed trial is trained instead, and why is
