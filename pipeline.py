@@ -15,6 +15,7 @@ if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_
 import argparse
 import dataclasses
 import errno
+import fnmatch
 import logging
 import math
 import shlex
@@ -279,10 +280,11 @@ def _resolved(option: str, path: str) -> Path:
 
 def _not_an_output(option: str, path: Path, output_dir: str) -> None:
     """Refuse a start file that this run may replace: the best model kept in --output-dir
-    (<data set>_model.pt) or a checkpoint. It is read again for every model built, and the
-    later scenarios would start from what the baseline saved there."""
+    (<data set>_model.pt, or one set aside as <data set>_model.other-data-<id>.pt, which a run
+    may move back) or a checkpoint. It is read again for every model built, and the later
+    scenarios would start from what the baseline saved there."""
     out, file = _resolved("--output-dir", output_dir), _resolved(option, str(path))
-    if (file.parent == out and file.name.endswith("_model.pt")) or \
+    if (file.parent == out and fnmatch.fnmatch(file.name, "*_model*.pt")) or \
             file.is_relative_to(out / "checkpoints"):
         raise UserError(f"{option} {str(path)!r} is a file this run may replace (its best "
                         "model or a checkpoint, in --output-dir): the later scenarios would "

@@ -1365,14 +1365,17 @@ def prepare_output_dir(path: str, option: str = "--output-dir") -> Path:
     """The folder the user named with `option`, created and checked writable; a write that
     later fails under it names that option (files.write_error)."""
     out = Path(path).expanduser()
-    if out.exists() and not out.is_dir():
-        raise UserError(f"{option} {str(out)!r} is a file, not a folder.")
     try:
+        out.resolve()  # a link loop: RuntimeError, where mkdir would say "File exists"
+        if out.exists() and not out.is_dir():
+            raise UserError(f"{option} {str(out)!r} is a file, not a folder.")
         out.mkdir(parents=True, exist_ok=True)
         # A uniquely named probe: torchrun's processes check the same folder at once.
         with tempfile.NamedTemporaryFile(dir=out, prefix=".write_test"):
             pass
-    except OSError as exc:
+    except RuntimeError as exc:
+        raise UserError(f"cannot follow {option} {str(out)!r} ({first_line(exc)}).") from None
+    except OSError as exc:  # ENAMETOOLONG too: nothing was written yet
         raise UserError(f"cannot write to {option} {str(out)!r} ({exc.strerror or exc}).") \
             from None
     name_folder(out, option)

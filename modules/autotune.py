@@ -826,25 +826,26 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
     def budget_at(img_s: float) -> float:
         return budget_share * budgeted_at(img_s) * config.effective_batch_size / img_s
 
-    budget_s, fastest = None, 0.0
+    budget_s, fastest, said_s = None, 0.0, None
 
     def budget_left() -> float | None:
         """What is left of the budget, which shrinks as faster settings are measured: the run
         trains at the fastest, and a first probe slowed by its warm-up must not widen it. It is
         set by the first probe that measured a speed: when the first probe failed (settings
         that do not fit), by the first candidate that trained, so that the rest stays bounded."""
-        nonlocal budget_s, fastest
+        nonlocal budget_s, fastest, said_s
         if budget_s is None:
             if budget_share is None or not planned_steps or not current.get("img_s"):
                 return None
             fastest = current["img_s"]
-            budget_s = budget_at(fastest)
+            budget_s = said_s = budget_at(fastest)
             log.info("autotune: measuring budget %.0f s (%.0f%% of the planned %d steps)",
                      budget_s, 100 * budget_share, budgeted_at(fastest))
         if (current.get("img_s") or 0.0) > fastest:
-            before, fastest = budget_s, current["img_s"]
+            fastest = current["img_s"]
             budget_s = budget_at(fastest)
-            if budget_s < 0.8 * before:  # else the "not measured" lines quote an unannounced one
+            if budget_s < 0.8 * said_s:  # else the "not measured" lines quote an unannounced one
+                said_s = budget_s
                 log.info("autotune: measuring budget now %.1f s: the planned steps take less "
                          "at the %.0f img/s measured since", budget_s, fastest)
         return budget_s - (time.perf_counter() - started)

@@ -19,9 +19,10 @@ def predict(model: nn.Module, image_paths, *, batch_size: int = 32, device=None)
     """Classify image files with a model from `load_model`.
 
     Returns one dict per path, in order: {"path", "label", "prob", "probs": {class: prob},
-    "error"}. A file that cannot be decoded (missing, truncated, not an image) is not a reason
-    to lose the others' predictions: its dict has label and prob None, empty probs and the
-    reason in "error" (None for every other), and one warning counts such files.
+    "error"}. A file that cannot be decoded (missing, truncated, not an image), or whose output
+    is NaN/inf (a diverged model), is not a reason to lose the others' predictions: its dict
+    has label and prob None, empty probs and the reason in "error" (None for every other), and
+    one warning counts such files.
     `device`: None keeps the model where it is; otherwise the model is moved there.
     """
     meta = getattr(model, "meta", None)
