@@ -27,9 +27,9 @@ import torch
 
 from modules import distributed
 from modules.config import (CPU_ALLOCATORS, DROPOUT_IMPLS, MAX_IMAGE_SIZE, MAX_SEED, MIN_IMAGE_SIZE,
-                            MODELS, SCHEDULERS, TrainConfig, UserError, first_line)
+                            MODELS, SCHEDULERS, TrainConfig, UserError)
 from modules.device import autocast_dtype
-from modules.files import write_error
+from modules.files import resolved, write_error
 from modules.models import check_weights_file
 from optuna_optimizer import PRUNERS, shown_argv
 # The library API the notebook and README call through this module.
@@ -234,7 +234,7 @@ def parse_args(argv: list[str] | None = None) -> RunOptions:
                         "or leave it out for a study of the run's own.")
     for option, folder in (("--output-dir", args.output_dir), ("--local-dir", args.local_dir)):
         if args.data_dir is not None and folder is not None and \
-                _resolved(option, folder).is_relative_to(_resolved("--data-dir", args.data_dir)):
+                resolved(option, folder).is_relative_to(resolved("--data-dir", args.data_dir)):
             raise UserError(f"{option} {folder!r} is inside --data-dir {args.data_dir!r}: its "
                             "files would be read as data (a class of their own); put it "
                             "elsewhere.")
@@ -269,21 +269,12 @@ def parse_args(argv: list[str] | None = None) -> RunOptions:
     return args
 
 
-def _resolved(option: str, path: str) -> Path:
-    """Path(path), user and links resolved; a link loop on the way is one line, not Python's
-    RuntimeError."""
-    try:
-        return Path(path).expanduser().resolve()
-    except (OSError, RuntimeError) as exc:
-        raise UserError(f"cannot follow {option} {path!r} ({first_line(exc)}).") from None
-
-
 def _not_an_output(option: str, path: Path, output_dir: str) -> None:
     """Refuse a start file that this run may replace: the best model kept in --output-dir
     (<data set>_model.pt, or one set aside as <data set>_model.other-data-<id>.pt, which a run
     may move back) or a checkpoint. It is read again for every model built, and the later
     scenarios would start from what the baseline saved there."""
-    out, file = _resolved("--output-dir", output_dir), _resolved(option, str(path))
+    out, file = resolved("--output-dir", output_dir), resolved(option, str(path))
     if (file.parent == out and fnmatch.fnmatch(file.name, "*_model*.pt")) or \
             file.is_relative_to(out / "checkpoints"):
         raise UserError(f"{option} {str(path)!r} is a file this run may replace (its best "

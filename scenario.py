@@ -35,8 +35,8 @@ from modules.dataset import (DatasetIndex, data_path_of, index_dataset, load_rgb
 from modules.device import apply_process_settings, autocast_dtype, resolve_device, usable_cpus
 from modules.evaluation import evaluate
 from modules.fastdata import cache_fits, keep_sizes
-from modules.files import (atomic_write_text, folder_lock, kept_file, name_folder, run_log,
-                           share_file)
+from modules.files import (atomic_write_text, folder_lock, kept_file, name_folder, resolved,
+                           run_log, share_file)
 from modules.hardware import max_batch_size
 from modules.models import possible_starts, start_weights, weights_file
 from modules.monitor import SystemSampler
@@ -1365,16 +1365,14 @@ def prepare_output_dir(path: str, option: str = "--output-dir") -> Path:
     """The folder the user named with `option`, created and checked writable; a write that
     later fails under it names that option (files.write_error)."""
     out = Path(path).expanduser()
+    resolved(option, out)  # a link loop: one line, where mkdir would say "File exists"
     try:
-        out.resolve()  # a link loop: RuntimeError, where mkdir would say "File exists"
         if out.exists() and not out.is_dir():
             raise UserError(f"{option} {str(out)!r} is a file, not a folder.")
         out.mkdir(parents=True, exist_ok=True)
         # A uniquely named probe: torchrun's processes check the same folder at once.
         with tempfile.NamedTemporaryFile(dir=out, prefix=".write_test"):
             pass
-    except RuntimeError as exc:
-        raise UserError(f"cannot follow {option} {str(out)!r} ({first_line(exc)}).") from None
     except OSError as exc:  # ENAMETOOLONG too: nothing was written yet
         raise UserError(f"cannot write to {option} {str(out)!r} ({exc.strerror or exc}).") \
             from None

@@ -131,6 +131,15 @@ def disk_full(folder: Path) -> bool:
 _NAMED_FOLDERS: dict[Path, str] = {}
 
 
+def resolved(option: str, path: str | Path) -> Path:
+    """Path(path), user and links resolved; a link loop on the way is one line naming
+    `option`, not Python's RuntimeError."""
+    try:
+        return Path(path).expanduser().resolve()
+    except (OSError, RuntimeError) as exc:
+        raise UserError(f"cannot follow {option} {str(path)!r} ({first_line(exc)}).") from None
+
+
 def name_folder(folder: Path | str, option: str) -> None:
     """Writes under `folder` are the user's `option` (--output-dir, --local-dir)."""
     _NAMED_FOLDERS[Path(folder).expanduser().resolve()] = option
