@@ -21,6 +21,7 @@ from modules.diagnosis import diagnose
 from modules.fastdata import CachedLoader, total_ram
 from modules.files import ReadFailed, atomic_write_text
 from modules.model_files import read_meta, save_model
+from modules.report import finite_number
 from modules.selection import accuracy_se
 from modules.trainer import TrainResult
 
@@ -390,9 +391,9 @@ def compare_to_baseline(rows: list[dict[str, Any]], baseline: dict[str, Any] | N
             where = None if final is None else "final run"
         row["time_to_baseline_acc_s"], row["baseline_acc_reached_in"] = reached, where
         # An earlier baseline's NaN accuracy was written as null (json_safe).
-        mine, theirs = row.get("test_acc"), baseline.get("test_acc")
-        row["test_acc_vs_baseline"] = 100 * (mine - theirs) if all(
-            isinstance(v, (int, float)) and math.isfinite(v) for v in (mine, theirs)) else None
+        mine, theirs = finite_number(row.get("test_acc")), finite_number(baseline.get("test_acc"))
+        row["test_acc_vs_baseline"] = None if mine is None or theirs is None else \
+            100 * (mine - theirs)
         base_total = baseline.get("total_s") or baseline.get("wall_s")
         total = row.get("total_s") or row.get("wall_s")
         row["total_vs_baseline"] = total / base_total if total and base_total else None
