@@ -463,7 +463,12 @@ def _scan_split(folder: Path, split: str, check: bool, seen: dict[str, Path],
     loose = _loose_images(folder)
     if loose:
         ignored[OUTSIDE_CLASSES] = ignored.get(OUTSIDE_CLASSES, 0) + loose
-    listed = {class_name(c): _image_files(c, seen, ignored) for c in classes}
+    # files of formats this does not read, by extension: per class for a class left with none
+    others: dict[str, dict[str, int]] = {class_name(c): {} for c in classes}
+    listed = {class_name(c): _image_files(c, seen, others[class_name(c)]) for c in classes}
+    for counts in others.values():
+        for kind, n in counts.items():
+            ignored[kind] = ignored.get(kind, 0) + n
     per_class = {name: files for name, (files, _) in listed.items()}
     if numbered_below is not None:
         per_class = {name: [p for p in files if p.stem.isdigit() and int(p.stem) < numbered_below]
@@ -485,7 +490,8 @@ def _scan_split(folder: Path, split: str, check: bool, seen: dict[str, Path],
     for name, files in per_class.items():
         if not files:
             bad = undecodable[name] if check else 0
-            other = _other_formats(next(c for c in classes if class_name(c) == name))
+            other = ", ".join(f"{n} {kind}" for kind, n in sorted(
+                others[name].items(), key=lambda kv: -kv[1])[:4])
             extra = f" ({bad} undecodable files skipped)" if bad else \
                 (" (its images were already counted elsewhere through links)"
                  if listed[name][1] else f" (it holds {other}; this reads "
@@ -493,18 +499,6 @@ def _scan_split(folder: Path, split: str, check: bool, seen: dict[str, Path],
             where = f"the {split} split" if split != "all" else repr(str(folder))
             raise UserError(f"class {name!r} in {where} has no usable images{extra}.")
     return per_class, skipped
-
-
-def _other_formats(folder: Path) -> str:
-    """The files below `folder` that are not images this reads, counted by extension
-    ("3 .heic, 1 .txt"), for the message of a class left with no images."""
-    counts: dict[str, int] = {}
-    for path in folder.rglob("*"):
-        if not path.name.startswith(".") and path.is_file() and \
-                path.suffix.lower() not in IMAGE_EXTS:
-            key = path.suffix.lower() or "(no extension)"
-            counts[key] = counts.get(key, 0) + 1
-    return ", ".join(f"{n} {k}" for k, n in sorted(counts.items(), key=lambda kv: -kv[1])[:4])
 
 
 def _seeded_split(per_class: dict[str, list[Path]], fraction: float, seed: int
