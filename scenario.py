@@ -615,9 +615,11 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
     if name == "hpo":
         kept = default_if_better(row, tuned.get("final") or _final_row(output_dir, index,
                                                                       args.run_id))
-        if kept.get("winner_final") and distributed.is_main():
+        gave = "winner" if kept.get("winner_final") else "default" if kept.get(
+            "default_final") else None
+        if gave and distributed.is_main():
             runs = run_folder(output_dir, "runs", args.run_id)
-            show_in_tensorboard(runs, aside=f"winner-{time.strftime('%Y%m%d-%H%M%S')}",
+            show_in_tensorboard(runs, aside=f"{gave}-{time.strftime('%Y%m%d-%H%M%S')}",
                                 kept=runs / kept["final_from"], copy=True)
         kept = earlier_if_better(kept, extra.get("replaced_final"), earlier_final, output_dir,
                                  args.run_id)
@@ -734,29 +736,33 @@ def _final_row(output_dir: Path, index: DatasetIndex, run_id: str | None
 
 def gave_way(row: dict[str, Any]) -> dict[str, Any]:
     """What an hpo row keeps of a final run that validated below the one it took instead
-    (winner_final, grown_final: the report quotes them)."""
+    (winner_final, default_final, grown_final: the report quotes them)."""
     return {k: row.get(k) for k in ("val_acc", "test_acc", "epochs", "wall_s", "settings")}
 
 
 def default_if_better(row: dict[str, Any], same: dict[str, Any] | None) -> dict[str, Any]:
-    """The hpo row after its final run trained the search's winner: the default
-    configuration's final run instead when that validated higher. The resolution scenario's
-    final run is that run when the search's default trial was its trial (the same learning
-    settings, continued from the same weights): the winner was chosen on short trials, and
-    its lead there (learning fastest early, from scratch often a draw of the augmentation)
-    need not last a full run. `same`: that run, as tuned["final"] holds it (or _final_row
-    gives it). Its tuning_s counts its own final run (a candidate it trained),
-    total_s adds the taken run's time as same_final does, and `winner_final` keeps the
-    winner's figures."""
+    """The hpo row after its own final run: the default configuration's final run instead when
+    that validated higher. The resolution scenario's final run is that run when the search's
+    default trial was its trial (the same learning settings, continued from the same weights).
+    Against the search's winner: the winner was chosen on short trials, and its lead there
+    (learning fastest early, from scratch often a draw of the augmentation) need not last a
+    full run. Against a kept default trained again (its time-matched epochs differed from
+    that run's): two runs of one configuration from one start, the better validated kept.
+    `same`: that run, as tuned["final"] holds it (or _final_row gives it). Its tuning_s counts
+    its own final run (a candidate it trained), total_s adds the taken run's time as
+    same_final does, and `winner_final` (or `default_final`) keeps the figures of the run
+    that gave way."""
     summary = row.get("hpo") or {}
-    if summary.get("keeps_default") or not summary.get("default_reused_from") or same is None:
+    if not summary.get("default_reused_from") or same is None:
         return row
     mine, default = row.get("val_acc"), same["row"].get("val_acc")
     if mine is None or default is None or mine >= default:
         return row
-    log.info("hpo: the winner's final run validated at %.1f%%, below the default "
-             "configuration's (the %s scenario's final run, %.1f%%): keeping the default's model",
-             100 * mine, same["scenario"], 100 * default)
+    own = "default" if summary.get("keeps_default") else "winner"
+    log.info("hpo: the %s's final run (%s epochs) validated at %.1f%%, below the default "
+             "configuration's (the %s scenario's final run, %s epochs, %.1f%%): keeping that "
+             "model", own, row.get("epochs"), 100 * mine, same["scenario"],
+             same["row"].get("epochs"), 100 * default)
     kept = copy.deepcopy(same["row"])
     for key in ("warm_start", "resolution_trials"):  # the resolution scenario's own, timed
         kept.pop(key, None)                          # from its start, not the hpo scenario's
@@ -764,7 +770,7 @@ def default_if_better(row: dict[str, Any], same: dict[str, Any] | None) -> dict[
                 scenario="hpo", final_from=same["scenario"], tuning_s=row["total_s"],
                 # as same_final counts the model taken
                 total_s=row["total_s"] + final_run_s(kept),
-                winner_final=gave_way(row))
+                **{f"{own}_final": gave_way(row)})
     return kept
 
 

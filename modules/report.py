@@ -207,14 +207,20 @@ def final_run_notes(row: dict[str, Any], detail: bool = False) -> list[str]:
 
 def final_from_text(row: dict[str, Any], detail: bool = False) -> str:
     """What a row that took another scenario's final run is: that run reused instead of
-    training it twice, or that run kept over the search winner's own final run, which
-    validated below it (scenario.default_if_better)."""
+    training it twice, or that run kept over the hpo scenario's own final run (the search's
+    winner, or the kept default for other epochs), which validated below it
+    (scenario.default_if_better)."""
     source = row["final_from"]
-    winner = row.get("winner_final")
-    if winner:
+    winner, default = row.get("winner_final"), row.get("default_final")
+    if isinstance(winner, dict):
         text = (f"the search's winner was trained in full and validated{_at(winner)} below the "
                 f"{source} scenario's final run, whose model and figures these are; the "
                 f"winner's run counts as tuning")
+    elif isinstance(default, dict):
+        text = (f"the search kept the default configuration, trained it in full for "
+                f"{default.get('epochs', '?')} epochs, and it validated{_at(default)} below the "
+                f"{source} scenario's final run of that configuration ({row.get('epochs', '?')} "
+                f"epochs), whose model and figures these are; its own run counts as tuning")
     else:
         text = f"its final run is the {source} scenario's, trained once"
         if detail:

@@ -526,6 +526,18 @@ def test_hpo_takes_the_resolution_final_when_it_would_train_the_same(small, tmp_
     assert "final_from" not in twice and (run_path(tmp_path / "twice") / "hpo.pt").exists()
     assert twice["test_acc"] == hpo["test_acc"]
     assert [h["val_acc"] for h in twice["history"]] == [h["val_acc"] for h in hpo["history"]]
+    # trained again and validated lower (as for other time-matched epochs): the resolution
+    # final run is kept, the own run's scalars set aside in TensorBoard
+    real = scenario.default_if_better
+    monkeypatch.setattr(scenario, "default_if_better",
+                        lambda row, same: real({**row, "val_acc": row["val_acc"] - 0.5}, same))
+    both = scenarios(tmp_path / "lower")
+    lower = both["hpo"]
+    assert lower["final_from"] == "resolution" and lower["default_final"]["epochs"] == 2
+    assert lower["history"] == both["resolution"]["history"]
+    runs = run_path(tmp_path / "lower", "runs")
+    assert [p.name[:12] for p in runs.glob("hpo.*")] == ["hpo.default-"]
+    assert "kept the default configuration" in (tmp_path / "lower" / "report.md").read_text()
 
 
 def test_only_the_same_learning_takes_the_resolution_final():
@@ -881,8 +893,8 @@ def test_a_winner_whose_final_run_validates_below_the_defaults_gives_way_to_it(t
     assert "trained once" not in told
     unknown = {**kept, "winner_final": {**kept["winner_final"], "test_acc": None}}
     assert "validated below the resolution" in report.final_from_text(unknown)  # not "0.0%"
-    for row in (hpo_row(0.98), hpo_row(0.972), hpo_row(0.9, keeps_default=True),
-                hpo_row(0.9, reused=None)):  # higher, a tie, kept default, another default
+    for row in (hpo_row(0.98), hpo_row(0.972), hpo_row(0.98, keeps_default=True),
+                hpo_row(0.9, reused=None)):  # higher, a tie, kept default higher, another default
         assert scenario.default_if_better(row, same) is row
     assert scenario.default_if_better(lower, None) is lower  # no resolution scenario in this run
     # `--resume --scenarios hpo`: the resolution final run of this run, from results.json
@@ -893,6 +905,27 @@ def test_a_winner_whose_final_run_validates_below_the_defaults_gives_way_to_it(t
     assert found["row"]["test_acc"] == 0.953 and scenario._final_row(
         tmp_path, SimpleNamespace(name="d"), "another run") is None
     assert "warm_start" not in scenario.default_if_better(lower, found)
+
+
+def test_a_kept_default_trained_again_gives_way_to_the_resolution_final_run():
+    """The search kept the default, but time-matching gave its final run other epochs than
+    the resolution scenario's final run of that configuration, from the same trial: two runs
+    of one configuration, and the row keeps the better validated, saying which it trained."""
+    resolution = {"scenario": "resolution", "run_id": "r", "val_acc": 0.497, "test_acc": 0.478,
+                  "wall_s": 25.0, "tuning_s": 23.0, "total_s": 48.0, "epochs": 12,
+                  "settings": {"lr": 1e-3, "epochs": 12}}
+    own = {"scenario": "hpo", "run_id": "r", "val_acc": 0.458, "test_acc": 0.430, "epochs": 13,
+           "wall_s": 27.0, "tuning_s": 30.0, "total_s": 57.0, "start_weights": "none",
+           "settings": {"lr": 1e-3, "epochs": 13},
+           "hpo": {"keeps_default": True, "default_reused_from": "the 64 px trial"}}
+    kept = scenario.default_if_better(own, {"scenario": "resolution", "row": resolution})
+    assert (kept["final_from"], kept["test_acc"], kept["epochs"]) == ("resolution", 0.478, 12)
+    assert "winner_final" not in kept and kept["default_final"]["epochs"] == 13
+    assert (kept["tuning_s"], kept["total_s"]) == (57.0, 82.0)  # its own final run counted
+    told = report.final_from_text(kept, detail=True)
+    assert "kept the default configuration, trained it in full for 13 epochs, and it validated " \
+        "at 45.8% (test 43.0%), below the resolution scenario's final run of that " \
+        "configuration (12 epochs)" in told and "winner" not in told
 
 
 def test_a_tuned_final_run_fills_the_baselines_time_with_epochs(tmp_path):
