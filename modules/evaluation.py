@@ -22,11 +22,13 @@ log = logging.getLogger(__name__)
 @torch.no_grad()
 def evaluate(model: nn.Module, loader, *, device: torch.device | str | None = None,
              amp_dtype: torch.dtype | None = None, channels_last: bool = False,
-             num_classes: int | None = None) -> dict[str, Any]:
+             num_classes: int | None = None, pieces: int = 1) -> dict[str, Any]:
     """Loss, accuracy, per-class accuracy and confusion matrix of `model` over `loader`.
 
     A batch that runs out of memory is run again in halves (then quarters ...) for the rest of
     the call, each halving said in the log; the figures do not depend on the pieces.
+    pieces: what each batch is cut into from the start, as an earlier call returned it in
+    "pieces" (the trainer's every epoch: else each epoch's validation runs out of memory again).
     device: as load_model takes it ("auto" too); None runs where the model's weights are."""
     device = library_device(device) if device is not None else next(model.parameters()).device
     num_classes = int(num_classes or num_classes_of(model))
@@ -43,7 +45,7 @@ def evaluate(model: nn.Module, loader, *, device: torch.device | str | None = No
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     was_training = model.training
     model.eval()
-    splits = 1
+    splits = max(1, int(pieces))
     try:
         for x, y in loader:
             x = x.to(device, non_blocking=True, memory_format=memory_format)
@@ -78,7 +80,7 @@ def evaluate(model: nn.Module, loader, *, device: torch.device | str | None = No
     total = int(per_class_n.sum())
     if total == 0:
         return {"loss": float("nan"), "acc": float("nan"), "per_class_acc": [], "confusion": [],
-                "n": 0, "unscored": 0}
+                "n": 0, "unscored": 0, "pieces": splits}
     # A class without images in this split has no accuracy (NaN, null in results.json),
     # not 0%: with a seeded split of a tiny class it happens.
     per_class = matrix.diag().double() / per_class_n
@@ -86,7 +88,7 @@ def evaluate(model: nn.Module, loader, *, device: torch.device | str | None = No
     return {"loss": loss_sum.item() / n_scored if n_scored else float("nan"),
             "acc": matrix.diag().sum().item() / total,
             "per_class_acc": per_class.tolist(), "confusion": matrix.tolist(), "n": total,
-            "unscored": int(unscored.sum())}
+            "unscored": int(unscored.sum()), "pieces": splits}
 
 
 def _logits(model: nn.Module, x: torch.Tensor, splits: int, device: torch.device,

@@ -8,6 +8,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -196,7 +197,9 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
             epoch_start = time.perf_counter()
             row = epochs.train_one(train_loader, epoch)
             val = evaluate(model, val_loader, device=device, amp_dtype=dtype,
-                           channels_last=config.channels_last, num_classes=num_classes)
+                           channels_last=config.channels_last, num_classes=num_classes,
+                           pieces=epochs.eval_pieces)
+            epochs.eval_pieces = val["pieces"]
             profiled_s = epochs.profiler_s  # the profiler's own seconds are not the run's
             row.update(val_loss=val["loss"], val_acc=val["acc"], lr=row.pop("lr"),
                        epoch_s=time.perf_counter() - epoch_start - (profiled_s - profiled_before),
@@ -207,8 +210,14 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
             # patience running out at the last epoch stops nothing: the run trained them all
             stopped_early = progress.record(row, model, config.early_stopping_patience) and \
                 epoch + 1 < config.epochs
-            saver.save(progress, stopped_early or epoch + 1 == config.epochs, model, optimizer,
-                       scheduler, scaler, timer.state())
+            finished = stopped_early or epoch + 1 == config.epochs
+            if finished and epochs.windows and not epochs.applied:
+                # fewer windows than max_nonfinite_steps, every one skipped: nothing trained
+                raise DivergedError(
+                    f"training diverged: the loss was NaN/inf in every optimizer step of this "
+                    f"run ({progress.consecutive_bad} batches), so no update was applied "
+                    f"(lr={config.lr:g}); check the data, or lower --lr.")
+            saver.save(progress, finished, model, optimizer, scheduler, scaler, timer.state())
             if on_epoch is not None:
                 on_epoch(row["epoch"], row)
             if stopped_early:
@@ -270,6 +279,8 @@ class _Epochs:
         # After running out of memory every loader batch goes through in `splits` chunks (x2 per
         # recovery); the optimizer step still sees the same samples, so the effective batch stays.
         self.splits, self.oom_recoveries = 1, 0
+        self.eval_pieces = 1  # the same for the validation batches, which find it on their own
+        self.windows = self.applied = 0  # optimizer steps due, and taken, in this session
         # BatchNorm's running statistics are updated in the forward pass, before the loss is
         # checked: a window skipped for a NaN/inf puts them back as the window found them
         # (else they stay NaN, and so does every later evaluation).
@@ -398,6 +409,7 @@ class _Epochs:
                 f"batches with no update applied between them, up to epoch {epoch + 1} "
                 f"(lr={self.config.lr:g}); lower --lr"
                 + ("" if self.config.max_grad_norm else " or set --max-grad-norm 1.0") + ".")
+        self.windows += 1
         with region("optimizer_step"):
             if step_ok:  # a NaN/inf anywhere in the window skips its whole update
                 self.last_lr = self.optimizer.param_groups[0]["lr"]
@@ -405,9 +417,14 @@ class _Epochs:
                 distributed.average_gradients(self.model)
                 optimizer_step(self.model, self.optimizer, self.scaler, self.config.max_grad_norm)
                 distributed.broadcast_state(self.model, buffers_only=True)
-                self.scheduler.step()
+                self.applied += 1
             elif self.norm_buffers:
                 torch._foreach_copy_(self.norm_buffers, self.norm_saved)
+            # A skipped window still uses up its step of the schedule (as fp16's GradScaler
+            # skips do), so cosine and one-cycle end at the run's last window.
+            with warnings.catch_warnings():  # a first window skipped: no optimizer.step() yet
+                warnings.filterwarnings("ignore", "Detected call of", UserWarning)
+                self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
 
 

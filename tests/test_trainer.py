@@ -225,6 +225,41 @@ def test_a_diverging_run_stops_with_a_clear_message():
         fit(dataclasses.replace(BASE, epochs=4, batch_size=8, max_nonfinite_steps=3), small)
 
 
+def test_a_run_shorter_than_the_limit_whose_every_step_is_nan_is_no_result():
+    """Three batches in all, each NaN, under a limit of 5 in a row: no update was applied,
+    and the run must not end as if it trained (a tuner would score the untrained model)."""
+    data = colour_data(8)
+    data.tensors[0][:] = float("nan")
+    with pytest.raises(DivergedError, match=r"NaN/inf in every optimizer step of this run "
+                                            r"\(3 batches\), so no update was applied"):
+        fit(dataclasses.replace(BASE, epochs=3, batch_size=8, max_nonfinite_steps=5), data)
+    # one finite step is a run, however few
+    some = colour_data(16)
+    some.tensors[0][8:] = float("nan")
+    config = dataclasses.replace(BASE, epochs=2, batch_size=8, max_nonfinite_steps=5)
+    result = train(TinyNet(), DataLoader(some, batch_size=8), loader(colour_data(12), config,
+                                                                      False), config)
+    assert result.nonfinite_steps == 2 and result.epochs_run == 2
+
+
+@pytest.mark.parametrize("scheduler", ["cosine", "onecycle"])
+def test_a_skipped_window_uses_up_its_step_of_the_schedule(scheduler, recwarn):
+    """A window skipped for a NaN still steps the schedule (as fp16's GradScaler skips do): the
+    last optimizer step is at the schedule's end, as in a run without the NaN."""
+    config = dataclasses.replace(BASE, epochs=3, scheduler=scheduler, optimizer="adamw",
+                                 lr=0.01, batch_size=8)
+    data = colour_data(40)
+    data.tensors[0][0] = float("nan")  # the first batch of every epoch, the first step included
+    def run(data):
+        set_seed(config.seed)
+        return train(TinyNet(), DataLoader(data, batch_size=8),
+                     loader(colour_data(12, seed=1), config, False), config)
+    clean, skipped = run(colour_data(40)), run(data)
+    assert skipped.nonfinite_steps == 3
+    assert [r["lr"] for r in skipped.history][-1] == pytest.approx(clean.history[-1]["lr"])
+    assert not [w for w in recwarn if "lr_scheduler.step()" in str(w.message)]
+
+
 def test_with_accumulation_a_nan_in_every_window_stops_the_run():
     """A finite batch in a window skipped for another's NaN applies no update: it must not
     reset the count, or a run that never steps trains on, unchanged, to its end."""
