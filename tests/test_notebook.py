@@ -50,6 +50,12 @@ def printed(notebook: dict) -> str:
                    for o in c.get("outputs", []) if o.get("output_type") == "stream")
 
 
+def tracebacks(notebook: dict) -> list:
+    """The error outputs that carry a traceback of more than one line."""
+    return [o for c in notebook["cells"] for o in c.get("outputs", [])
+            if o.get("output_type") == "error" and len(o.get("traceback", [])) > 1]
+
+
 def test_notebook_is_thin_and_committed_without_outputs():
     code = [c for c in cells() if c["cell_type"] == "code"]
     assert all(not c["outputs"] and c["execution_count"] is None for c in code)
@@ -397,6 +403,24 @@ def test_simulated_colab_clones_mounts_drive_and_resumes_after_a_disconnect(tmp_
     assert "Mounted at" in text and "warning: running on the CPU" in text
 
 
+def test_the_set_up_cell_without_the_project_or_repo_url_is_one_line(tmp_path):
+    papermill = pytest.importorskip("papermill")
+    nbformat = pytest.importorskip("nbformat")
+    notebook = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("REPO_URL = ''\nREPO_REF = 'main'"),
+        nbformat.v4.new_code_cell(source(cells()[3]))])
+    nbformat.write(notebook, tmp_path / "alone.ipynb")
+    with pytest.raises(papermill.PapermillExecutionError) as raised:
+        papermill.execute_notebook(str(tmp_path / "alone.ipynb"), str(tmp_path / "out.ipynb"),
+                                   cwd=str(tmp_path), kernel_name="python3", progress_bar=False)
+    assert raised.value.cell_index == 1
+    ran = json.loads((tmp_path / "out.ipynb").read_text())
+    said = printed(ran)
+    assert said.startswith("UsageError: the project's files are not beside this notebook; set "
+                           "REPO_URL") and said.count("\n") == 1
+    assert not tracebacks(ran) and "To exit" not in said
+
+
 def test_the_set_up_cell_run_again_in_one_session_follows_repo_ref(tmp_path):
     """Run all again in the same session, after changing REPO_REF: the working folder is by
     then the clone, and the cell still moves it to the new ref; as the session still runs the
@@ -426,8 +450,11 @@ def test_the_set_up_cell_run_again_in_one_session_follows_repo_ref(tmp_path):
     with pytest.raises(papermill.PapermillExecutionError) as raised:
         papermill.execute_notebook(str(content / "rerun.ipynb"), str(tmp_path / "out.ipynb"),
                                    cwd=str(content), kernel_name="python3", progress_bar=False)
-    assert raised.value.ename == "SystemExit" and "Restart session" in raised.value.evalue
     assert raised.value.cell_index == 6
     assert (content / "hwtrain" / "MARKER").exists()
-    said = printed(json.loads((tmp_path / "out.ipynb").read_text()))
+    ran = json.loads((tmp_path / "out.ipynb").read_text())
+    said = printed(ran)
+    # one line, no traceback and no "To exit: use 'exit'" warning (a SystemExit's)
+    assert "UsageError: the project moved to" in said and "Restart session" in said
+    assert not tracebacks(ran) and "To exit" not in said
     assert said.count("warning: git merge failed") == 1 and "delete its folder" in said
