@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerAction, ProfilerActivity
 
-from modules.config import UserError
+from modules.config import UserError, first_line
 from modules.device import native_bf16_cpu  # noqa: F401  (its old home)
 from modules.diagnosis import BOTTLENECKS, THRESHOLDS, Thresholds, diagnose  # noqa: F401
 from modules.monitor import SystemSampler  # noqa: F401
@@ -53,17 +53,23 @@ class TorchProfiler:
     def __enter__(self) -> TorchProfiler:
         if not self.enabled:
             return self
-        self.trace_dir.mkdir(parents=True, exist_ok=True)
         activities = [ProfilerActivity.CPU]
         if self._cuda:
             activities.append(ProfilerActivity.CUDA)
-        self._handler = torch.profiler.tensorboard_trace_handler(str(self.trace_dir))
-        self._prof = torch.profiler.profile(
-            activities=activities,
-            schedule=torch.profiler.schedule(wait=self.wait, warmup=self.warmup,
-                                             active=self.active, repeat=self.repeat),
-            record_shapes=True, profile_memory=True, on_trace_ready=self._trace_ready)
-        self._prof.__enter__()
+        try:  # as at its end: the trace is a side product, never worth the run
+            self.trace_dir.mkdir(parents=True, exist_ok=True)
+            self._handler = torch.profiler.tensorboard_trace_handler(str(self.trace_dir))
+            prof = torch.profiler.profile(
+                activities=activities,
+                schedule=torch.profiler.schedule(wait=self.wait, warmup=self.warmup,
+                                                 active=self.active, repeat=self.repeat),
+                record_shapes=True, profile_memory=True, on_trace_ready=self._trace_ready)
+            prof.__enter__()
+        except Exception as err:  # a folder it cannot make, a profiler that cannot start
+            log.warning("profiler: could not start a trace in %s (%s: %s); training without it",
+                        self.trace_dir, type(err).__name__, first_line(err))
+            return self
+        self._prof = prof
         return self
 
     @property

@@ -87,6 +87,18 @@ def test_profiler_run_too_short_for_the_schedule_logs_instead_of_crashing(tmp_pa
     assert "no trace written" in caplog.text
 
 
+def test_a_profiler_that_cannot_start_leaves_the_run_to_train(tmp_path, caplog):
+    """A file where the trace folder goes: one warning, and the steps train untraced (the
+    trace is a side product, as when it cannot be finished)."""
+    (tmp_path / "file").write_text("")
+    with caplog.at_level(logging.WARNING, logger="modules.profiler"):
+        with TorchProfiler(tmp_path / "file" / "trace") as prof:
+            run_steps(tiny_loader(), tiny_model(), 6, prof)
+    assert not prof.recording and prof.traces_written == 0
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "could not start a trace" in warned[0]
+
+
 def test_profiler_rejects_a_bad_schedule(tmp_path):
     with pytest.raises(UserError, match="active"):
         TorchProfiler(tmp_path, active=0)
