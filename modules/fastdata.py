@@ -379,11 +379,13 @@ def batches_per_pass(batch_size: int, size: int, device: torch.device) -> int:
 
 
 def _budget(index, size: int) -> tuple[int, int, int]:
-    """(bytes the index's decoded images need at `size`, bytes cached now, the RAM budget).
-    Under torchrun every process on the machine holds a whole cache: each counts them all."""
-    needed = distributed.local_world_size() * sum(cache_bytes(len(s), size) for s in (index.train, index.val, index.test))
+    """(bytes the index's decoded images need at `size`, bytes cached now, the RAM budget), for
+    the machine. Under torchrun every process on it holds a whole cache, the same as this
+    one's: each counts them all, in what is needed, held and so free to take again."""
+    ranks = distributed.local_world_size()
+    needed = ranks * sum(cache_bytes(len(s), size) for s in (index.train, index.val, index.test))
     needed += 4 * cache_bytes(min(MEANS_CHUNK, len(index.train)), size)  # image_means' floats
-    held = sum(images.numel() for images, _ in _MEMO.values())
+    held = ranks * sum(images.numel() for images, _ in _MEMO.values())
     return needed, held, int(CACHE_RAM_FRACTION * (available_ram() + held))
 
 
@@ -446,18 +448,22 @@ def cached_loaders(index, config: TrainConfig) -> tuple[CachedLoader, ...] | Non
     size = config.image_size
     splits = (index.train, index.val, index.test)
     needed, held, budget = _budget(index, size)
-    if needed > budget:
+    device = resolve_device(config.device)
+    # Under torchrun every rank takes the same path (each measures its own free RAM): one that
+    # streamed beside others that cache would train on another pipeline than rank 0 records.
+    if distributed.any_rank([needed > budget], device)[0]:
         log.info("decoded-image cache would need %.1f GB at %d px, over its budget of %.1f GB "
                  "(%.0f%% of available RAM): streaming images from disk instead.",
                  needed / 1e9, size, budget / 1e9, 100 * CACHE_RAM_FRACTION)
         return None
     keys = {_key(s, size) for s in splits}
-    new_bytes = sum(cache_bytes(len(s), size) for s in splits if _key(s, size) not in _MEMO)
+    ranks = distributed.local_world_size()
+    new_bytes = ranks * sum(cache_bytes(len(s), size) for s in splits
+                            if _key(s, size) not in _MEMO)
     for key in [k for k in _MEMO if k not in keys]:  # least recently used first
         if held + new_bytes <= budget:
             break
-        held -= _MEMO.pop(key)[0].numel()
-    device = resolve_device(config.device)
+        held -= ranks * _MEMO.pop(key)[0].numel()
     on_gpu = False
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)

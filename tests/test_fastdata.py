@@ -327,6 +327,31 @@ def test_images_rewritten_under_the_same_names_are_decoded_again(folder):
     assert after.shape[1] == 3 and after.is_contiguous()  # NCHW, decoded in place
 
 
+def test_under_torchrun_the_ranks_cache_or_stream_together_and_count_every_ranks_cache(
+        folder, monkeypatch):
+    """Two processes on the machine: the caches both already hold count as free to take again
+    (the second call at a size was refused for the other rank's copy), and a rank over its
+    budget makes every rank stream (else they would train on different pipelines)."""
+    index = index_dataset(folder)
+    monkeypatch.setattr(fastdata.distributed, "world_size", lambda: 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    others_over = [False]
+    monkeypatch.setattr(fastdata.distributed, "any_rank",
+                        lambda flags, device: [flags[0] or others_over[0]])
+    needed, _, _ = fastdata._budget(index, 32)
+    machine = needed / fastdata.CACHE_RAM_FRACTION + 1  # just fits, with nothing held
+
+    def held():
+        return sum(images.numel() for images, _ in fastdata._MEMO.values())
+    # what both processes' caches leave free
+    monkeypatch.setattr(fastdata, "available_ram", lambda: machine - 2 * held())
+    assert fastdata.cached_loaders(index, _config(image_size=32)) is not None
+    assert held() > 0
+    assert fastdata.cached_loaders(index, _config(image_size=32)) is not None  # held, kept
+    others_over[0] = True
+    assert fastdata.cached_loaders(index, _config(image_size=32)) is None
+
+
 def test_the_cache_budget_counts_every_process_and_a_containers_limit(folder, monkeypatch,
                                                                         tmp_path):
     """Under torchrun each process on the machine holds a whole cache; a container's memory
