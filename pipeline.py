@@ -422,6 +422,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted: rerun the same command with --resume to continue.", file=sys.stderr)
         return 130
+    except RuntimeError as exc:
+        if not distributed.peer_left(exc):
+            raise
+        # Rank 0 alone writes the outputs, so a folder it cannot write (say) stops it there,
+        # and the others at their next collective: one line each, beside its own.
+        print(f"error: rank {distributed.rank()}: another process of this run stopped; its "
+              "error, above, says why.", file=sys.stderr)
+        return 2
     finally:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

@@ -80,6 +80,17 @@ def any_rank(flags: list[bool], device: torch.device) -> list[bool]:
     return [bool(v) for v in tensor.tolist()]
 
 
+# gloo's words when the process at the other end of a collective has exited
+PEER_LEFT = ("Connection closed by peer", "Connection reset by peer")
+
+
+def peer_left(exc: BaseException) -> bool:
+    """Whether `exc` is a collective that failed because another process of the run stopped
+    (its own error, said on its side, is the one to read)."""
+    return world_size() > 1 and isinstance(exc, RuntimeError) and \
+        any(words in str(exc) for words in PEER_LEFT)
+
+
 @dataclass(frozen=True)
 class Failed:
     """What rank 0 sends where the other ranks wait for a value (from_main) when the work that

@@ -215,6 +215,24 @@ def test_a_users_error_on_rank_0_alone_stops_every_rank_in_one_line(tmp_path):
         proc.stderr[-3000:]
 
 
+def test_a_write_that_fails_on_rank_0_stops_the_others_in_one_line_too(tmp_path):
+    """Rank 0 alone writes the outputs: a folder it cannot write stops it with one line, and
+    the other rank at its next collective, where it printed gloo's traceback."""
+    data = make_folder(tmp_path / "d", n_train=8, n_test=2)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "runs").write_text("")  # a file where the run's logs go
+    proc = torchrun("--data-dir", str(data), "--scenarios", "baseline", "--epochs", "1",
+                    "--image-size", "32", "--weights", "none", "--no-progress",
+                    "--output-dir", str(out))
+    assert proc.returncode != 0
+    assert proc.stderr.count("error: cannot write") == 1, proc.stderr[-3000:]
+    assert "error: rank 1: another process of this run stopped" in proc.stderr, \
+        proc.stderr[-3000:]
+    assert "[rank1]" not in proc.stderr and "Connection closed" not in proc.stderr, \
+        proc.stderr[-3000:]
+
+
 def _resume_on_two_machines(rank: int, init_file: str, folder: str, out: str) -> None:
     import torch.distributed as dist
     from torch import nn
