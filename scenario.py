@@ -409,6 +409,11 @@ def load_data(args: RunOptions, output_dir: Path) -> DatasetIndex:
         zip(("train", "test"), per_class)) if generated else None)
     if args.quick:
         index = subset(index, quick_per_class(len(index.classes)), seed=args.seed)
+    if not distributed.same_on_every_rank(index.fingerprint()):
+        # else the ranks' shards differ in length, and a collective fails on gloo's words
+        raise UserError("the processes of this torchrun run read different images (another "
+                        "copy of the data folder on each machine?): give every machine the "
+                        "same data, or run on one.")
     log.info("data: %s", index.summary())
     return index
 

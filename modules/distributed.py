@@ -80,6 +80,16 @@ def any_rank(flags: list[bool], device: torch.device) -> list[bool]:
     return [bool(v) for v in tensor.tolist()]
 
 
+def same_on_every_rank(value) -> bool:
+    """Whether every rank holds `value` (picklable and comparable); every rank gets the same
+    answer, so all of them act on it alike."""
+    if world_size() == 1:
+        return True
+    values: list = [None] * world_size()
+    dist.all_gather_object(values, value)
+    return all(v == values[0] for v in values)
+
+
 # gloo's words when the process at the other end of a collective has exited
 PEER_LEFT = ("Connection closed by peer", "Connection reset by peer")
 

@@ -233,6 +233,37 @@ def test_a_write_that_fails_on_rank_0_stops_the_others_in_one_line_too(tmp_path)
         proc.stderr[-3000:]
 
 
+def _load_other_data(rank: int, init_file: str, folders: list[str], out: str) -> None:
+    import torch.distributed as dist
+
+    import scenario
+    from modules.config import UserError
+    from pipeline import parse_args
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    args = parse_args(["--data-dir", folders[rank], "--weights", "none", "--output-dir", out])
+    try:
+        scenario.load_data(args, Path(out))
+        said = "loaded"
+    except UserError as exc:
+        said = str(exc)
+    Path(f"{out}.{rank}").write_text(said)
+    dist.destroy_process_group()
+
+
+def test_ranks_that_read_different_data_stop_together_in_one_line(tmp_path):
+    """Each machine reads its own copy of --data-dir: one with other images made the ranks'
+    shards differ, and a collective failed on gloo's "Received data size doesn't match"."""
+    import torch.multiprocessing as mp
+    folders = [str(make_folder(tmp_path / "a", n_train=6, n_test=2)),
+               str(make_folder(tmp_path / "b", n_train=9, n_test=2))]
+    out = str(tmp_path / "out")
+    mp.spawn(_load_other_data, args=(str(tmp_path / "init"), folders, out), nprocs=2)
+    for rank in (0, 1):
+        assert "read different images" in Path(f"{out}.{rank}").read_text()
+    mp.spawn(_load_other_data, args=(str(tmp_path / "init2"), folders[:1] * 2, out), nprocs=2)
+    assert Path(f"{out}.0").read_text() == Path(f"{out}.1").read_text() == "loaded"
+
+
 def _resume_on_two_machines(rank: int, init_file: str, folder: str, out: str) -> None:
     import torch.distributed as dist
     from torch import nn

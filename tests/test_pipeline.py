@@ -375,6 +375,7 @@ def test_under_torchrun_rank_0_downloads_the_intel_set_before_the_others_read_it
     archive."""
     said = []
     monkeypatch.setattr(scenario.distributed, "world_size", lambda: 2)
+    monkeypatch.setattr(scenario.distributed, "same_on_every_rank", lambda value: True)
     monkeypatch.setattr(scenario, "on_main", lambda action: said.append("rank 0 first") or
                         action())
     monkeypatch.setattr(scenario, "resolve_source", lambda *a: said.append("download") or (
