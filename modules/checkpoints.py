@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 from modules import distributed
-from modules.config import DEFAULTS, TrainConfig, UserError
+from modules.config import DEFAULTS, TrainConfig, UserError, first_line
 from modules.files import atomic_torch_save, read_torch_file
+from modules.oom import is_out_of_memory
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,18 @@ class CheckpointSaver:
                             f"{saved['steps_per_epoch']} steps, this run's have "
                             f"{self.layout['steps_per_epoch']}; run without --resume to start "
                             "over.")
+        try:
+            return self._restore_from(ckpt, model, optimizer, scheduler, scaler)
+        except (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError) as exc:
+            if is_out_of_memory(exc):  # the optimizer's state moved to a full GPU: not damage
+                raise
+            # a file torch reads, of this format, whose contents are not what save() wrote
+            raise UserError(f"checkpoint {str(self.path)!r} is damaged ({type(exc).__name__}: "
+                            f"{first_line(exc)}); delete it to start this scenario over."
+                            ) from None
+
+    def _restore_from(self, ckpt: dict[str, Any], model: nn.Module, optimizer, scheduler,
+                      scaler) -> Progress:
         model.load_state_dict(ckpt["model"])
         # load_state_dict copies the saved groups' kernel flags over those this run's
         # make_optimizer chose (a GPU's fused kernel resumed on a CPU, a --optimizer-impl
@@ -159,7 +172,7 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
-    return read_torch_file(path, "checkpoint")
+    return read_torch_file(path, "checkpoint", "delete it to start this scenario over")
 
 
 def saved_config(ckpt: dict[str, Any]) -> dict[str, Any]:

@@ -106,14 +106,18 @@ def _create_temp(path: Path) -> tuple[int, Path]:
 def kept_file(recorded: str | os.PathLike | None, folder: Path | None) -> Path | None:
     """A file recorded by its path when it was written into `folder` (a run's checkpoints
     folder), where it is now: the output dir may have moved since (Drive mounted elsewhere, a
-    relative --output-dir given from another directory). None when it is in neither place."""
+    relative --output-dir given from another directory), or been copied, when the file in
+    the copy is this run's and the recorded one another folder's. None when it is in neither
+    place."""
     if not recorded:
         return None
     path = Path(recorded)
-    if path.exists():
-        return path
-    moved = Path(folder) / path.name if folder is not None else None
-    return moved if moved is not None and moved.exists() else None
+    here = Path(folder) / path.name if folder is not None else None
+    # a file of the run's folder (named by the run) in a copy of the output dir, or moved
+    if here is not None and here.exists() and \
+            (path.parent.name == here.parent.name or not path.exists()):
+        return here
+    return path if path.exists() else None
 
 
 def disk_full(folder: Path) -> bool:
@@ -209,8 +213,9 @@ class ReadFailed(UserError):
     memory): not proof that it is damaged, so nothing should set it aside or replace it."""
 
 
-def read_torch_file(path: Path, what: str) -> Any:
-    """torch.load without code execution (weights_only); `what` names the file in errors."""
+def read_torch_file(path: Path, what: str, remedy: str = "") -> Any:
+    """torch.load without code execution (weights_only); `what` names the file in errors, and
+    `remedy` says what to do with one that is not readable."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"no such {what} {str(path)!r}.")
@@ -220,7 +225,7 @@ def read_torch_file(path: Path, what: str) -> Any:
         raise ReadFailed(f"could not read {what} {str(path)!r} ({_error_name(exc)}).") from None
     except Exception as exc:
         raise UserError(f"{what} {str(path)!r} is not a readable PyTorch file "
-                        f"({type(exc).__name__}).") from None
+                        f"({type(exc).__name__}){'; ' + remedy if remedy else ''}.") from None
 
 
 def _error_name(exc: BaseException) -> str:

@@ -211,8 +211,10 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
             stopped_early = progress.record(row, model, config.early_stopping_patience) and \
                 epoch + 1 < config.epochs
             finished = stopped_early or epoch + 1 == config.epochs
-            if finished and epochs.windows and not epochs.applied:
+            if finished and epochs.windows and not epochs.applied and \
+                    progress.resumed_from is None:
                 # fewer windows than max_nonfinite_steps, every one skipped: nothing trained
+                # (a resumed session's earlier ones may have)
                 raise DivergedError(
                     f"training diverged: the loss was NaN/inf in every optimizer step of this "
                     f"run ({progress.consecutive_bad} batches), so no update was applied "

@@ -102,6 +102,30 @@ def test_a_moved_output_folder_resumes_the_hpo_final_run_from_its_kept_weights(t
     assert "the final run starts from the weights the default trial ended with" in \
         capsys.readouterr().err
     assert [r["scenario"] for r in rows(moved)] == ["hpo"]
+    # copied, the original kept where it was recorded: the copy resumes from its own files
+    assert pipeline.main([*hpo, "--output-dir", str(tmp_path / "original")]) == 0
+    copy = Path(shutil.copytree(tmp_path / "original", tmp_path / "copy"))
+    run_path(copy).joinpath("hpo.pt").unlink()
+    assert pipeline.main([*hpo, "--output-dir", str(copy), "--resume"]) == 0
+    start = Path(rows(copy)[-1]["warm_start"]["weights"])
+    assert start.is_relative_to(copy) and start.exists()
+
+
+def test_a_kept_file_is_the_runs_own_copy_first(tmp_path):
+    from modules.files import kept_file
+    recorded = tmp_path / "out" / "checkpoints" / "run-1" / "w.pt"
+    here = tmp_path / "copy" / "checkpoints" / "run-1" / "w.pt"
+    recorded.parent.mkdir(parents=True), here.parent.mkdir(parents=True)
+    recorded.write_text("the original folder's")
+    assert kept_file(str(recorded), here.parent) == recorded  # moved away, or not copied
+    here.write_text("this run's")
+    assert kept_file(str(recorded), here.parent) == here
+    assert kept_file(str(recorded), None) == recorded
+    assert kept_file(str(tmp_path / "gone.pt"), here.parent) is None
+    # a file of another folder by the name of one of the run's (a --weights baseline.pt)
+    user = tmp_path / "mine" / "w.pt"
+    user.parent.mkdir(), user.write_text("the user's")
+    assert kept_file(str(user), here.parent) == user
 
 
 def test_resume_with_another_seed_names_the_seed_to_pass(tmp_path, capsys):

@@ -242,6 +242,19 @@ def test_a_run_shorter_than_the_limit_whose_every_step_is_nan_is_no_result():
     assert result.nonfinite_steps == 2 and result.epochs_run == 2
 
 
+def test_a_resumed_sessions_nan_steps_are_not_a_run_without_an_update(tmp_path):
+    """The earlier session applied its updates: a resumed last epoch whose few steps are all
+    NaN ends as the uninterrupted run would, not as one that never trained."""
+    config = dataclasses.replace(BASE, epochs=2, batch_size=8, max_nonfinite_steps=5)
+    with pytest.raises(Interrupted):
+        fit(config, colour_data(16), checkpoint_path=tmp_path / "c.pt",
+            on_epoch=interrupt_after(1))
+    bad = colour_data(16)
+    bad.tensors[0][:] = float("nan")
+    resumed = fit(config, bad, checkpoint_path=tmp_path / "c.pt", resume=True)
+    assert resumed.resumed_from_epoch == 1 and resumed.nonfinite_steps == 2
+
+
 @pytest.mark.parametrize("scheduler", ["cosine", "onecycle"])
 def test_a_skipped_window_uses_up_its_step_of_the_schedule(scheduler, recwarn):
     """A window skipped for a NaN still steps the schedule (as fp16's GradScaler skips do): the
@@ -378,6 +391,29 @@ def test_a_checkpoint_from_before_the_warm_up_setting_resumes(tmp_path):
     with pytest.raises(UserError, match=r"warmup_epochs 0.0 -> 1"):
         fit(dataclasses.replace(config, warmup_epochs=1), checkpoint_path=tmp_path / "ckpt.pt",
             resume=True)
+
+
+def test_a_checkpoint_whose_contents_are_damaged_is_one_line_naming_the_remedy(tmp_path):
+    """A file torch reads, of this format, but not what save() wrote: a missing key, weights
+    of other shapes, an optimizer of other groups. Each was a traceback."""
+    config = dataclasses.replace(BASE, epochs=2)
+    with pytest.raises(Interrupted):
+        fit(config, checkpoint_path=tmp_path / "ckpt.pt", on_epoch=interrupt_after(1))
+    good = load_checkpoint(tmp_path / "ckpt.pt")
+    weights = {k: v[:1] if v.dim() else v for k, v in good["model"].items()}
+    damaged = [{k: v for k, v in good.items() if k != "history"},
+               {**good, "model": weights},
+               {**good, "optimizer": {**good["optimizer"], "param_groups": []}},
+               {**good, "rng": {"torch": torch.zeros(3, dtype=torch.uint8)}}]
+    for i, ckpt in enumerate(damaged):
+        torch.save(ckpt, tmp_path / f"d{i}.pt")
+        with pytest.raises(UserError, match="is damaged .*; delete it to start this scenario "
+                                            "over") as err:
+            fit(config, checkpoint_path=tmp_path / f"d{i}.pt", resume=True)
+        assert "\n" not in str(err.value)
+    (tmp_path / "torn.pt").write_bytes((tmp_path / "ckpt.pt").read_bytes()[:100])
+    with pytest.raises(UserError, match=r"not a readable PyTorch file \(\w+\); delete it"):
+        fit(config, checkpoint_path=tmp_path / "torn.pt", resume=True)
 
 
 def test_resume_continues_and_matches_an_uninterrupted_run(tmp_path):
