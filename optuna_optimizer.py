@@ -412,6 +412,9 @@ class OptunaTuner:
         config = dataclasses.replace(self.suggest(trial), progress=False)
         distributed.from_main(config)  # under torchrun: the other ranks train it too
         trial.set_user_attr("run", self.run_name)  # whose trial, over its sessions
+        # With --local-dir the output dir's copy of the study is refreshed only between trials:
+        # a session lost mid-trial (a new Colab VM) left no RUNNING trial there to retry.
+        self._copy_to_mirror()
 
         ended: list[float] = []
 
@@ -424,6 +427,9 @@ class OptunaTuner:
 
         try:
             result = fit(self.index, config, on_epoch=on_epoch)
+        except KeyboardInterrupt:
+            self._retry_interrupted(trial)
+            raise
         except (DivergedError, RuntimeError) as exc:  # torch's OutOfMemoryError: a RuntimeError
             failed = trial_failure(exc)
             if failed is None:
@@ -452,6 +458,18 @@ class OptunaTuner:
         trial.set_user_attr("worker", self.worker)
         self._keep_weights(trial, result)
         return result.best_val_acc
+
+    def _retry_interrupted(self, trial) -> None:
+        """A trial stopped by Ctrl-C (Colab's Stop) is FAIL, as Optuna marks it: queued again
+        with its parameters, so --resume trains it, as it does one cut off by a lost session
+        (_retry_cut_off). The default trial is queued again by run() already."""
+        if trial.user_attrs.get("default"):
+            return
+        try:  # run() copies the study to the mirror once Optuna has marked this one FAIL
+            trial.study.enqueue_trial(trial.params, user_attrs={"retried_from": trial.number})
+        except Exception as exc:  # the storage unreachable too: --resume then draws anew
+            log.warning("trial %d was stopped and could not be queued again (%s)", trial.number,
+                        first_line(exc))
 
     def _keep_weights(self, trial, result) -> None:
         """Keep the weights of the default trial and of the best trial so far: the final run
@@ -704,7 +722,10 @@ class OptunaTuner:
                          self.earlier.source, self.epochs, default.value)
             else:
                 self.study.enqueue_trial(self.default_params(), user_attrs={"default": True})
-        before = len(self.study.trials)
+        def waiting() -> int:  # queued: the default, a stopped trial's retry (in an earlier
+            return sum(t.state == optuna.trial.TrialState.WAITING  # session, or just now)
+                       for t in self.study.trials)
+        before, waiting_before = len(self.study.trials), waiting()
         have = done()  # a reused default trial among them
         to_run = n_trials - have
         self.study.set_user_attr(count_key, n_trials)
@@ -720,10 +741,14 @@ class OptunaTuner:
             log.info("study %r: its time budget (%.0f s) was spent by the trials already run: "
                      "none added", self.study_name, self.timeout_s)
         elif to_run > 0:
-            self.study.optimize(self.objective, n_trials=to_run, timeout=left,
-                                callbacks=[self._log_trial, self._copy_to_mirror],
-                                gc_after_trial=True)
-        self.new_trials = len(self.study.trials) - before
+            try:
+                self.study.optimize(self.objective, n_trials=to_run, timeout=left,
+                                    callbacks=[self._log_trial, self._copy_to_mirror],
+                                    gc_after_trial=True)
+            except KeyboardInterrupt:  # the stopped trial FAIL, its retry queued: in the copy
+                self._copy_to_mirror()
+                raise
+        self.new_trials = len(self.study.trials) - before + waiting_before - waiting()
         ran = finished() - finished_before
         if self.timeout_s is not None and 0 < ran < to_run:
             log.info("study %r: the time budget (%.0f s) ended the search after %d of the %d "

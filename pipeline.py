@@ -124,8 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="continue interrupted scenarios from their checkpoints")
     run.add_argument("--local-dir", metavar="DIR",
                      help="keep the SQLite study (and the generated synthetic set) here, on "
-                          "a local disk, and copy the study to the output "
-                          "dir after every trial: for an output dir on a network drive such as "
+                          "a local disk, and copy the study to the output dir as every trial "
+                          "starts and ends: for an output dir on a network drive such as "
                           "Google Drive, where SQLite is slow and unsafe; --resume restores it "
                           "from the output dir when DIR lost it")
     run.add_argument("--seed", type=_bounded(int, 0, MAX_SEED), default=42)

@@ -135,6 +135,10 @@ def test_an_interrupted_search_resumes_with_what_it_lacks_and_new_points(index, 
     assert (summary["n_trials"], summary["n_failed"]) == (4, 1)
     drawn = [x.params["lr"] for x in finished if not x.user_attrs.get("default")]
     assert len(set(drawn)) == len(drawn) == 3, drawn
+    # the trial stopped by Ctrl-C (Optuna's FAIL) is trained again with its parameters, as
+    # one cut off by a lost session is
+    retried = [x for x in finished if x.user_attrs.get("retried_from") is not None]
+    assert len(retried) == 1 and retried[0].params["lr"] == pytest.approx(calls[2])
 
 
 def test_a_resume_without_a_count_keeps_the_study_s_and_retries_a_stopped_default(
@@ -748,6 +752,29 @@ def test_local_dir_keeps_the_study_local_and_copies_it_to_the_output_dir(index, 
     again.run()
     assert len(again.study.trials) == 3
     assert len(optuna.load_study(study_name="hpo", storage=f"sqlite:///{copy}").trials) == 3
+
+
+def test_local_dir_copies_a_trial_to_the_output_dir_as_it_starts(index, tmp_path, monkeypatch):
+    """The copy was refreshed only after a trial ended: a session lost mid-trial (a new Colab
+    VM, its local dir gone) left no RUNNING trial in it to retry on resume."""
+    copy = tmp_path / "hpo" / "optuna.db"
+    seen = []
+
+    def looking(idx, config, on_epoch):
+        stored = optuna.load_study(study_name="hpo", storage=f"sqlite:///{copy}")
+        seen.append(stored.trials[-1].state)
+        return fake_fit(idx, config, on_epoch)
+    monkeypatch.setattr(optuna_optimizer, "fit", looking)
+    tuner(index, tmp_path, local_dir=tmp_path / "local", n_trials=2).run()
+    assert seen == [optuna.trial.TrialState.RUNNING] * 2
+
+    def stopped(idx, config, on_epoch):
+        raise KeyboardInterrupt  # Stop pressed mid-trial
+    monkeypatch.setattr(optuna_optimizer, "fit", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        tuner(index, tmp_path, local_dir=tmp_path / "local", n_trials=3, resume=True).run()
+    stored = optuna.load_study(study_name="hpo", storage=f"sqlite:///{copy}")
+    assert [t.state.name for t in stored.trials][2:] == ["FAIL", "WAITING"]  # none RUNNING
 
 
 def test_a_smaller_batch_must_beat_the_default_within_the_default_trials_steps(index, tmp_path):
