@@ -760,6 +760,9 @@ def default_if_better(row: dict[str, Any], same: dict[str, Any] | None) -> dict[
     summary = row.get("hpo") or {}
     if not summary.get("default_reused_from") or same is None:
         return row
+    if summary.get("keeps_default") and (row.get("settings") or {}).get("weights") != \
+            (same["row"].get("settings") or {}).get("weights"):
+        return row  # the default trained from another start (a shared study's worker's trial)
     mine, default = row.get("val_acc"), same["row"].get("val_acc")
     if mine is None or default is None or mine >= default:
         return row
@@ -1409,7 +1412,7 @@ def run(args: RunOptions, index: DatasetIndex | None = None) -> list[dict[str, A
         args.run_id = distributed.from_main(start_run(
             output_dir, index, resume=args.resume, seed=args.seed, quick=args.quick,
             weights=str(weights_file(args.weights).resolve()) if weights_file(args.weights)
-            else args.weights,
+            else args.weights, model=args.model,
             command=args.command or shlex.join(["python", *shown_argv(sys.argv)])))
         with (run_log(output_dir / "runs" / args.run_id / "run.log") if distributed.is_main()
               else contextlib.nullcontext()):

@@ -21,6 +21,8 @@ from modules.diagnosis import diagnose
 from modules.fastdata import CachedLoader, total_ram
 from modules.files import ReadFailed, atomic_write_text
 from modules.model_files import read_meta, save_model
+from modules.models import (UNREACHABLE_START, keep_random_start, resolved_start,
+                            start_weights)
 from modules.report import finite_number
 from modules.selection import accuracy_se
 from modules.trainer import TrainResult
@@ -108,13 +110,18 @@ def forget_refused_run(output_dir: Path, run_id: str) -> None:
 
 def start_run(output_dir: Path, index: DatasetIndex, *, resume: bool, command: str,
               seed: int | None = None, quick: bool | None = None,
-              weights: str | None = None) -> str:
+              weights: str | None = None, model: str | None = None) -> str:
     """This run's id: with resume the newest run's, which must be on the same data and start
     from the same weights; else a new one (the UTC time), recorded as the newest. Earlier
     runs' files stay. `seed`, `quick`: the --seed the data was split with and whether --quick
     took a subset of it, recorded so that a refused resume can name the difference.
     `weights`: --weights (a file by its absolute path): a baseline resumed from its checkpoint
-    would otherwise go on from the earlier start without a word, its row naming the new one."""
+    would otherwise go on from the earlier start without a word, its row naming the new one.
+    `model`: with --weights imagenet, what the run started from is recorded too ("start": the
+    weights, or a random start where they were unreachable), and a resumed run keeps it (a
+    random start again where the weights are reachable now), or is refused where they were
+    fetched then and are unreachable now: trials from either start would be compared."""
+    keep_random_start(None)  # a start kept for a resumed run is that run's alone
     runs = _runs(output_dir)
     newest = runs[0] if runs else None
     # --resume continues the newest run that left something to continue, when one did: a run
@@ -155,6 +162,7 @@ def start_run(output_dir: Path, index: DatasetIndex, *, resume: bool, command: s
                 f"from --weights {latest['weights']}, this one from --weights {weights}: pass "
                 f"--weights {latest['weights']} to continue it, or drop --resume to start a new "
                 "run beside it (nothing is deleted).")
+        _same_start(latest, output_dir, weights, model)
         log.info("resuming run %s (%s)", latest["run_id"], latest.get("command") or "")
         if latest["run_id"] != newest["run_id"]:
             log.info("the newer run %s left nothing to continue", newest["run_id"])
@@ -174,11 +182,32 @@ def start_run(output_dir: Path, index: DatasetIndex, *, resume: bool, command: s
         record = {"run_id": run_id, "dataset": index.name, "data_fingerprint": fingerprint,
                   "n_images": index.n_images(), "seed": seed, "quick": quick,
                   "weights": weights,
+                  "start": resolved_start(model, weights) if model and weights else None,
                   "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                   "command": command}
         write_json(_record_path(output_dir, run_id), record)  # makes the run's folder
         write_json(output_dir / RUN_FILE, record)
     return run_id
+
+
+def _same_start(latest: dict[str, Any], output_dir: Path, weights: str | None,
+                model: str | None) -> None:
+    """A resumed run goes on from the start it recorded (start_run)."""
+    before = latest.get("start")
+    if not model or weights != "imagenet" or before is None:
+        return  # another start is refused above; a run of a version that did not record it
+    if before == UNREACHABLE_START:
+        if start_weights(model, weights) != UNREACHABLE_START:
+            log.info("the run being resumed started from random weights (the ImageNet weights "
+                     "were unreachable then): its models keep that start")
+        keep_random_start(model)
+    # Rank 0's weights reach every rank when training starts: its session is the one to ask
+    # (a refusal there stops the others, a peer gone, in one line each).
+    elif distributed.is_main() and resolved_start(model, weights) == UNREACHABLE_START:
+        raise UserError(
+            f"cannot resume: the newest run in {output_dir} ({latest['run_id']}) started from "
+            f"the ImageNet weights, which this session cannot fetch (above): resume where they "
+            "can be fetched, or drop --resume to start a new run beside it (nothing is deleted).")
 
 
 def mark_finished(output_dir: Path, run_id: str) -> None:

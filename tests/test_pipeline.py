@@ -912,16 +912,22 @@ def test_a_kept_default_trained_again_gives_way_to_the_resolution_final_run():
     """The search kept the default, but time-matching gave its final run other epochs than
     the resolution scenario's final run of that configuration, from the same trial: two runs
     of one configuration, and the row keeps the better validated, saying which it trained."""
+    trial = "checkpoints/r/resolution-64px-73e2ff43b3.weights.pt"
     resolution = {"scenario": "resolution", "run_id": "r", "val_acc": 0.497, "test_acc": 0.478,
                   "wall_s": 25.0, "tuning_s": 23.0, "total_s": 48.0, "epochs": 12,
-                  "settings": {"lr": 1e-3, "epochs": 12}}
+                  "settings": {"lr": 1e-3, "epochs": 12, "weights": trial}}
     own = {"scenario": "hpo", "run_id": "r", "val_acc": 0.458, "test_acc": 0.430, "epochs": 13,
            "wall_s": 27.0, "tuning_s": 30.0, "total_s": 57.0, "start_weights": "none",
-           "settings": {"lr": 1e-3, "epochs": 13},
+           "settings": {"lr": 1e-3, "epochs": 13, "weights": trial},
            "hpo": {"keeps_default": True, "default_reused_from": "the 64 px trial"}}
     kept = scenario.default_if_better(own, {"scenario": "resolution", "row": resolution})
     assert (kept["final_from"], kept["test_acc"], kept["epochs"]) == ("resolution", 0.478, 12)
     assert "winner_final" not in kept and kept["default_final"]["epochs"] == 13
+    # trained from another start (a shared study's default trial, another worker's): not the
+    # same configuration's other run
+    elsewhere = {**own, "settings": {**own["settings"], "weights": "another worker's.pt"}}
+    assert scenario.default_if_better(elsewhere, {"scenario": "resolution",
+                                                  "row": resolution}) is elsewhere
     assert (kept["tuning_s"], kept["total_s"]) == (57.0, 82.0)  # its own final run counted
     told = report.final_from_text(kept, detail=True)
     assert "kept the default configuration, trained it in full for 13 epochs, and it validated " \
@@ -1672,6 +1678,71 @@ def test_a_resume_from_other_weights_is_refused_in_one_line(small, tmp_path, mon
     monkeypatch.chdir(tmp_path)
     assert run_main(*argv, "--weights", "start.pt", "--resume") == 0
     assert json.loads((out / "results.json").read_text())[-1]["resumed_from_epoch"] == 1
+
+
+def test_a_resumed_run_keeps_the_start_it_had_when_imagenet_was_unreachable(
+        small, tmp_path, monkeypatch, capsys):
+    """Started while the ImageNet weights could not be fetched (random start), resumed where
+    they can: the rest of the run trained from them and was compared with the trials of the
+    random start, every row saying "imagenet". It keeps the random start now; and a run that
+    fetched them, resumed where they cannot be, is refused in one line."""
+    import urllib.error
+
+    import torchvision
+
+    from modules import checkpoints, models
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    url = torchvision.models.SqueezeNet1_1_Weights.IMAGENET1K_V1.url
+    cached = tmp_path / "torch" / "hub" / "checkpoints" / url.rsplit("/", 1)[-1]
+
+    def offline(*_, **__):  # torch.hub offline: its cache, or no weights
+        if cached.is_file():
+            return torch.load(cached, weights_only=True)
+        raise urllib.error.URLError("[Errno -2] Name or service not known")
+    monkeypatch.setattr(torchvision.models._api, "load_state_dict_from_url", offline)
+
+    def new_process():
+        monkeypatch.setattr(models, "_TRIED", set())
+        monkeypatch.setattr(models, "_UNREACHABLE", set())
+
+    def reachable(yes: bool):
+        if yes:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(torchvision.models.squeezenet1_1(weights=None).state_dict(), cached)
+        else:
+            cached.unlink(missing_ok=True)
+    out = tmp_path / "out"
+    argv = ("--data-dir", str(small), "--scenarios", "baseline", "--image-size", "32",
+            "--epochs", "2", "--weights", "imagenet", "--no-progress", "--output-dir", str(out))
+    real = checkpoints.CheckpointSaver.save
+
+    def save_then_stop(self, *a, **k):
+        real(self, *a, **k)
+        raise KeyboardInterrupt
+    for first in (False, True):
+        shutil.rmtree(out, ignore_errors=True)
+        new_process()
+        reachable(first)
+        with monkeypatch.context() as m:
+            m.setattr(checkpoints.CheckpointSaver, "save", save_then_stop)
+            assert run_main(*argv) != 0
+        new_process()
+        reachable(not first)
+        capsys.readouterr()
+        code = run_main(*argv, "--resume")
+        err = capsys.readouterr().err
+        if first:  # fetched then, unreachable now
+            assert code == 2 and "started from the ImageNet weights, which this session " \
+                "cannot fetch" in err and "Traceback" not in err
+        else:
+            assert code == 0 and "its models keep that start" in err
+            row = json.loads((out / "results.json").read_text())[-1]
+            assert row["resumed_from_epoch"] == 1
+            assert row["start_weights"] == models.UNREACHABLE_START
+            # a new run in the same process (the notebook's) starts from the weights
+            assert run_main(*argv) == 0
+            row = json.loads((out / "results.json").read_text())[-1]
+            assert row["start_weights"] == "imagenet" and row.get("resumed_from_epoch") is None
 
 
 def test_scenarios_run_in_the_order_each_builds_on_whatever_order_they_are_typed():
