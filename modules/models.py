@@ -151,7 +151,7 @@ def num_classes_of(model: nn.Module) -> int:
 
 _UNREACHABLE: set[str] = set()  # models whose weights failed to download in this process
 _TRIED: set[str] = set()  # models whose weights this process has tried to load
-_KEPT_RANDOM: set[str] = set()  # models the run being resumed started at random
+_KEPT_RANDOM: set[str] = set()  # in _UNREACHABLE for the resumed run alone (keep_random_start)
 UNREACHABLE_START = "random (ImageNet weights unreachable)"
 
 
@@ -159,7 +159,7 @@ def start_weights(name: str, weights: str) -> str:
     """What a run asked to start from (`weights`, as the user gave it) actually was: the
     ImageNet weights, or a random start when they could not be fetched in this process (or in
     the session of the run it resumes: keep_random_start)."""
-    if weights == "imagenet" and (name in _UNREACHABLE or name in _KEPT_RANDOM):
+    if weights == "imagenet" and name in _UNREACHABLE:
         return UNREACHABLE_START
     return weights
 
@@ -176,26 +176,28 @@ def possible_starts(name: str, weights: str) -> set[str]:
 def resolved_start(name: str, weights: str) -> str:
     """start_weights() for a run about to start: the ImageNet weights are tried now (read from
     the hub cache, or fetched) when this process has not tried them yet."""
-    if weights == "imagenet" and name in _WEIGHTS and name not in _TRIED | _KEPT_RANDOM:
+    if weights == "imagenet" and name in _WEIGHTS and name not in _TRIED:
         _load_imagenet(getattr(torchvision.models, name)(weights=None), name)
     return start_weights(name, weights)
 
 
 def keep_random_start(name: str | None) -> None:
     """The run being resumed started its `name` models at random (the ImageNet weights were
-    unreachable in its first session): this one's start there too, reachable or not. None:
-    a new run (in the notebook's process, after such a resume), whose start is its own."""
+    unreachable in its first session): this one's start there too, reachable or not, as if
+    unreachable in this process. None: a new run (in the notebook's process, after such a
+    resume), whose start is its own: the weights are tried again."""
     if name is None:
+        _UNREACHABLE.difference_update(_KEPT_RANDOM)
+        _TRIED.difference_update(_KEPT_RANDOM)
         _KEPT_RANDOM.clear()
-    else:
+    elif name not in _UNREACHABLE:  # else unreachable here too, and said so already
         _KEPT_RANDOM.add(name)
+        _UNREACHABLE.add(name)
 
 
 def _load_imagenet(model: nn.Module, name: str) -> None:
-    if name in _KEPT_RANDOM:
-        return
     _TRIED.add(name)
-    if name in _UNREACHABLE:  # said once already; tuners build many models
+    if name in _UNREACHABLE:  # said once already (or kept random); tuners build many models
         return
     weights = _WEIGHTS[name]
     cached = Path(torch.hub.get_dir()) / "checkpoints" / Path(weights.url).name
