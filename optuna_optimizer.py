@@ -722,9 +722,9 @@ class OptunaTuner:
                          self.earlier.source, self.epochs, default.value)
             else:
                 self.study.enqueue_trial(self.default_params(), user_attrs={"default": True})
-        def waiting() -> int:  # queued: the default, a stopped trial's retry (in an earlier
-            return sum(t.state == optuna.trial.TrialState.WAITING  # session, or just now)
-                       for t in self.study.trials)
+        def waiting() -> int:  # queued: the default, a stopped trial's retry
+            return len(self.study.get_trials(deepcopy=False,
+                                             states=(optuna.trial.TrialState.WAITING,)))
         before, waiting_before = len(self.study.trials), waiting()
         have = done()  # a reused default trial among them
         to_run = n_trials - have
