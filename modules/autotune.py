@@ -277,11 +277,16 @@ def _label(value: Any) -> str:
 
 
 def _pick(knob: str, candidates: list[Any], config: TrainConfig, num_classes: int,
-          current: dict[str, Any], min_s: float = MIN_S, deadline: float | None = None
+          current: dict[str, Any], min_s: float = MIN_S,
+          deadline: Callable[[], float | None] | float | None = None
           ) -> tuple[TrainConfig, dict[str, Any]]:
     """Race each other candidate value of `knob` against the best so far, with the other knobs
     as chosen so far; keep the first candidate (the default, whose probe the previous knob left
-    in `current`) unless another is at least MIN_GAIN faster in the same race."""
+    in `current`) unless another is at least MIN_GAIN faster in the same race. `deadline` is
+    read again before each challenger when it is a callable: a faster winner shrinks the
+    budget, which the knob's later races must keep to."""
+    def ends() -> float | None:
+        return deadline() if callable(deadline) else deadline
     figures: dict[str, Any] = {}
     races: list[str] = []  # each challenger against the setting it raced, at the same moment
     best = current.get("probe")
@@ -299,11 +304,12 @@ def _pick(knob: str, candidates: list[Any], config: TrainConfig, num_classes: in
         if best is None:
             raise UserError(f"no {knob} setting could train on this device: {figures}")
     for value in rest:
-        if deadline is not None and time.perf_counter() >= deadline:
+        until = ends()
+        if until is not None and time.perf_counter() >= until:
             figures[_label(value)] = "not measured: the measuring budget was spent"
             continue
         challenger, result = _challenge(best, dataclasses.replace(config, **{knob: value}),
-                                        num_classes, min_s=min_s, deadline=deadline)
+                                        num_classes, min_s=min_s, deadline=until)
         if challenger is None:
             figures[_label(value)] = result["error"]
             continue
@@ -319,6 +325,8 @@ def _pick(knob: str, candidates: list[Any], config: TrainConfig, num_classes: in
                      + (" (cut short: the measuring budget was spent)" if result.get("cut")
                         else ""))
         if theirs > MIN_GAIN * mine:
+            if not result["dropped"]:  # the loser's figure from this race, as the winner's is
+                figures[_label(best_value)] = round(mine, 2)
             best, best_value = challenger, value
             current.update(probe=challenger, img_s=theirs)
         elif not result["dropped"]:  # a dropped race timed the incumbent for a step or two
@@ -328,11 +336,15 @@ def _pick(knob: str, candidates: list[Any], config: TrainConfig, num_classes: in
         _release()
     best_img_s = current["img_s"]
     chosen = dataclasses.replace(config, **{knob: best_value})
+    errors = {k: v for k, v in figures.items() if not isinstance(v, float)}
     if races:  # figures from different races were taken at different moments: not compared
         reason = f"{_label(best_value)} measured {best_img_s:.1f} img/s; raced: " + "; ".join(races)
+    elif any(v.startswith("not measured") for v in errors.values()):
+        # No race ran: the choice is the default kept, not a measurement (a later run with
+        # more budget measures it: _budget_skipped).
+        reason = f"not measured: {_label(best_value)} kept ({best_img_s:.1f} img/s)"
     else:
         reason = f"only {_label(best_value)} runs here ({best_img_s:.1f} img/s)"
-    errors = {k: v for k, v in figures.items() if not isinstance(v, float)}
     if errors:
         reason += "; " + "; ".join(f"{k} {v}" if v.startswith("not measured")
                                    else f"{k} unavailable ({v})" for k, v in errors.items())
@@ -537,9 +549,12 @@ def run_with_deadline(target: Callable[..., None], args: tuple, deadline_s: floa
         job.write_bytes(pickle.dumps((target.__module__, target.__qualname__, args, str(answer),
                                       os.getpid())))
         path = os.pathsep.join(p for p in [os.getcwd(), *sys.path] if p)
+        # This project first, before the working directory that `-c` puts first: a `modules`
+        # package of the user's there must not stand in for ours.
+        root = str(Path(__file__).resolve().parents[1])
         proc = subprocess.Popen(
-            [sys.executable, "-c", "import sys; from modules.autotune import _child_main; "
-             "_child_main(sys.argv[1])", str(job)],
+            [sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[2]); "
+             "from modules.autotune import _child_main; _child_main(sys.argv[1])", str(job), root],
             env={**os.environ, "PYTHONPATH": path}, cwd=os.getcwd(),
             start_new_session=os.name == "posix")
         ends = time.perf_counter() + max(0.0, deadline_s)
@@ -882,7 +897,7 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
             continue
         mark = time.perf_counter()
         config, knobs[knob] = _pick(knob, candidates, config, num_classes, current, min_s,
-                                    deadline())
+                                    deadline)
         knobs[knob]["seconds"] = round(time.perf_counter() - mark, 2)
         phases["knobs"] = phases.get("knobs", 0.0) + knobs[knob]["seconds"]
         log.info("autotune: %s = %s (%s)", knob, _label(knobs[knob]["choice"]),
@@ -1002,7 +1017,8 @@ def _capped(planned_steps: int | None, time_capped: tuple[int, float] | None,
 def _budget_skipped(entry: dict[str, Any]) -> bool:
     """Whether a knob was left unmeasured for lack of budget or of planned steps."""
     reason = str(entry.get("reason", ""))
-    return reason.startswith(("not measured", "not tried", "not refitted")) or \
+    unraced = any(str(v).startswith("not measured") for v in (entry.get("img_s") or {}).values())
+    return unraced or reason.startswith(("not measured", "not tried", "not refitted")) or \
         "abandoned" in reason
 
 
@@ -1023,8 +1039,8 @@ def _measure_rest(findings: dict[str, Any], planned_steps: int | None,
     step_s = tuned.effective_batch_size / img_s
     old_budget = findings.get("budget_s") or 0.0
     more_budget = budget_share is None or budget_share * now * step_s > old_budget + (
-        findings.get("phases_s") or {}).get("first_probe", 0.0) + 2 * findings.get(
-        "seconds_per_candidate", MIN_S)
+        findings.get("phases_s") or {}).get("first_probe", 0.0) + 2 * (findings.get(
+        "seconds_per_candidate") or MIN_S)
     skipped = [k for k, v in knobs.items() if isinstance(v, dict) and _budget_skipped(v) and (
         (now * step_s * COMPILE_BEST_GAIN >= COMPILE_WARMUP_FLOOR_S) if k == "compile" and
         str(v.get("reason", "")).startswith("not tried: the planned") else more_budget)]
@@ -1052,7 +1068,8 @@ def _measured_at_other_size(key: str, plan: list[tuple[str, list[Any]]]
         if have != want or other_size == size:
             continue
         raced = {k: v["choice"] for k, v in findings["knobs"].items()
-                 if v.get("img_s") and v["choice"] in candidates.get(k, ())}
+                 if v.get("img_s") and not _budget_skipped(v)
+                 and v["choice"] in candidates.get(k, ())}
         if raced and (best is None or abs(other_size - size) < best[0]):
             best = (abs(other_size - size), other_size, raced)
     return (best[1], best[2]) if best else (None, {})
@@ -1156,8 +1173,12 @@ def _valid_report(report: Any) -> dict[str, Any]:
             and isinstance(v.get("img_s") or {}, dict) and isinstance(v.get("reason", ""), str)
             for k, v in knobs.items()):
         raise ValueError("its knobs are not this version's")
-    if not isinstance(report.get("phases_s") or {}, dict):
+    phases = report.get("phases_s") or {}
+    if not isinstance(phases, dict) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in phases.values()):
         raise ValueError("phases_s is not this version's")
+    for k, v in knobs.items():  # a choice TrainConfig refuses would fail mid-run (UserError)
+        dataclasses.replace(TrainConfig(), **{k: v["choice"]})
     for name in ("compute_img_s", "budget_s", "planned_steps", "seconds_per_candidate"):
         value = report.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
@@ -1186,7 +1207,8 @@ def _from_cache(path: str | Path, key: str) -> tuple[TrainConfig, dict[str, Any]
                  _error(exc))
         return None
     measured = entry.get("measured", "?")
-    raced = any(len(v.get("img_s") or {}) >= 2 for v in report["knobs"].values())
+    raced = any(sum(isinstance(x, (int, float)) for x in (v.get("img_s") or {}).values()) >= 2
+                for v in report["knobs"].values())
     what = "the choice measured" if raced else "the settings kept unmeasured (no knob raced)"
     log.info("autotune: reusing %s on this machine on %s (%s)", what, measured, path)
     return tuned, {**report, "reused_from": f"{path} ({measured})"}

@@ -737,6 +737,72 @@ def test_a_knob_whose_challenger_was_cut_in_its_warm_up_keeps_its_setting(monkey
     assert "bf16 not measured: the measuring budget was spent in its warm-up" in entry["reason"]
 
 
+def test_a_knob_none_of_whose_challengers_ran_is_said_unmeasured_and_measured_later(monkeypatch):
+    """Every challenger cut in its warm-up: "only off runs here" said bf16 could not run, the
+    diagnosis called bf16 measured slower, and a later, longer run reused the choice whole
+    (and passed it on to other sizes as measured)."""
+    from modules.diagnosis import _measured_slower
+    probe = at.ComputeProbe(_config(), 3)
+    monkeypatch.setattr(at, "_challenge", lambda *a, **k: (object(), {
+        "img_s": None, "warmup_s": 5.0, "steps": 0, "dropped": False, "cut": True}))
+    _, entry = at._pick("amp", ["off", "bf16"], _config(), 3,
+                        {"probe": probe, "img_s": 100.0}, 0.0, 1e12)
+    assert entry["reason"].startswith("not measured: off kept")
+    assert "runs here" not in entry["reason"] and at._budget_skipped(entry)
+    assert _measured_slower({"raced": {"amp": entry["img_s"]}}, "amp", "bf16", "off") is None
+    findings = {"knobs": {"amp": entry}, "planned_steps": 10, "compute_img_s": 100.0,
+                "budget_s": 1.0, "seconds_per_candidate": None}  # None: an edited cache
+    assert at._measure_rest(findings, 100_000, None, _config(), "before", 0.1) == {}
+
+
+def test_a_race_won_reports_the_losers_figure_from_that_race(monkeypatch):
+    """The incumbent kept its first probe's 100 img/s beside the winner's 90 from the race it
+    lost at 80: the figures said the setting turned off was the faster, and the diagnosis then
+    advised turning it on."""
+    from modules.diagnosis import _measured_slower
+    probe = at.ComputeProbe(_config(channels_last=True), 3)
+    monkeypatch.setattr(at, "_challenge", lambda *a, **k: (object(), {
+        "img_s": (80.0, 90.0), "warmup_s": 0.0, "steps": 4, "dropped": False, "cut": False}))
+    config, entry = at._pick("channels_last", [True, False], _config(channels_last=True), 3,
+                             {"probe": probe, "img_s": 100.0}, 0.0, None)
+    assert config.channels_last is False and entry["img_s"] == {"true": 80.0, "false": 90.0}
+    assert _measured_slower({"raced": {"channels_last": entry["img_s"]}}, "channels_last")
+
+
+def test_a_knobs_later_challengers_keep_to_the_budget_a_faster_winner_shrank(monkeypatch):
+    """The deadline is read again before each challenger: after a 4x faster winner the budget
+    (a share of the planned steps' time) is a quarter, and the third candidate was still
+    raced against the first one's deadline."""
+    probe = at.ComputeProbe(_config(), 3)
+    raced = []
+
+    def challenge(best, config, *a, **k):
+        raced.append(config.optimizer_impl)
+        return object(), {"img_s": (16.0, 64.0), "warmup_s": 0.0, "steps": 4,
+                          "dropped": False, "cut": False}
+    monkeypatch.setattr(at, "_challenge", challenge)
+    ends = iter([float("inf"), 0.0])  # the budget is spent once the first race is won
+    _, entry = at._pick("optimizer_impl", ["forloop", "foreach", "fused"], _config(), 3,
+                        {"probe": probe, "img_s": 16.0}, 0.0, lambda: next(ends))
+    assert raced == ["foreach"] and entry["choice"] == "foreach"
+    assert entry["img_s"]["fused"] == "not measured: the measuring budget was spent"
+
+
+def test_a_cached_entry_that_would_fail_mid_run_is_measured_again(tmp_path):
+    cache = tmp_path / "cache.json"
+    report = {"knobs": {"amp": {"choice": "fp64", "reason": "edited", "img_s": {}}},
+              "phases_s": {}, "compute_img_s": 100.0}
+    at._to_cache(cache, "k", _config(), report)
+    assert at._from_cache(cache, "k") is None  # an amp TrainConfig refuses
+    report["knobs"]["amp"]["choice"] = "off"
+    report["phases_s"] = {"first_probe": None}
+    at._to_cache(cache, "k", _config(), report)
+    assert at._from_cache(cache, "k") is None
+    report["phases_s"] = {"first_probe": 1.5}
+    at._to_cache(cache, "k", _config(), report)
+    assert at._from_cache(cache, "k") is not None
+
+
 def test_the_worker_count_stops_measuring_at_the_deadline():
     import time
     made = []
@@ -892,6 +958,25 @@ def test_the_deadline_child_does_not_run_an_unguarded_script_again(tmp_path):
                          timeout=120, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.splitlines() == ["script body runs", "(True, {'img_s': 1.5})"]
+
+
+def test_the_deadline_child_imports_this_project_beside_a_users_modules_package(tmp_path):
+    """A working directory with a `modules` package of its own came first on the child's
+    path: the child could not import ours, and compile was recorded as failed here."""
+    (tmp_path / "modules").mkdir()
+    (tmp_path / "modules" / "__init__.py").write_text("")
+    script = tmp_path / "user_script.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / "tests" / "helpers")!r}]
+        import deadline_child
+        from modules import autotune
+        print(autotune.run_with_deadline(deadline_child.answer, ({{"ok": True}},), 60))
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines() == ["(True, {'ok': True})"], out.stderr[-2000:]
 
 
 def test_a_compile_choice_measured_before_is_kept_and_the_rest_measured_eager(monkeypatch):
