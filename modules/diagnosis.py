@@ -102,8 +102,13 @@ def _memory_bound(f: _Figures) -> dict[str, Any] | None:
 
 
 def _input_bound(f: _Figures) -> dict[str, Any] | None:
-    wait = f.num("data_wait_frac")
-    if wait is None or wait <= THRESHOLDS.data_wait_frac:
+    """Input waits take much of each step; or a GPU busy less than half the time, whose steps
+    wait for data and copies together that much (neither alone crossed its line)."""
+    wait, copy, util = f.num("data_wait_frac"), f.num("h2d_frac"), f.num("gpu_util_pct")
+    starved = (f.cuda and wait is not None and copy is not None and util is not None
+               and util < THRESHOLDS.low_gpu_util_pct
+               and wait + copy > THRESHOLDS.data_wait_frac)
+    if wait is None or (wait <= THRESHOLDS.data_wait_frac and not starved):
         return None
     workers, cores = f.num("num_workers"), f.num("cpu_count")
     setup = ""
@@ -112,6 +117,9 @@ def _input_bound(f: _Figures) -> dict[str, Any] | None:
         if cores is not None:
             setup += f" on {cores:.0f} core{'s' if cores != 1 else ''}"
     waits = f"{_pct(wait)} of each{_step(f)} step waits for data{setup}"
+    if wait <= THRESHOLDS.data_wait_frac:  # starved
+        waits = (f"the GPU is busy {util:.0f}% of the time while {waits} and "
+                 f"{_pct(copy)} for copies to the device")
     if f.get("cached_decode"):  # no decoding left: the wait is the batched augmentation
         return _result("input-bound", f"Input-bound: {waits}.", [
             f"The decoded cache already skips decoding; the wait is batched augmentation on the "
@@ -173,15 +181,18 @@ def _transfer_bound(f: _Figures) -> dict[str, Any] | None:
 def _overhead_bound(f: _Figures) -> dict[str, Any] | None:
     ms, util, wait = f.num("avg_step_ms"), f.num("gpu_util_pct"), f.num("data_wait_frac")
     tiny = THRESHOLDS.tiny_step_ms_cuda if f.cuda else THRESHOLDS.tiny_step_ms_cpu
-    idle_gpu = (f.cuda and util is not None and util < THRESHOLDS.low_gpu_util_pct
-                and wait is not None and wait < THRESHOLDS.low_data_wait_frac)
+    # A GPU idle most of the time with little input and copy left to blame (_input_bound
+    # took the rest): per-step overhead. Else its figures would read compute-bound.
+    idle_gpu = f.cuda and util is not None and util < THRESHOLDS.low_gpu_util_pct
     if not ((ms is not None and ms < tiny) or idle_gpu):
         return None
     why = []
     if ms is not None and ms < tiny:
         why.append(f"each step takes only {ms:.2f} ms (under {tiny:g} ms)")
     if idle_gpu:
-        why.append(f"the GPU is busy {util:.0f}% of the time while input waits only {_pct(wait)}")
+        why.append(f"the GPU is busy {util:.0f}% of the time" + (
+            "" if wait is None else f" while input waits only {_pct(wait)}"
+            if wait < THRESHOLDS.low_data_wait_frac else f" while input takes {_pct(wait)} of each step"))
     why_txt = " and ".join(why)
     batch = f.num("batch_size")
     recs = [f"Raise batch_size{f' from {batch:.0f}' if batch else ''} so fixed per-step costs "
@@ -239,8 +250,8 @@ def _measured_slower(f: _Figures, knob: str, on: str = "true", off: str = "false
     with_it, without = raced.get(on), raced.get(off)
     if not isinstance(without, (int, float)):
         return None
-    if isinstance(with_it, str):
-        return with_it  # failed, or abandoned at its deadline
+    if isinstance(with_it, str):  # failed, or abandoned at its deadline; unmeasured says nothing
+        return None if with_it.startswith("not measured") else with_it
     if isinstance(with_it, (int, float)) and with_it <= without:
         return f"{with_it:.0f} against {without:.0f} img/s without it"
     return None

@@ -204,6 +204,21 @@ def test_overhead_bound_from_a_tiny_step_or_an_idle_gpu():
     assert d["bottleneck"] == "overhead-bound" and "20%" in d["summary"]
 
 
+def test_a_gpu_idle_most_of_the_time_is_never_called_compute_bound():
+    """Input waits of 10-30% beside a GPU busy 12-25% of the time matched no rule, and the
+    summary read "the GPU is busy 12% of the time, so the model's arithmetic sets the pace"."""
+    starved = diagnose({"device": "cuda", "gpu_util_pct": 12.0, "data_wait_frac": 0.28,
+                        "h2d_frac": 0.14, "avg_step_ms": 40.0, "batch_size": 64})
+    assert starved["bottleneck"] == "input-bound"
+    assert "busy 12%" in starved["summary"] and "14% for copies" in starved["summary"]
+    idle = diagnose({"device": "cuda", "gpu_util_pct": 25.0, "data_wait_frac": 0.20,
+                     "avg_step_ms": 40.0, "batch_size": 64})
+    assert idle["bottleneck"] == "overhead-bound" and "busy 25%" in idle["summary"]
+    busy = diagnose({"device": "cuda", "gpu_util_pct": 95.0, "data_wait_frac": 0.20,
+                     "h2d_frac": 0.14, "avg_step_ms": 40.0, "batch_size": 64})
+    assert busy["bottleneck"] == "compute-bound"
+
+
 def test_a_compiled_run_is_not_told_to_compile_and_a_tuned_cpu_still_gets_advice():
     overhead = {"data_wait_frac": 0.05, "avg_step_ms": 1.2, "device": "cuda", "batch_size": 8}
     assert any("--compile" in r for r in diagnose(overhead)["recommendations"])
