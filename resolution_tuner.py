@@ -43,9 +43,9 @@ QUICK_CPU_RESOLUTIONS = (48, 64, 96)
 @dataclass
 class ResolutionTrial:
     image_size: int
-    val_acc: float        # best validation accuracy within the budget, 0-1
-    samples_per_s: float  # training throughput after warm-up
-    epoch_s: float        # mean seconds per epoch, validation included
+    val_acc: float | None        # best validation accuracy within the budget, 0-1
+    samples_per_s: float | None  # training throughput after warm-up
+    epoch_s: float | None        # mean seconds per epoch, validation included
     wall_s: float         # the whole short run, seconds
     val_curve: list[float] = field(default_factory=list)  # validation accuracy after each epoch
     stopped_after: int | None = None  # the epoch it was stopped at, behind (None: it finished)
@@ -104,8 +104,9 @@ class ResolutionTuner:
                 trial = None  # what stopped it is not among this run's sizes: train it again
             if trial is not None:
                 self.reused.append(size)
-                log.info("resolution %d px: val accuracy %.1f%% (from %s, not trained again)",
-                         size, 100 * trial.val_acc, self.journal)
+                log.info("resolution %d px: %s (from %s, not trained again)", size,
+                         trial.failed or f"val accuracy {100 * trial.val_acc:.1f}%",
+                         self.journal)
             else:
                 trial = self._train(size, config)
             self.trials.append(trial)
@@ -123,7 +124,7 @@ class ResolutionTuner:
                   key=lambda t: t.val_acc)  # pick() raised if there is none
         log.info("resolution pick: %d px (best %d px at %.1f%% +- %.1f on %d validation images; "
                  "sizes within one standard error of the difference tie, and a tie keeps the "
-                 "default %d px, else the smallest)", best, top.image_size, 100 * top.val_acc,
+                 "default %d px, else the smallest that beats it)", best, top.image_size, 100 * top.val_acc,
                  100 * accuracy_se(top.val_acc, self.n_val), self.n_val, self.default_size)
         return best
 
@@ -165,11 +166,12 @@ class ResolutionTuner:
             # Outside the except block, whose traceback holds the trial's model and batches.
             release(resolve_device(config.device))
         curve = [r["val_acc"] for r in rows]
+        # A trial that failed in its first epoch measured nothing: null, not 0.
         trial = ResolutionTrial(
-            image_size=size, val_acc=max(curve, default=0.0),
+            image_size=size, val_acc=max(curve, default=None),
             samples_per_s=finite_number((result.timing if result else rows[-1] if rows else {})
-                                        .get("samples_per_s")) or 0.0,
-            epoch_s=sum(r["epoch_s"] for r in rows) / max(1, len(rows)),
+                                        .get("samples_per_s")),
+            epoch_s=sum(r["epoch_s"] for r in rows) / len(rows) if rows else None,
             wall_s=result.wall_s if result else time.perf_counter() - started,
             val_curve=curve, stopped_after=None if result or failed else len(rows),
             epoch_end_at=ended, failed=failed)
@@ -288,7 +290,7 @@ class ResolutionTuner:
              num_classes: int | None = None) -> int:
         """Among the sizes that finished their trial, those whose accuracy ties with the best
         one (within one standard error of the difference on n_val images): the default size if
-        it is one, else the smallest.
+        it is one, else the smallest of those that beat the default by more than that.
         The default size also stays when its own trial is still at chance and no other size
         has left chance ahead of it (num_classes given): then the short trials rank nothing.
         A size that has left chance at the same compute is ahead, as the final run spends it,
@@ -313,8 +315,14 @@ class ResolutionTuner:
             # the leader by noise is no better ranked than the default
             trials = [t for t in trials if informative(t.val_acc, n_val, num_classes)]
         top = max(t.val_acc for t in trials)
-        tied = [t.image_size for t in trials if ties(top, t.val_acc, n_val)]
-        return default_size if default_size in tied else min(tied)
+        tied = [t for t in trials if ties(top, t.val_acc, n_val)]
+        if default in tied:
+            return default_size
+        if default is not None:  # a size level with the default does not replace it, even
+            # when it ties with a leader that beats the default (ties are not transitive)
+            tied = [t for t in tied if t.val_acc > default.val_acc
+                    and not ties(t.val_acc, default.val_acc, n_val)]
+        return min(t.image_size for t in tied)
 
     def tradeoff(self) -> list[dict[str, Any]]:
         """Per size: accuracy, speed, and accuracy gained per extra second of epoch time

@@ -1061,13 +1061,15 @@ def warm_start(config: TrainConfig, name: str, source: str, weights: Path | None
         log.info("%s: no weights kept from %s: the final run starts from the beginning",
                  name, source)
         return config, None
-    log.info("%s: the final run starts from the weights %s ended with (%d epochs in)", name,
-             source, epochs)
+    # The trial's model is its best validation epoch's (fit), which need not be its last.
+    best = 1 + max(range(len(curve)), key=lambda i: curve[i][1]) if curve else None
+    log.info("%s: the final run starts from the weights of %s's best validation epoch (%s%d)",
+             name, source, f"{best} of " if best else "of its ", epochs)
     warmup = 0.0 if config.scheduler == "onecycle" else WARMUP_EPOCHS  # it ramps up already
     # The trial's seed: its first epochs replay the trial's draws. Drawing the epochs after
     # them measured no better (docs/tuning.md).
     return dataclasses.replace(config, weights=str(weights), warmup_epochs=warmup), {
-        "from": source, "trial_epochs": epochs, "weights": str(weights),
+        "from": source, "trial_epochs": epochs, "best_epoch": best, "weights": str(weights),
         "curve": [{"at": at, "val_acc": acc} for at, acc in curve]}
 
 

@@ -38,6 +38,15 @@ def test_a_tie_within_one_standard_error_keeps_the_default_else_the_cheaper_size
     assert ResolutionTuner.pick([trial(64, 0.8), trial(96, 0.8)], 10**9, default_size=64) == 64
 
 
+def test_a_size_level_with_the_default_does_not_replace_it_through_a_leader():
+    """48 px ties with 96 px, which beats the default, but 48 px is itself level with the
+    default: "the smallest of the tied" replaced the default with a size no better than it."""
+    trials = [trial(48, 0.53), trial(64, 0.50), trial(96, 0.56)]  # SE of a difference ~3.7
+    assert ResolutionTuner.pick(trials, 360, default_size=64) == 96
+    trials = [trial(48, 0.55), trial(64, 0.50), trial(96, 0.56)]  # 48 px beats the default too
+    assert ResolutionTuner.pick(trials, 360, default_size=64) == 48
+
+
 def test_the_default_size_is_always_a_candidate(tmp_path):
     index = index_dataset(make_folder(tmp_path / "d", n_train=4, n_test=2))
     tuner = ResolutionTuner(index, BASE, [32, 40])
@@ -354,6 +363,45 @@ def test_a_size_that_diverges_or_does_not_fit_is_left_out_not_the_whole_scenario
     monkeypatch.setattr(resolution_tuner, "fit", failing(replay(curves, calls), {64}, error))
     with pytest.raises(type(error())):
         ResolutionTuner(index, base, [48], epochs=4).run()
+
+
+def test_a_size_that_fails_in_its_first_epoch_records_nulls_not_zeros(tmp_path, monkeypatch):
+    """Nothing was measured: its accuracy, speed and epoch time read 0 in the row and journal."""
+    import resolution_tuner
+    from modules.trainer import DivergedError
+    index = index_dataset(make_folder(tmp_path / "d", n_train=4, n_test=2))
+    base = BASE.__class__(**{**BASE.to_dict(), "image_size": 64})
+    fit = replay({64: [0.50, 0.60, 0.70, 0.75]}, [])
+
+    def run(index, config, on_epoch=None):
+        if config.image_size == 96:
+            raise DivergedError("training diverged: NaN")
+        return fit(index, config, on_epoch=on_epoch)
+    monkeypatch.setattr(resolution_tuner, "fit", run)
+    journal = tmp_path / "resolution.tuning.json"
+    tuner = ResolutionTuner(index, base, [96], epochs=4, journal=journal)
+    tuner.n_val = 360
+    assert tuner.run() == 64
+    row = tuner.tradeoff()[1]
+    assert (row["val_acc"], row["samples_per_s"], row["epoch_s"], row["failed"]) == (
+        None, None, None, "diverged")
+    assert tuner.save_plot(tmp_path / "tradeoff.png").exists()
+    resumed = ResolutionTuner(index, base, [96], epochs=4, journal=journal, resume=True)
+    resumed.n_val = 360
+    assert resumed.run() == 64 and resumed.trials == tuner.trials
+
+
+def test_the_final_run_is_said_to_start_from_the_trials_best_epoch(caplog):
+    """The trial's weights are its best validation epoch's: the log said "4 epochs in" where
+    they were epoch 1's."""
+    import scenario
+    config = BASE.__class__(**{**BASE.to_dict(), "image_size": 48})
+    with caplog.at_level("INFO"):
+        _, warm = scenario.warm_start(config, "resolution", "the 48 px trial",
+                                      __import__("pathlib").Path("w.pt"), 4,
+                                      [(1.0, 0.211), (2.0, 0.167), (3.0, 0.175), (4.0, 0.167)])
+    assert warm["best_epoch"] == 1 and warm["trial_epochs"] == 4
+    assert "best validation epoch (1 of 4)" in caplog.text
 
 
 def test_a_size_left_out_is_said_once_and_not_trained(tmp_path, monkeypatch, caplog):

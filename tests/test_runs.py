@@ -99,7 +99,7 @@ def test_a_moved_output_folder_resumes_the_hpo_final_run_from_its_kept_weights(t
     run_path(moved).joinpath("hpo.pt").unlink()  # as if stopped before the final run
     capsys.readouterr()
     assert pipeline.main([*hpo, "--output-dir", str(moved), "--resume"]) == 0
-    assert "the final run starts from the weights the default trial ended with" in \
+    assert "the final run starts from the weights of the default trial's best validation epoch" in \
         capsys.readouterr().err
     assert [r["scenario"] for r in rows(moved)] == ["hpo"]
     # copied, the original kept where it was recorded: the copy resumes from its own files
