@@ -442,11 +442,13 @@ def cache_on_gpu(needed: int, free: int, total: int, batch_bytes: int = 0) -> bo
     return needed <= min(CACHE_GPU_FRACTION * free, beside_step)
 
 
-def cached_loaders(index, config: TrainConfig) -> tuple[CachedLoader, ...] | None:
-    """(train, val, test) CachedLoaders, or None when the decoded images would not fit in the
-    RAM budget (the caller then streams from disk)."""
+def cached_loaders(index, config: TrainConfig, test: bool = True
+                   ) -> tuple[CachedLoader | None, ...] | None:
+    """(train, val, test) CachedLoaders (test None unless `test`), or None when the decoded
+    images would not fit in the RAM budget (the caller then streams from disk). The budget
+    counts the test images either way, so a trial and its final run take the same path."""
     size = config.image_size
-    splits = (index.train, index.val, index.test)
+    splits = (index.train, index.val, index.test) if test else (index.train, index.val)
     needed, held, budget = _budget(index, size)
     device = resolve_device(config.device)
     # Under torchrun every rank takes the same path (each measures its own free RAM): one that
@@ -470,7 +472,8 @@ def cached_loaders(index, config: TrainConfig) -> tuple[CachedLoader, ...] | Non
         # Blocks torch holds but no tensor uses (a trial or probe before this one) are free
         # to this process, though the driver counts them as taken.
         free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        own = sum(cache_bytes(len(s), size) for s in splits)  # this process's, on its GPU
+        own = sum(cache_bytes(len(s), size)  # this process's, on its GPU, test included
+                  for s in (index.train, index.val, index.test))
         on_gpu = cache_on_gpu(own, free, total, cache_bytes(config.batch_size, size))
         if not on_gpu and (own, size) not in _SAID_IN_RAM:  # once, not at every trial
             _SAID_IN_RAM.add((own, size))
@@ -488,4 +491,4 @@ def cached_loaders(index, config: TrainConfig) -> tuple[CachedLoader, ...] | Non
         loaders.append(CachedLoader(images, labels, batch_size=config.batch_size, train=train,
                                     device=device, seed=config.seed,
                                     channels_last=config.channels_last, means=means))
-    return tuple(loaders)
+    return (*loaders, None) if not test else tuple(loaders)

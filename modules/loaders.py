@@ -10,16 +10,17 @@ from modules.dataset import DatasetIndex, eval_transform, make_loader, train_tra
 from modules.fastdata import cached_loaders
 
 
-def make_loaders(index: DatasetIndex, config: TrainConfig
-                 ) -> tuple[DataLoader, DataLoader, DataLoader]:
+def make_loaders(index: DatasetIndex, config: TrainConfig, test: bool = True
+                 ) -> tuple[DataLoader, DataLoader, DataLoader | None]:
     """(train, val, test) loaders at config.image_size: from the decoded-image cache with batched
     augmentation on the device when config.cache_decoded (and it fits in RAM), else the baseline's
-    per-sample PIL decode and transforms."""
+    per-sample PIL decode and transforms. test=False: no test loader (None), for a tuning trial,
+    which never tests: the cache would decode the test images at every size tried."""
     if config.cache_decoded:
-        loaders = cached_loaders(index, config)
+        loaders = cached_loaders(index, config, test=test)
         if loaders is not None:
             return loaders
     size = config.image_size
     return (make_loader(index.train, train_transform(size), config, train=True),
             make_loader(index.val, eval_transform(size), config, train=False),
-            make_loader(index.test, eval_transform(size), config, train=False))
+            make_loader(index.test, eval_transform(size), config, train=False) if test else None)

@@ -711,8 +711,9 @@ def _summary_writer(run_dir, config: TrainConfig):
     return SummaryWriter(log_dir=str(run_dir))
 
 
-def prepare(index, config: TrainConfig) -> tuple[nn.Module, Any, Any, Any]:
-    """Seed, then build the model and the (train, val, test) loaders for a DatasetIndex."""
+def prepare(index, config: TrainConfig, test: bool = True) -> tuple[nn.Module, Any, Any, Any]:
+    """Seed, then build the model and the (train, val, test) loaders for a DatasetIndex (test
+    None unless `test`: make_loaders)."""
     set_seed(config.seed)
     model = build_model(config.model, len(index.classes), config.weights, config.dropout_impl)
     if distributed.rank() > 0:
@@ -720,12 +721,12 @@ def prepare(index, config: TrainConfig) -> tuple[nn.Module, Any, Any, Any]:
         # as the decoded cache's do; rank 0 draws as one process. The weights, drawn above
         # alike, are rank 0's anyway (train broadcasts them).
         set_seed(rank_seed(config.seed))
-    return (model, *make_loaders(index, config))
+    return (model, *make_loaders(index, config, test=test))
 
 
 def fit(index, config: TrainConfig, **train_kwargs) -> TrainResult:
     """The process settings, prepare() and train: what a tuner calls for one candidate.
     Keyword arguments go to `train` (run_dir, on_epoch, checkpoint_path, ...)."""
     apply_process_settings(config, resolve_device(config.device))
-    model, train_loader, val_loader, _ = prepare(index, config)
+    model, train_loader, val_loader, _ = prepare(index, config, test=False)
     return train(model, train_loader, val_loader, config, **train_kwargs)
