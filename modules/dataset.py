@@ -298,7 +298,10 @@ def find_splits(root: Path) -> tuple[str, dict[str, Path]]:
     # train/ in any case, but a class folder named Train (beside Bus/, Car/) is not a split
     others = [f.name for f in folders if f.name.lower() not in SPLIT_NAMES]
     lower_train = any((root / name).is_dir() for name in TRAIN_NAMES)
-    if lower_train and not test.is_dir() and not val.is_dir() and others:
+    # A class named train holds images; a train/ of class folders is a split, whatever else
+    # is beside it (an unlabelled pred/): taken as one class, it would train "pred vs train".
+    if lower_train and not test.is_dir() and not val.is_dir() and others and \
+            not _class_dirs(train):
         log.info("%r has no test/ folder: train/ is taken as a class beside %s", str(root),
                  ", ".join(others[:3]) + (" ..." if len(others) > 3 else ""))
         return "class folders", {"all": root}

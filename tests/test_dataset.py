@@ -358,6 +358,13 @@ def test_split_folders_among_classes_are_refused_or_named(tmp_path, caplog):
     classes(root / "unlabeled", ["a"])
     with pytest.raises(UserError, match=r"has train/ but no test/ folder"):
         index_dataset(root)
+    # train/ of class folders beside loose unlabelled images in pred/, no test/: it trained
+    # "pred vs train" as two classes
+    root = classes(tmp_path / "pred", ["train"], n=0)
+    classes(root / "train", ["cat", "dog", "eel"])
+    classes(root, ["pred"])
+    with pytest.raises(UserError, match=r"has train/ but no test/ folder"):
+        index_dataset(root)
     root = tmp_path / "cased"
     for split in ("Train", "Val", "pred"):
         classes(root / split, ["cat", "dog"])
