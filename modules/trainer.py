@@ -200,6 +200,18 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
                            channels_last=config.channels_last, num_classes=num_classes,
                            pieces=epochs.eval_pieces)
             epochs.eval_pieces = val["pieces"]
+            if not math.isfinite(val["loss"]):
+                # An update from a finite loss can leave weights that give NaN/inf everywhere
+                # after it; with fewer batches an epoch than max_nonfinite_steps the in-epoch
+                # guard never fires, and the broken model would be kept as the best so far.
+                what = ("its weights were NaN/inf" if not _finite_weights(model) else
+                        "every training batch's loss was NaN/inf"
+                        if not math.isfinite(row["train_loss"]) else None)
+                if what is not None:
+                    raise DivergedError(
+                        f"training diverged: after epoch {epoch + 1} {what}, and the validation "
+                        f"loss too (lr={config.lr:g}); lower --lr"
+                        + ("" if config.max_grad_norm else " or set --max-grad-norm 1.0") + ".")
             profiled_s = epochs.profiler_s  # the profiler's own seconds are not the run's
             row.update(val_loss=val["loss"], val_acc=val["acc"], lr=row.pop("lr"),
                        epoch_s=time.perf_counter() - epoch_start - (profiled_s - profiled_before),
@@ -252,6 +264,10 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
                   "steps_per_epoch": math.ceil(len(train_loader) / config.grad_accum_steps),
                   "world_size": distributed.world_size(), "cpu_threads": torch.get_num_threads(),
                   "cpu_allocator": hostmem.current(), "torch": torch.__version__})
+
+
+def _finite_weights(model: nn.Module) -> bool:
+    return all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
 def _compile_failed(exc: BaseException) -> bool:

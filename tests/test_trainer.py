@@ -242,6 +242,26 @@ def test_a_run_shorter_than_the_limit_whose_every_step_is_nan_is_no_result():
     assert result.nonfinite_steps == 2 and result.epochs_run == 2
 
 
+def test_an_update_that_leaves_nan_weights_is_a_divergence_however_few_the_batches():
+    """One batch an epoch: the first update (finite loss) made the weights inf, every later
+    loss was NaN, but never max_nonfinite_steps in a row, and the NaN model was kept as the
+    run's best (a user's tiny set at --lr 10 saved it and reported 0% as a result)."""
+    config = dataclasses.replace(BASE, epochs=3, batch_size=8, optimizer="sgd", lr=1e38,
+                                 max_nonfinite_steps=5)
+    with pytest.raises(DivergedError, match=r"after epoch 2 every training batch's loss was "
+                                            r"NaN/inf, and the validation loss too "
+                                            r"\(lr=1e\+38\); lower --lr"):
+        train(TinyNet(), loader(colour_data(8), config), loader(colour_data(8), config, False),
+              config)
+    model = TinyNet()  # weights that are NaN themselves: said after the epoch that made them
+    with torch.no_grad():
+        next(model.parameters()).fill_(float("nan"))
+    config = dataclasses.replace(config, lr=1e-3, optimizer="adam")
+    with pytest.raises(DivergedError, match=r"after epoch 1 its weights were NaN/inf"):
+        train(model, loader(colour_data(8), config), loader(colour_data(8), config, False),
+              config)
+
+
 def test_a_resumed_sessions_nan_steps_are_not_a_run_without_an_update(tmp_path):
     """The earlier session applied its updates: a resumed last epoch whose few steps are all
     NaN ends as the uninterrupted run would, not as one that never trained."""
