@@ -372,12 +372,17 @@ def write_json(path: Path, data) -> None:
 
 
 def _parse_rows(data: bytes) -> list[dict[str, Any]] | None:
-    """The rows of a results.json's content; None when it is not a list of results."""
+    """The rows of a results.json's content; None when it is not a list of results (each a
+    dict naming its scenario: a hand-edited entry that is not one would fail the report, and
+    dropping it would lose what the user wrote)."""
     try:
         rows = json.loads(data)
     except ValueError:  # not JSON, or not UTF-8
         return None
-    return [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else None
+    if not isinstance(rows, list) or not all(
+            isinstance(r, dict) and isinstance(r.get("scenario"), str) for r in rows):
+        return None
+    return rows
 
 
 def earlier_rows(path: Path) -> list[dict[str, Any]]:

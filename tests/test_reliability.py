@@ -380,6 +380,12 @@ def test_a_damaged_results_file_is_kept_aside_not_overwritten(tmp_path):
     assert merge_results(path, [row]) == [row]
     (aside,) = tmp_path.glob("results.unreadable-*.json")
     assert aside.read_text() == '[{"scenario": "baseline", "run_id": "a"},]'
+    # an entry that is not a row: the report failed on it in every later run (KeyError:
+    # 'scenario'), or a next write dropped it
+    for text in ('[{"a": 1}]', '[5, {"scenario": "baseline", "run_id": "a"}]'):
+        path.write_text(text)
+        assert merge_results(path, [row]) == [row]
+        assert text in [p.read_text() for p in tmp_path.glob("results.unreadable-*.json")]
 
 
 def test_resume_finds_the_interrupted_run_past_a_mistake_and_a_lost_record(tmp_path):
