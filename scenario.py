@@ -30,8 +30,8 @@ from modules import distributed
 from modules.autotune import MEASURE_SHARE, ComputeProbe, autotune, machine_key
 from modules.checkpoints import check_format, saved_config
 from modules.config import DEFAULTS, DISPLAY_ONLY, TrainConfig, UserError, first_line
-from modules.dataset import (DatasetIndex, data_path_of, index_dataset, load_rgb, make_loader,
-                             resolve_source, subset, train_transform)
+from modules.dataset import (SKIPPED_LIST, DatasetIndex, data_path_of, index_dataset, load_rgb,
+                             make_loader, resolve_source, subset, train_transform)
 from modules.device import apply_process_settings, autocast_dtype, resolve_device, usable_cpus
 from modules.evaluation import evaluate
 from modules.fastdata import cache_fits, keep_sizes
@@ -1416,7 +1416,8 @@ def run(args: RunOptions, index: DatasetIndex | None = None) -> list[dict[str, A
             weights=str(weights_file(args.weights).resolve()) if weights_file(args.weights)
             else args.weights, model=args.model,
             command=args.command or shlex.join(["python", *shown_argv(sys.argv)])))
-        with (run_log(output_dir / "runs" / args.run_id / "run.log") if distributed.is_main()
+        with (run_log(output_dir / "runs" / args.run_id / "run.log", data_record(
+                index, output_dir / "runs" / args.run_id)) if distributed.is_main()
               else contextlib.nullcontext()):
             log.info("run %s: outputs in %s (earlier runs stay in results.json)", args.run_id,
                      output_dir)
@@ -1428,6 +1429,22 @@ def run(args: RunOptions, index: DatasetIndex | None = None) -> list[dict[str, A
                 if distributed.is_main():  # refused before it made anything: not a run to resume
                     forget_refused_run(output_dir, args.run_id)
                 raise
+
+
+def data_record(index: DatasetIndex, folder: Path) -> list[str]:
+    """What run.log says of the data, which was read before the log could be opened; every
+    skipped file goes to folder/SKIPPED_LIST (the warning names three)."""
+    lines = [f"data: {index.summary()} in {index.root}"]
+    if index.skipped:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            atomic_write_text("".join(f"{line}\n" for line in index.skipped_lines()),
+                              folder / SKIPPED_LIST)
+            lines.append(f"skipped {index.skipped_files} undecodable image file(s): listed in "
+                         f"{SKIPPED_LIST}")
+        except (OSError, UserError) as exc:  # the run goes on: the warning named some
+            log.warning("could not write %s (%s)", folder / SKIPPED_LIST, first_line(exc))
+    return lines
 
 
 def on_main(action: Callable[[], Any]) -> None:

@@ -212,6 +212,10 @@ class DatasetIndex:
             digest.update(b"\0")
         return digest.hexdigest()
 
+    def skipped_lines(self) -> list[str]:
+        """Each skipped file, by its path inside the data folder, and why."""
+        return [f"{os.path.relpath(p, self.root)}\t{reason}" for p, reason in self.skipped]
+
     def summary(self) -> str:
         return (f"{self.name}: {len(self.classes)} classes, {len(self.train)} train / "
                 f"{len(self.val)} val / {len(self.test)} test images ({self.layout} layout)"
@@ -267,6 +271,8 @@ def resolve_source(dataset: str, data_dir: str | os.PathLike | None, cache_dir: 
 
 
 # ----------------------------------------------------------------------------- indexing
+
+SKIPPED_LIST = "skipped_files.txt"  # in the run's folder: every skipped file and why
 
 # The folder names each split is read from (in any case).
 TRAIN_NAMES, TEST_NAMES = ("train", "training"), ("test", "testing")
@@ -599,9 +605,10 @@ def index_dataset(root: Path, name: str | None = None, *, seed: int = 0, check: 
                     sum(n for _, n in kinds), ", ".join(f"{k}: {n}" for k, n in kinds[:4]),
                     ", ..." if len(kinds) > 4 else "", " ".join(sorted(IMAGE_EXTS)))
     if skipped:
-        examples = "; ".join(f"{Path(p).name}: {r}" for p, r in skipped[:3])
-        log.warning("skipped %d undecodable image file(s) (%s%s); counted in skipped_files.",
-                    len(skipped), examples, "; ..." if len(skipped) > 3 else "")
+        examples = "; ".join(f"{os.path.relpath(p, root)}: {r}" for p, r in skipped[:3])
+        log.warning("skipped %d undecodable image file(s) (%s%s); counted in skipped_files%s.",
+                    len(skipped), examples, "; ..." if len(skipped) > 3 else "",
+                    f", all listed in the run's {SKIPPED_LIST}" if len(skipped) > 3 else "")
     return index
 
 

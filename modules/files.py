@@ -309,12 +309,17 @@ def sweep_unfinished_writes(folder: Path) -> None:
 
 
 @contextlib.contextmanager
-def run_log(path: Path):
+def run_log(path: Path, preamble: list[str] = ()):
     """While it is open, every log line also goes to `path` with its wall-clock time (appended:
-    a resumed run continues the same file), so the log says where a run's time went."""
+    a resumed run continues the same file), so the log says where a run's time went.
+    `preamble`: lines said before the file could be opened (the data's), written first, to
+    the file only."""
     path.parent.mkdir(parents=True, exist_ok=True)
     handler = _RunLog(path, encoding="utf-8", delay=True)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    for line in preamble:
+        handler.handle(logging.LogRecord("modules.dataset", logging.INFO, __file__, 0, line,
+                                         None, None))
     root = logging.getLogger()
     root.addHandler(handler)
     try:

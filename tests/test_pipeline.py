@@ -73,7 +73,13 @@ def test_baseline_end_to_end_on_a_folder(small, tmp_path, capsys):
     assert list((run_path(out, "runs") / "baseline").glob("events.out.tfevents.*"))
     # the log again, with each line's wall-clock time: where the run's time went
     logged = (run_path(out, "runs") / "run.log").read_text().splitlines()
-    assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} info scenario: run ", logged[0])
+    # the data's lines first: read before the log could be opened, they were missing from it
+    assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} info modules.dataset: data: "
+                    r"colours: 3 classes, .*, 1 skipped, 1 other files ignored in ", logged[0])
+    assert logged[1].endswith("skipped 1 undecodable image file(s): listed in skipped_files.txt")
+    assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} info scenario: run ", logged[2])
+    (listed,) = (run_path(out, "runs") / "skipped_files.txt").read_text().splitlines()
+    assert listed.startswith(f"train{os.sep}") and "\t" in listed  # inside the data folder
     assert any("epoch 3/3" in line for line in logged)
     model = load_model(out / "colours_model.pt")
     assert model.meta["class_names"] == ["blue", "green", "red"]
