@@ -56,6 +56,12 @@ class TorchProfiler:
         activities = [ProfilerActivity.CPU]
         if self._cuda:
             activities.append(ProfilerActivity.CUDA)
+        elif not torch.cuda.is_available():
+            # Kineto's console lines where there is no GPU: "ERROR: gpuGetDeviceCount failed"
+            # (it looks for one) and a USDT marker at each start and stop, read as failures.
+            # A GPU run keeps them (CUPTI's errors say why a GPU trace is empty); the user's
+            # own setting stands. Read at the process's first trace.
+            os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         try:  # as at its end: the trace is a side product, never worth the run
             self.trace_dir.mkdir(parents=True, exist_ok=True)
             self._handler = torch.profiler.tensorboard_trace_handler(str(self.trace_dir))

@@ -7,6 +7,7 @@ import logging
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -70,6 +71,24 @@ def test_profiler_trace_holds_the_five_regions_and_key_averages(tmp_path):
     assert set(REGIONS) <= names
     table = (tmp_path / KEY_AVERAGES_TXT).read_text()
     assert "Self CPU" in table and "forward" in table
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the lines are a GPU-less machine's")
+def test_a_cpu_trace_prints_no_kineto_error_lines(tmp_path):
+    """Kineto printed "ERROR: ... gpuGetDeviceCount failed" and USDT markers on a machine
+    without a GPU at every --profile run, which a user reads as a failure. A fresh process:
+    kineto reads its log level at the first trace."""
+    root = Path(__file__).resolve().parents[1]
+    script = (f"import sys, os; sys.path[:0] = [{str(root)!r}]; os.environ.pop('KINETO_LOG_LEVEL', None)\n"
+              "import torch\nfrom modules.profiler import TorchProfiler\n"
+              f"with TorchProfiler({str(tmp_path)!r}, wait=0, warmup=1, active=1) as prof:\n"
+              "    for _ in range(3):\n"
+              "        torch.randn(64, 64) @ torch.randn(64, 64); prof.step()\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "ERROR:" not in out.stderr and "USDT:" not in out.stderr, out.stderr
+    assert list(tmp_path.glob("*.pt.trace.json"))
 
 
 def test_disabled_profiler_writes_nothing(tmp_path):
