@@ -8,6 +8,7 @@ import logging
 import os
 import random
 import re
+import unicodedata
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -363,8 +364,11 @@ def _child(folder: Path, *parts: str) -> Path:
 
 def class_name(folder: Path) -> str:
     """A class folder's name as charts and logs can print it: a name that is not UTF-8 (zips
-    made on Windows) is written with escapes, b"caf\xe9" as 'caf\\xe9'."""
-    return folder.name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    made on Windows) is written with escapes, b"caf\xe9" as 'caf\\xe9'; and in Unicode's
+    composed form (NFC), so that a test/ folder written on macOS (decomposed) names the same
+    classes as train/."""
+    name = folder.name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    return unicodedata.normalize("NFC", name)
 
 
 # Folders that archivers and Python leave beside the data: never a class. Any other name is
@@ -472,6 +476,11 @@ def _scan_split(folder: Path, split: str, check: bool, seen: dict[str, Path],
     loose = _loose_images(folder)
     if loose:
         ignored[OUTSIDE_CLASSES] = ignored.get(OUTSIDE_CLASSES, 0) + loose
+    names = [class_name(c) for c in classes]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:  # one class would hide the other's images
+        raise UserError(f"the {split} folder {str(folder)!r} has two class folders named "
+                        f"{twice[0]!r} (the same letters in other Unicode forms); rename one.")
     # files of formats this does not read, by extension: per class for a class left with none
     others: dict[str, dict[str, int]] = {class_name(c): {} for c in classes}
     listed = {class_name(c): _image_files(c, seen, others[class_name(c)]) for c in classes}

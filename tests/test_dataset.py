@@ -340,6 +340,26 @@ def test_folder_mistakes_a_new_user_makes_are_named(tmp_path, caplog):
     assert "class 'dog' has no test images" in caplog.text
 
 
+def test_class_names_in_other_unicode_forms_are_one_class_per_split(tmp_path):
+    """A test/ folder written on macOS names its classes decomposed (NFD): the run was refused
+    with "only in train: café; only in test: café". Two folders of one split whose names
+    differ only so would hide one another's images."""
+    import unicodedata
+    composed, decomposed = (unicodedata.normalize(form, "café") for form in ("NFC", "NFD"))
+    root = tmp_path / "forms"
+    for split, name in (("train", composed), ("test", decomposed)):
+        for cls in (name, "tea"):
+            for i in range(4):
+                write_image(root / split / cls / f"{i}.jpg", COLOURS["red"], seed=i)
+    index = index_dataset(root)
+    assert index.classes == [composed, "tea"] and len(index.test) == 8
+    for i in range(4):
+        write_image(root / "train" / decomposed / f"{i}.jpg", COLOURS["red"], seed=i)
+    with pytest.raises(UserError, match=r"has two class folders named 'café' \(the same "
+                                        r"letters in other Unicode forms\); rename one"):
+        index_dataset(root)
+
+
 def test_split_folders_among_classes_are_refused_or_named(tmp_path, caplog):
     """A test/ or val/ beside class folders would train as one more class mixing them all; a
     second folder of one split (training/ beside train/) would be silently left unread."""
