@@ -77,6 +77,18 @@ def figure(width: float, height: float, dpi: float | None = None):
     return fig
 
 
+def _save_labelled(fig, path: Path) -> None:
+    """Lay out and save a chart labelled with class names. A name in a script the chart font
+    lacks (CJK on Colab's and most Linux machines' DejaVu Sans) is drawn as boxes; matplotlib's
+    warning for each such letter, with its source line, is not the user's to act on."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Glyph \d+ .*missing from font",
+                                category=UserWarning)
+        fig.tight_layout()
+        fig.savefig(path)
+
+
 def best_row(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The row with the highest validation accuracy, as the saved model is chosen (ties: the
     earlier scenario); by test accuracy only when no row has a validation accuracy."""
@@ -122,9 +134,8 @@ def plot_confusion(row: dict[str, Any], out_dir: Path, name: str = CONFUSION_PNG
     for i, acc in enumerate(accs):
         acc_ax.annotate("no test images" if acc is None else f"{acc:.0f}", (acc or 0.0, i),
                         va="center", fontsize="small")
-    fig.tight_layout()
     path = Path(out_dir) / name
-    fig.savefig(path)
+    _save_labelled(fig, path)
     return path
 
 
@@ -155,9 +166,8 @@ def plot_predictions(model_path: Path, samples: list[tuple[str, int]], class_nam
         truth = class_names[label]
         ax.set_title(f"{pred['label']} ({100 * pred['prob']:.0f}%)\ntrue: {truth}",
                      fontsize="small", color="green" if pred["label"] == truth else "red")
-    fig.tight_layout()
     path = Path(out_dir) / PREDICTIONS_PNG
-    fig.savefig(path)
+    _save_labelled(fig, path)
     return path
 
 

@@ -399,3 +399,16 @@ def test_a_non_finite_output_is_no_prediction(saved, tmp_path, caplog):
         results = predict(model, _write_images(tmp_path))
     assert all(r["label"] is None and r["prob"] is None for r in results)
     assert "NaN/inf" in results[0]["error"] and "3 of 3 image(s) have no prediction" in caplog.text
+
+
+def test_class_names_the_chart_font_lacks_warn_nothing(tmp_path):
+    """CJK class names: matplotlib warned once per missing letter, with its source line, on
+    the console of every run (the names still draw, as boxes)."""
+    import warnings
+    from modules.report import plot_confusion
+    row = {"scenario": "baseline", "confusion_matrix": [[3, 1], [0, 4]],
+           "per_class_test_acc": {"café": 0.75, "日本 語": 1.0}}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert plot_confusion(row, tmp_path).read_bytes().startswith(PNG_MAGIC)
+    assert not [w for w in caught if "missing from font" in str(w.message)]
