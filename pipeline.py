@@ -216,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
 # options that only one scenario reads
 UNUSED_WITHOUT = {"resolutions": "resolution", "n_trials": "hpo", "time_budget": "hpo",
                   "pruner": "hpo", "storage": "hpo", "worker_seed": "hpo",
-                  "search_size": "hpo"}
+                  "search_size": "hpo", "momentum": "hpo"}  # SGD: only a search candidate
 
 
 def parse_args(argv: list[str] | None = None) -> RunOptions:

@@ -266,6 +266,10 @@ def test_options_no_scenario_reads_are_named(caplog):
     pipeline.parse_args(["--scenarios", "baseline", "--worker-seed", "7"])  # said once, not twice
     assert [r.getMessage()[:40] for r in caplog.records] == [
         "--worker-seed does nothing here: only th"]
+    caplog.clear()  # SGD's momentum: baseline and resolution train with Adam
+    pipeline.parse_args(["--scenarios", "baseline,resolution", "--momentum", "0.5"])
+    assert [r.getMessage()[:50] for r in caplog.records] == [
+        "--momentum does nothing here: only the hpo scenari"]
 
 
 def test_options_no_scenario_reads_are_named_once_under_torchrun(caplog, monkeypatch):
