@@ -44,10 +44,12 @@ class UserError(Exception):
 
 
 def first_line(exc: BaseException, limit: int = 120) -> str:
-    """An exception's first non-empty line, at most `limit` characters (its type's name when it
-    has no message): what a one-line error quotes of it."""
+    """An exception's first non-empty line, at most `limit` characters, "..." marking a cut (its
+    type's name when it has no message): what a one-line error quotes of it."""
     lines = [line for line in str(exc).strip().splitlines() if line.strip()]
-    return lines[0][:limit] if lines else type(exc).__name__
+    if not lines:
+        return type(exc).__name__
+    return lines[0] if len(lines[0]) <= limit else lines[0][:max(0, limit - 3)] + "..."
 
 
 @dataclass(frozen=True)

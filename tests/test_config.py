@@ -67,3 +67,11 @@ def test_numpy_values_and_paths_are_kept_as_builtin_types_a_checkpoint_reads_bac
 def test_values_of_a_wrong_type_are_refused_by_name(field, value):
     with pytest.raises(UserError, match=field):
         TrainConfig(**{field: value})
+
+
+def test_a_quoted_error_cut_short_says_so():
+    """The offline Kaggle error ended mid-word ("... /v1/datasets.Da"), as if that were all."""
+    from modules.config import first_line
+    assert first_line(ValueError("x" * 200), 20) == "x" * 17 + "..."
+    assert first_line(ValueError("\n  short\nmore"), 20) == "short"
+    assert first_line(ValueError("")) == "ValueError"
