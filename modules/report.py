@@ -360,6 +360,8 @@ def write_report(rows: list[dict[str, Any]], out_dir: Path,
     for chart in (plot_breakdown(rows, out_dir), best and plot_confusion(best, out_dir)):
         if chart is not None:
             charts.append(chart.name)
+    # the tuners' own charts of this run (resolution_tradeoff.png, optuna_*.png)
+    charts += [name for name in also if name.endswith(".png") and (out_dir / name).is_file()]
     path = out_dir / REPORT_MD
     path.write_text(render_report(rows, charts, earlier, unfinished))
     if copy_to is not None:

@@ -469,7 +469,11 @@ def test_quick_run_does_all_three_scenarios_on_synthetic_data(tmp_path, monkeypa
             assert knobs[knob]["reason"], (name, knob)
         assert row["settings"]["amp"] == knobs["amp"]["choice"]
         assert row["settings"]["channels_last"] == knobs["channels_last"]["choice"]
-    assert "`amp` = " in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "`amp` = " in report
+    # the tuners' charts are shown in the report, as the scenarios' are (and copied beside it)
+    for chart in ("resolution_tradeoff.png", "optuna_history.png"):
+        assert f"![{chart}]({chart})" in report, chart
     # each tuned final run continued from its chosen trial's weights, classifier included
     size = rows["resolution"]["best_resolution"]
     assert rows["resolution"]["warm_start"]["from"] == f"the {size} px trial"
