@@ -410,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # from here: resume hints
     setup_logging()
     started = time.perf_counter()
+    args = None
     try:
         args = parse_args(argv)
         run(args)
@@ -420,7 +421,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {said}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted: rerun the same command with --resume to continue.", file=sys.stderr)
+        if args is None or args.run_id is None:  # still reading the options or the data
+            print("interrupted before the run started: nothing to resume.", file=sys.stderr)
+        else:
+            print("interrupted: rerun the same command with --resume to continue.",
+                  file=sys.stderr)
         return 130
     except RuntimeError as exc:
         if not distributed.peer_left(exc):

@@ -1829,3 +1829,17 @@ def test_a_grown_studys_choice_taken_from_the_resolution_final_leaves_no_pending
     assert row["final_from"] == "resolution" and row["replaced_final"]["params"]["lr"] == 0.005
     assert not {"_row", "_counted"} & set(row["replaced_final"])
     assert not (run_path(out) / "hpo.replaced.json").exists()
+
+
+def test_ctrl_c_before_the_run_started_offers_no_resume(monkeypatch, capsys):
+    """Stopped while the data was being read, the line said to rerun with --resume, where
+    there was nothing to resume."""
+    def stopped(args, started):
+        if started:
+            args.run_id = "20261206-120000"
+        raise KeyboardInterrupt
+    for started, said in ((False, "interrupted before the run started: nothing to resume."),
+                          (True, "interrupted: rerun the same command with --resume")):
+        monkeypatch.setattr(pipeline, "run", lambda args, started=started: stopped(args, started))
+        assert pipeline.main(["--dataset", "synthetic", "--quick"]) == 130
+        assert capsys.readouterr().err.startswith(said)
