@@ -391,6 +391,7 @@ _COLUMNS = (
     ("peak_mem_mb", "Peak Mem (MB)", "0f"),
     ("data_wait_frac", "Data Wait (%)", "pct"),
     ("wall_s", "Train (s)", "1f"),
+    ("prepare_s", "Setup (s)", "1f"),  # model and loaders (the cache's decode): in Total
     ("tuning_s", "Tuning (s)", "1f"),
     ("total_s", "Total (s)", "1f"),
     ("test_acc_vs_baseline", "Test Acc vs Baseline (pts)", "signed"),

@@ -191,6 +191,10 @@ def test_results_table_formats_percentages_and_na():
     assert df.loc["baseline", "GPU Util (%)"] == "n/a"
     assert df.loc["fast", "GPU Util (%)"] == "0.0"  # a measured zero stays zero
     assert df.loc["fast", "Train (s)"] == "n/a"  # missing key
+    # Train + Setup + Tuning = Total: without Setup (the final run's loaders, its decode) the
+    # columns did not add up
+    assert list(df.columns[list(df.columns).index("Train (s)"):][:4]) == [
+        "Train (s)", "Setup (s)", "Tuning (s)", "Total (s)"]
     assert df.loc["fast", "Test Acc vs Baseline (pts)"] == "-37.7"  # signed points
     assert df.loc["fast", "Time vs Baseline (x)"] == "0.50"
     assert df.loc["baseline", "To Baseline Val Acc (s)"] == "n/a"
