@@ -29,7 +29,7 @@ from modules.device import resolve_device
 from modules.files import atomic_write_text
 from modules.oom import release
 from modules.report import figure, finite_number
-from modules.selection import accuracy_se, clearly_ahead, informative, ties
+from modules.selection import accuracy_se, beats, clearly_ahead, informative, ties
 from modules.trainer import DivergedError, fit, trial_failure
 
 log = logging.getLogger(__name__)
@@ -300,9 +300,14 @@ class ResolutionTuner:
         if not trials:
             raise UserError("no resolution was tried.")
         default = next((t for t in trials if t.image_size == default_size), None)
-        if default is not None and num_classes and \
-                not informative(default.val_acc, n_val, num_classes):
-            if not any(clearly_ahead(t.val_acc, default.val_acc, n_val, num_classes)
+
+        def left_chance(t: ResolutionTrial) -> bool:
+            # and stayed out: a size's best of several epochs at chance is sometimes one
+            # lucky epoch above it (a smaller size trains more epochs, so draws more often)
+            return informative(t.val_acc, n_val, num_classes) and (
+                not t.val_curve or informative(t.val_curve[-1], n_val, num_classes))
+        if default is not None and num_classes and not left_chance(default):
+            if not any(left_chance(t) and beats(t.val_acc, default.val_acc, n_val)
                        for t in trials):
                 log.info("resolution: every size's trial is still at chance for %d classes "
                          "(the default's %.1f%%): the short trials cannot rank the sizes; "
@@ -313,7 +318,7 @@ class ResolutionTuner:
                      num_classes)
             # the pick is among the sizes clear of chance: one still at chance that ties with
             # the leader by noise is no better ranked than the default
-            trials = [t for t in trials if informative(t.val_acc, n_val, num_classes)]
+            trials = [t for t in trials if left_chance(t)]
         top = max(t.val_acc for t in trials)
         tied = [t for t in trials if ties(top, t.val_acc, n_val)]
         if default in tied:

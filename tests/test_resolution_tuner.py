@@ -244,6 +244,15 @@ def test_a_default_trial_at_chance_stays_only_while_no_size_has_left_chance():
     # at chance (10 classes, 600 images: chance 10%, two standard errors 2.4 points)
     one_left = [trial(48, 0.115), trial(64, 0.09), trial(96, 0.13)]
     assert ResolutionTuner.pick(one_left, 600, 64, num_classes=10) == 96
+    # one lucky epoch is not leaving chance: 48 px's best, epoch 1 of 4, was 2.3 standard
+    # errors above it, and back at chance after (a reviewer's run picked it); a curve that left
+    # and stayed out is ahead
+    import dataclasses
+    blip = [dataclasses.replace(trial(48, 0.219), val_curve=[0.219, 0.167, 0.175, 0.167]),
+            dataclasses.replace(trial(64, 0.17), val_curve=[0.167, 0.17])]
+    assert ResolutionTuner.pick(blip, 240, 64, num_classes=6) == 64
+    blip[0] = dataclasses.replace(blip[0], val_acc=0.23, val_curve=[0.20, 0.219, 0.23, 0.225])
+    assert ResolutionTuner.pick(blip, 240, 64, num_classes=6) == 48
 
 
 def replay(curves, calls):
