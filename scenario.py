@@ -1130,8 +1130,11 @@ def _search(config: TrainConfig, args: RunOptions, index: DatasetIndex, output_d
         budget = (None, "")
     stopping = {"asha": "successive halving over epochs", "hyperband": "Hyperband over epochs",
                 "median": "median stopping over epochs", "none": "no trial stopped early"}
-    log.info("== hyperparameter search: %d trials of %d epochs at %d px%s (the default "
-             "configuration first), %s%s", n_trials, trial_epochs, trial_size,
+    # Resumed without --n-trials, the study keeps the count it was started with (the tuner
+    # reads it), which need not be the preset's.
+    count = "the study's own count of" if args.resume and args.n_trials is None else n_trials
+    log.info("== hyperparameter search: %s trials of %d epochs at %d px%s (the default "
+             "configuration first), %s%s", count, trial_epochs, trial_size,
              "" if trial_size == config.image_size else
              f" for a final run at {config.image_size} px (--search-size)",
              stopping.get(args.pruner, args.pruner),

@@ -757,7 +757,7 @@ def test_resume_keeps_the_autotuned_settings_instead_of_measuring_again(small, t
 
 
 def test_resume_after_the_search_finished_does_not_extend_the_study(small, tmp_path,
-                                                                      monkeypatch):
+                                                                      monkeypatch, capsys):
     """After a crash in the hpo scenario's final run, more trials could only change its best
     parameters (and the final checkpoint would then refuse to resume)."""
     out = tmp_path / "out"
@@ -780,7 +780,11 @@ def test_resume_after_the_search_finished_does_not_extend_the_study(small, tmp_p
     def search_again(*_, **__):
         raise AssertionError("--resume ran another trial")
     monkeypatch.setattr(scenario.OptunaTuner, "objective", search_again)
+    capsys.readouterr()
     assert run_main(*argv, "--resume") == 0  # the final run continues with what it started with
+    # the study's count, 2, not the preset's 20 that the line said
+    assert "== hyperparameter search: the study's own count of trials of" in \
+        capsys.readouterr().err
     resumed = json.loads((out / "results.json").read_text())[-1]
     assert resumed["hpo"]["n_trials"] == first["hpo"]["n_trials"] + 1 == 3
     assert resumed["settings"]["lr"] == first["settings"]["lr"]
