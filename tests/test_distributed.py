@@ -296,6 +296,9 @@ def _resume_on_two_machines(rank: int, init_file: str, folder: str, out: str) ->
                 "weight": fresh[0].weight.detach().clone(),
                 "momentum": fresh[1].state_dict()["state"][0]["momentum_buffer"],
                 "lr": fresh[2].get_last_lr()}, f"{out}.{rank}")
+    # both ranks done with the restore's collectives before either tears gloo down: one that
+    # left first aborted the other at exit ("terminate called without an active exception")
+    dist.barrier()
     dist.destroy_process_group()
 
 
