@@ -224,8 +224,13 @@ def read_torch_file(path: Path, what: str, remedy: str = "") -> Any:
     except (OSError, MemoryError) as exc:
         raise ReadFailed(f"could not read {what} {str(path)!r} ({_error_name(exc)}).") from None
     except Exception as exc:
+        pickled = "weights only load failed" in str(exc).lower()  # torch's own refusal
         raise UserError(f"{what} {str(path)!r} is not a readable PyTorch file "
-                        f"({type(exc).__name__}){'; ' + remedy if remedy else ''}.") from None
+                        f"({type(exc).__name__}" + (
+                            ": it holds pickled Python objects, which are not run for safety; "
+                            "a whole model saved with torch.save(model)? save "
+                            "model.state_dict() instead" if pickled else "")
+                        + f"){'; ' + remedy if remedy else ''}.") from None
 
 
 def _error_name(exc: BaseException) -> str:
