@@ -1419,8 +1419,8 @@ def run(args: RunOptions, index: DatasetIndex | None = None) -> list[dict[str, A
             weights=str(weights_file(args.weights).resolve()) if weights_file(args.weights)
             else args.weights, model=args.model,
             command=args.command or shlex.join(["python", *shown_argv(sys.argv)])))
-        with (run_log(output_dir / "runs" / args.run_id / "run.log", data_record(
-                index, output_dir / "runs" / args.run_id)) if distributed.is_main()
+        runs = run_folder(output_dir, "runs", args.run_id)
+        with (run_log(runs / "run.log", data_record(index, runs)) if distributed.is_main()
               else contextlib.nullcontext()):
             log.info("run %s: outputs in %s (earlier runs stay in results.json)", args.run_id,
                      output_dir)

@@ -482,8 +482,8 @@ def _scan_split(folder: Path, split: str, check: bool, seen: dict[str, Path],
         raise UserError(f"the {split} folder {str(folder)!r} has two class folders named "
                         f"{twice[0]!r} (the same letters in other Unicode forms); rename one.")
     # files of formats this does not read, by extension: per class for a class left with none
-    others: dict[str, dict[str, int]] = {class_name(c): {} for c in classes}
-    listed = {class_name(c): _image_files(c, seen, others[class_name(c)]) for c in classes}
+    others: dict[str, dict[str, int]] = {name: {} for name in names}
+    listed = {name: _image_files(c, seen, others[name]) for name, c in zip(names, classes)}
     for counts in others.values():
         for kind, n in counts.items():
             ignored[kind] = ignored.get(kind, 0) + n

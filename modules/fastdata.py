@@ -448,7 +448,8 @@ def cached_loaders(index, config: TrainConfig, test: bool = True
     images would not fit in the RAM budget (the caller then streams from disk). The budget
     counts the test images either way, so a trial and its final run take the same path."""
     size = config.image_size
-    splits = (index.train, index.val, index.test) if test else (index.train, index.val)
+    every = (index.train, index.val, index.test)
+    splits = every if test else every[:2]
     needed, held, budget = _budget(index, size)
     device = resolve_device(config.device)
     # Under torchrun every rank takes the same path (each measures its own free RAM): one that
@@ -472,8 +473,7 @@ def cached_loaders(index, config: TrainConfig, test: bool = True
         # Blocks torch holds but no tensor uses (a trial or probe before this one) are free
         # to this process, though the driver counts them as taken.
         free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        own = sum(cache_bytes(len(s), size)  # this process's, on its GPU, test included
-                  for s in (index.train, index.val, index.test))
+        own = sum(cache_bytes(len(s), size) for s in every)  # this process's, test included
         on_gpu = cache_on_gpu(own, free, total, cache_bytes(config.batch_size, size))
         if not on_gpu and (own, size) not in _SAID_IN_RAM:  # once, not at every trial
             _SAID_IN_RAM.add((own, size))

@@ -210,8 +210,7 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
                 if what is not None:
                     raise DivergedError(
                         f"training diverged: after epoch {epoch + 1} {what}, and the validation "
-                        f"loss too (lr={config.lr:g}); lower --lr"
-                        + ("" if config.max_grad_norm else " or set --max-grad-norm 1.0") + ".")
+                        f"loss too (lr={config.lr:g}); {_lower_lr(config)}.")
             profiled_s = epochs.profiler_s  # the profiler's own seconds are not the run's
             row.update(val_loss=val["loss"], val_acc=val["acc"], lr=row.pop("lr"),
                        epoch_s=time.perf_counter() - epoch_start - (profiled_s - profiled_before),
@@ -264,6 +263,11 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
                   "steps_per_epoch": math.ceil(len(train_loader) / config.grad_accum_steps),
                   "world_size": distributed.world_size(), "cpu_threads": torch.get_num_threads(),
                   "cpu_allocator": hostmem.current(), "torch": torch.__version__})
+
+
+def _lower_lr(config: TrainConfig) -> str:
+    """What a diverged run can change: the rate, and clipping where it is off."""
+    return "lower --lr" + ("" if config.max_grad_norm else " or set --max-grad-norm 1.0")
 
 
 def _finite_weights(model: nn.Module) -> bool:
@@ -425,8 +429,7 @@ class _Epochs:
             raise DivergedError(
                 f"training diverged: the loss was NaN/inf in {progress.consecutive_bad} "
                 f"batches with no update applied between them, up to epoch {epoch + 1} "
-                f"(lr={self.config.lr:g}); lower --lr"
-                + ("" if self.config.max_grad_norm else " or set --max-grad-norm 1.0") + ".")
+                f"(lr={self.config.lr:g}); {_lower_lr(self.config)}.")
         self.windows += 1
         with region("optimizer_step"):
             if step_ok:  # a NaN/inf anywhere in the window skips its whole update
