@@ -417,9 +417,11 @@ class OptunaTuner:
         self._copy_to_mirror()
 
         ended: list[float] = []
+        curve: dict[int, float] = {}
 
         def on_epoch(epoch: int, metrics: dict[str, float]) -> None:
             ended.append(time.time())
+            curve[epoch] = metrics["val_acc"]
             trial.report(metrics["val_acc"], epoch)
             if distributed.from_main(trial.should_prune()):
                 trial.set_user_attr("pruned_reason", f"pruned after epoch {epoch}")
@@ -456,7 +458,7 @@ class OptunaTuner:
         trial.set_user_attr("wall_s", result.wall_s)
         trial.set_user_attr("epoch_end_at", ended)
         trial.set_user_attr("worker", self.worker)
-        self._keep_weights(trial, result)
+        self._keep_weights(trial, result, curve)
         return result.best_val_acc
 
     def _retry_interrupted(self, trial) -> None:
@@ -471,26 +473,33 @@ class OptunaTuner:
             log.warning("trial %d was stopped and could not be queued again (%s)", trial.number,
                         first_line(exc))
 
-    def _keep_weights(self, trial, result) -> None:
-        """Keep the weights of the default trial and of the best trial so far: the final run
-        trains one of the two configurations, and continues from its trial (weights_for)."""
+    def _keep_weights(self, trial, result, curve: dict[int, float]) -> None:
+        """Keep the weights of the default trial and of the trial choice() would rank first so
+        far: the final run trains one of the two configurations, and continues from its trial
+        (weights_for)."""
         if self.weights_dir is None:
             return
         default = bool(trial.user_attrs.get("default"))
         complete = self._complete()  # one read of the study
-        best = max((t.value for t in complete), default=None)
-        if not default and best is not None and result.best_val_acc <= best:
-            return
+        default_trial = next((t for t in complete if t.user_attrs.get("default")), None)
+        if not default:
+            mine = result.best_val_acc if default_trial is None else \
+                self._judged(trial.params["batch_size"], curve, result.best_val_acc)
+            ranks = [r for r in (self._rank(t, default_trial) for t in complete) if r is not None]
+            if mine is None or (ranks and mine <= max(ranks)):
+                return
         path = save_weights(result.model,
                             self.weights_dir / f"hpo-trial-{trial.number}.weights.pt")
         trial.set_user_attr("weights", str(path))
-        if not default:  # the best before this one cannot be chosen any more
+        # The best before this one cannot be chosen any more; while the default has no result
+        # (another worker training it), the ranking may still change: nothing is deleted.
+        if not default and (default_trial is not None or self._failed_default() is not None):
             # Only files in this run's folder: on a shared study, another worker's trial's
             # weights are that worker's, which may be continuing from them.
-            mine = self.weights_dir.resolve()
+            mine_dir = self.weights_dir.resolve()
             for t in complete:
                 kept = kept_file(t.user_attrs.get("weights"), self.weights_dir)
-                if kept and not t.user_attrs.get("default") and kept.resolve().parent == mine:
+                if kept and not t.user_attrs.get("default") and kept.resolve().parent == mine_dir:
                     kept.unlink(missing_ok=True)
 
     def weights_for(self, params: dict | None) -> tuple[Path | None, int]:
@@ -955,9 +964,13 @@ class OptunaTuner:
         # A trial whose first epoch alone took more optimizer steps than the default's whole
         # trial cannot be judged within them: it does not compete (batch 16 beside 64, over
         # 3-epoch trials).
-        judged = [t for t in complete if default is None or t.number == default.number
-                  or self.within_default_steps(t, default)[1] > 0]
-        best = max(judged or complete, key=lambda t: t.value)
+        judged = [t for t in complete if self._rank(t, default) is not None]
+        top = max(judged, key=lambda t: t.value)
+        # The search's best is ranked within the default's optimizer steps: ranked by their
+        # last epoch, the smaller batches lead by their extra steps, and a trial ahead at equal
+        # steps went unseen.
+        rivals = [t for t in judged if default is None or t.number != default.number]
+        best = max(rivals or judged, key=lambda t: self._rank(t, default))
         n = len(self.index.val)
         if default is None:
             failed = self._failed_default()
@@ -969,9 +982,9 @@ class OptunaTuner:
                           "keeping it")
         # Every trial trains the same epochs at the same size, so one that has left chance
         # where the default has not is ahead at equal cost, and the final run continues from it.
-        if not informative(best.value, n, len(self.index.classes)):
+        if not informative(top.value, n, len(self.index.classes)):
             return None, (f"no trial has left chance for {len(self.index.classes)} classes after "
-                          f"{self.epochs} epochs (best {100 * best.value:.1f}%): the trials are "
+                          f"{self.epochs} epochs (best {100 * top.value:.1f}%): the trials are "
                           "too short to rank configurations; keeping the default")
         value, last = self.within_default_steps(best, default)
         margin = (f"by more than {100 * tie_margin(value, default.value, n):.1f} points on "
@@ -982,6 +995,9 @@ class OptunaTuner:
         if best.number == default.number or not beats(value, default.value, n):
             return None, (f"the search's best ({shown}) does not beat the default "
                           f"({100 * default.value:.1f}%) {margin}: keeping the default")
+        if not informative(best.value, n, len(self.index.classes)):
+            return None, (f"the search's best ({shown}) has not left chance for "
+                          f"{len(self.index.classes)} classes: keeping the default")
         return dict(best.params), (f"the search's best ({shown}) beats the default "
                                    f"({100 * default.value:.1f}%) {margin}")
 
@@ -995,12 +1011,33 @@ class OptunaTuner:
         ended below it (docs/tuning.md)."""
         if trial.number == default.number:  # its recorded batch is the nearest choice's
             return trial.value, self.epochs
-        ratio = trial.params["batch_size"] / self.base.batch_size  # what the default trained
-        last = min(self.epochs, int(self.epochs * ratio + 1e-9))
+        return self._judged_at(trial.params["batch_size"], trial.intermediate_values,
+                               trial.value)
+
+    def _judged_at(self, batch_size: int, curve: dict[int, float], value: float
+                   ) -> tuple[float, int]:
+        """within_default_steps for a trial of `batch_size`, validation `curve` (by epoch) and
+        best value."""
+        last = min(self.epochs, int(self.epochs * batch_size / self.base.batch_size + 1e-9))
         if last < 1:  # its first epoch took more steps than the default trial's epochs
-            return trial.value, 0
-        values = [v for epoch, v in trial.intermediate_values.items() if epoch <= last]
-        return (max(values) if values and last < self.epochs else trial.value), last
+            return value, 0
+        values = [v for epoch, v in curve.items() if epoch <= last]
+        return (max(values) if values and last < self.epochs else value), last
+
+    def _judged(self, batch_size: int, curve: dict[int, float], value: float) -> float | None:
+        """What choice() ranks a trial by, against a completed default trial; None when it
+        cannot be judged within the default's steps, and does not compete."""
+        judged, last = self._judged_at(batch_size, curve, value)
+        return judged if last > 0 else None
+
+    def _rank(self, trial: optuna.trial.FrozenTrial,
+              default: optuna.trial.FrozenTrial | None) -> float | None:
+        """choice()'s ranking of a completed trial: its value within the default trial's
+        optimizer steps (its whole value when there is no default to judge by); None: it does
+        not compete."""
+        if default is None or trial.number == default.number:
+            return trial.value
+        return self._judged(trial.params["batch_size"], trial.intermediate_values, trial.value)
 
     def _require_study(self) -> optuna.Study:
         if self.study is None:

@@ -821,6 +821,53 @@ def test_a_trial_whose_first_epoch_outsteps_the_default_trial_does_not_win(index
     assert t.within_default_steps(t.study.trials[1], t.study.trials[0])[1] == 0
 
 
+def test_the_trials_are_ranked_within_the_default_trials_steps(index, tmp_path):
+    """The search's best is the trial ahead within the default trial's optimizer steps, not
+    the one ahead at its last epoch: batch 4 ends highest by its extra steps (45% after epoch
+    2), and ranked by that alone it hid a batch-8 trial 20 points ahead of the default."""
+    t = with_val_images(tuner(index, tmp_path, epochs=4, batch_sizes=(4, 8, 16)))
+    t.study = optuna.create_study(direction="maximize")
+    for params, accs, attrs in ((t.default_params(), [0.3, 0.4, 0.45, 0.5], {"default": True}),
+                                ({**PARAMS, "batch_size": 4}, [0.35, 0.45, 0.6, 0.9], {}),
+                                ({**PARAMS, "lr": 3e-3, "batch_size": 8}, [0.4, 0.5, 0.6, 0.7],
+                                 {})):
+        t.study.add_trial(optuna.trial.create_trial(
+            params=params, distributions=t.distributions(), value=max(accs),
+            user_attrs=attrs, intermediate_values=dict(enumerate(accs, start=1))))
+    params, why = t.choice()
+    assert params is not None and params["batch_size"] == 8 and "trial 2, 70.0%" in why, why
+
+
+def test_the_chosen_trial_keeps_its_weights(index, tmp_path, monkeypatch):
+    """A trial that ends highest but cannot be judged within the default's steps (batch 2
+    beside 8 over 3 epochs) is never chosen: it must not delete the weights of the trial that
+    is (batch 16), or the final run would start from scratch."""
+    curves = {8: [0.3, 0.4, 0.45], 16: [0.4, 0.5, 0.6], 2: [0.7, 0.8, 0.9]}
+
+    def fit_(idx, config, on_epoch):
+        accs = curves[config.batch_size]
+        for epoch, acc in enumerate(accs, start=1):
+            on_epoch(epoch, {"val_acc": acc})
+        return SimpleNamespace(best_val_acc=max(accs), epochs_run=3, wall_s=0.01, timing={},
+                               model=torch.nn.Linear(1, 1))
+    monkeypatch.setattr(optuna_optimizer, "fit", fit_)
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    t = with_val_images(tuner(index, tmp_path, n_trials=1, epochs=3, batch_sizes=(2, 8, 16),
+                              pruner="none", weights_dir=tmp_path / "w", storage=storage))
+    t.run()
+    study = optuna.load_study(study_name="hpo", storage=storage)
+    study.enqueue_trial({**PARAMS, "batch_size": 16})
+    study.enqueue_trial({**PARAMS, "batch_size": 2})
+    t = with_val_images(tuner(index, tmp_path, n_trials=3, epochs=3, batch_sizes=(2, 8, 16),
+                              pruner="none", weights_dir=tmp_path / "w", storage=storage,
+                              resume=True))
+    summary = t.run()
+    assert summary["chosen_params"]["batch_size"] == 16, summary["choice"]
+    assert sorted(p.name for p in (tmp_path / "w").iterdir()) == \
+        ["hpo-trial-0.weights.pt", "hpo-trial-1.weights.pt"]
+    assert t.weights_for(summary["chosen_params"])[0].name == "hpo-trial-1.weights.pt"
+
+
 def test_the_default_trial_is_judged_whatever_batch_it_is_recorded_at(index, tmp_path):
     """A default batch between the search's choices is recorded at the nearest (4 for 8): over
     1-epoch trials its own ratio read 0 epochs within its steps, the default left the
