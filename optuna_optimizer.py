@@ -256,7 +256,7 @@ class OptunaTuner:
                  earlier: EarlierTrial | None = None, study_count: bool = False,
                  shared: bool = False, final_size: int | None = None,
                  keep_study_size: bool = False, run_name: str | None = None,
-                 sole_user: bool = False):
+                 sole_user: bool = False, auto_budget: bool = False):
         """n_trials: the study's size (on a shared --storage, this worker's trials); with
         study_count and resume, a study's own count (what it was asked for) wins over it.
         shared: other workers search the study too (the user gave --storage, whatever the
@@ -270,7 +270,10 @@ class OptunaTuner:
         shared study a resumed worker counts the trials it ran before as its own.
         sole_user: no other process can be running the study's trials (the pipeline holds the
         output dir's lock on a study of its own): a trial still RUNNING on resume was cut off
-        with the last session and is retried at once, not after the heartbeat's grace."""
+        with the last session and is retried at once, not after the heartbeat's grace.
+        auto_budget: timeout_s is not the user's but a share of the baseline's time; resumed
+        with study_count, the study keeps the budget it was started with (none when it was
+        started with a count)."""
         if isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials < 1:
             raise UserError(f"n_trials must be an integer >= 1, but got n_trials={n_trials!r}.")
         if timeout_s is not None and (isinstance(timeout_s, bool)
@@ -296,7 +299,7 @@ class OptunaTuner:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.n_trials, self.timeout_s, self.resume = n_trials, timeout_s, resume
         self.study_count, self.shared, self.sole_user = study_count, shared, sole_user
-        self.keep_study_size = keep_study_size
+        self.keep_study_size, self.auto_budget = keep_study_size, auto_budget
         self.new_trials = 0  # trials the last run() added
         # Marks the trials this process trains: on a shared study others train beside it.
         self.worker = f"{socket.gethostname()}:{os.getpid()}:{time.time()}"
@@ -691,6 +694,10 @@ class OptunaTuner:
         # Resumed without a count of its own: the count it was asked for, not a preset.
         n_trials = self.study.user_attrs[count_key] if self.resume and self.study_count and \
             count_key in self.study.user_attrs else self.n_trials
+        budget_key = f"time_budget_s:{count_key}"
+        if self.resume and self.study_count and self.auto_budget and \
+                budget_key in self.study.user_attrs:  # and the budget it was started with
+            self.timeout_s = self.study.user_attrs[budget_key]
         if ended and self.resume and self.study.trials:
             # Its search ended (by its count or its time budget) when the final run started:
             # only an explicit --n-trials above the last one given (none given: above the
@@ -738,6 +745,7 @@ class OptunaTuner:
         have = done()  # a reused default trial among them
         to_run = n_trials - have
         self.study.set_user_attr(count_key, n_trials)
+        self.study.set_user_attr(budget_key, self.timeout_s)
         if not self.study_count:
             self.study.set_user_attr(given_key, self.n_trials)
         if self.resume and have > reused:
@@ -751,8 +759,14 @@ class OptunaTuner:
                      "none added", self.study_name, self.timeout_s)
         elif to_run > 0:
             try:
-                self.study.optimize(self.objective, n_trials=to_run, timeout=left,
-                                    callbacks=[self._log_trial, self._copy_to_mirror],
+                # Its own study's budget counts the trials' seconds (time_left), as a resumed
+                # session does: Optuna's timeout counted the gaps between trials too, and a
+                # search it ended found time left when resumed, and ran more trials.
+                own = not self.shared and left is not None
+                self.study.optimize(self.objective, n_trials=to_run,
+                                    timeout=None if own else left,
+                                    callbacks=[self._log_trial, self._copy_to_mirror,
+                                               *([self._stop_when_spent] if own else [])],
                                     gc_after_trial=True)
             except KeyboardInterrupt:  # the stopped trial FAIL, its retry queued: in the copy
                 self._copy_to_mirror()
@@ -821,6 +835,10 @@ class OptunaTuner:
         if self.timeout_s is None or self.shared:
             return self.timeout_s
         return self.timeout_s - self.search_seconds()
+
+    def _stop_when_spent(self, study, trial) -> None:
+        if self.time_left() <= 0:
+            study.stop()
 
     def _copy_to_mirror(self, study=None, trial=None) -> None:
         if self.mirror is not None:

@@ -1133,12 +1133,14 @@ def _search(config: TrainConfig, args: RunOptions, index: DatasetIndex, output_d
     # Resumed without --n-trials, the study keeps the count it was started with (the tuner
     # reads it), which need not be the preset's.
     count = "the study's own count of" if args.resume and args.n_trials is None else n_trials
+    auto_budget = budget[0] is not None and args.time_budget is None
     log.info("== hyperparameter search: %s trials of %d epochs at %d px%s (the default "
              "configuration first), %s%s", count, trial_epochs, trial_size,
              "" if trial_size == config.image_size else
              f" for a final run at {config.image_size} px (--search-size)",
              stopping.get(args.pruner, args.pruner),
              "" if budget[0] is None else
+             "; the time budget the study was started with" if auto_budget and args.resume else
              f"; no trial started after {budget[0]:.0f} s of trials ({budget[1]})")
     # Batch sizes are searched only up to what the GPU holds at this resolution.
     largest = max_batch_size(config, len(index.classes), device, upto=max(BATCH_SIZES))
@@ -1157,7 +1159,8 @@ def _search(config: TrainConfig, args: RunOptions, index: DatasetIndex, output_d
                         weights_dir=run_folder(output_dir, "checkpoints", args.run_id),
                         earlier=earlier, study_count=args.n_trials is None, shared=shared,
                         run_name=f"{Path(output_dir).resolve()}#{args.run_id}",
-                        sole_user=not shared)  # run() holds the output dir's lock
+                        sole_user=not shared,  # run() holds the output dir's lock
+                        auto_budget=auto_budget)
     if started is not None:
         log.info("hpo: the final run had started (%s): resuming it with the parameters it "
                  "started with; the study grows only with an --n-trials N above the last one "

@@ -944,6 +944,47 @@ def test_the_time_budget_is_the_searchs_in_all_over_resumed_sessions(index, tmp_
     assert grown["search_s"] >= 0.9
 
 
+def test_the_time_budget_counts_trial_seconds_in_every_session(index, tmp_path, monkeypatch):
+    """Trials of 0.5 s, 0.6 s apart (the gap: saving, logging), and a budget of 1.75 s: by the
+    trials' own seconds, the measure a resumed session reads, the fourth trial is the last.
+    Optuna's wall-clock timeout stopped after two, and a resumed search then found time left
+    and ran two more: an interrupted run searched more than an uninterrupted one."""
+    def slow_fit(*args, **kwargs):
+        time.sleep(0.5)
+        return fake_fit(*args, **kwargs)
+    monkeypatch.setattr(optuna_optimizer, "fit", slow_fit)
+    monkeypatch.setattr(OptunaTuner, "_log_trial", lambda self, study, trial: time.sleep(0.6))
+    first = tuner(index, tmp_path, n_trials=10, timeout_s=1.75).run()
+    assert first["n_trials"] == 4
+    again = tuner(index, tmp_path, n_trials=10, timeout_s=1.75, resume=True, study_count=True)
+    assert again.run()["n_trials"] == 4
+
+
+def test_a_resumed_search_keeps_the_budget_it_was_started_with(index, tmp_path, monkeypatch):
+    """Started with --n-trials 6 (no time budget) and cut off after 3 trials, a plain --resume
+    (the count from the study, the pipeline's automatic budget offered) runs all 6: the
+    automatic budget, which the first session never had, had ended it after 3."""
+    calls = []
+
+    def fit_(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        time.sleep(0.2)
+        return fake_fit(*args, **kwargs)
+    monkeypatch.setattr(optuna_optimizer, "fit", fit_)
+    with pytest.raises(KeyboardInterrupt):
+        tuner(index, tmp_path, n_trials=6).run()
+    resumed = tuner(index, tmp_path, n_trials=20, timeout_s=0.5, auto_budget=True,
+                    study_count=True, resume=True)
+    summary = resumed.run()
+    assert summary["n_trials"] == 6 and summary["time_budget_s"] is None
+    # A budget the user gives on the resume (--time-budget) is kept.
+    given = tuner(index, tmp_path, n_trials=20, timeout_s=0.1, study_count=True, resume=True)
+    given.run()
+    assert given.timeout_s == 0.1
+
+
 def test_a_shared_studys_time_budget_is_this_sessions(index, tmp_path):
     """On a shared study the trials are every worker's: each worker's budget is its own."""
     storage = f"sqlite:///{tmp_path / 'shared.db'}"
