@@ -857,6 +857,9 @@ class OptunaTuner:
                 "best_value_se": None if best_value is None else accuracy_se(best_value, n_val),
                 "default_value": default.value if default else None,
                 "default_reused_from": default.user_attrs.get("reused_from") if default else None,
+                # its seconds: the scenario counts them as tuning, as if trained here
+                "default_reused_s": default.user_attrs.get("wall_s")
+                if default and default.user_attrs.get("reused_from") else None,
                 "n_val": n_val, "trial_epochs": self.epochs,
                 "chosen_params": params, "keeps_default": params is None, "choice": reason,
                 "chosen_epoch_s": self.final_epoch_seconds(params),

@@ -525,15 +525,21 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
     finally:  # Ctrl-C and errors too: --resume then adds this session's tuning to the next's
         # A final run a grown study set aside counts as tuning, as a candidate trained.
         replaced = extra.get("replaced_final") or {}
-        tuning_s = earlier_s + time.perf_counter() - started + \
-            (0.0 if replaced.get(COUNTED) else replaced.get("seconds", 0.0))
+        set_aside_s = 0.0 if replaced.get(COUNTED) else replaced.get("seconds", 0.0)
+        tuning_s = earlier_s + time.perf_counter() - started + set_aside_s
         if name != "baseline" and distributed.is_main():
             write_clock(clock, tuning_s)
     anew = extra.pop(TUNED_ANEW, True)
     # private to the comparison with a set-aside final run (earlier_if_better), not the row's
     earlier_final = replaced.pop(EARLIER_ROW, None)
     replaced.pop(COUNTED, None)
-    lineage(extra.get("warm_start"), started_at, tuning_s, earlier_s)
+    # The search's default trial taken from the resolution scenario trained there: the row
+    # counts it as if trained here, first, as it counts a final run it takes (same_final).
+    # Not in the clock, which is this scenario's own time (fill_time's): the row adds it.
+    reused_s = reused_seconds(extra)
+    # The set-aside final run trained before this session's trials, as did a reused trial.
+    lineage(extra.get("warm_start"), started_at, tuning_s + reused_s,
+            earlier_s + set_aside_s + reused_s)
     if name != "baseline":
         config = fill_time(config, name, args, output_dir, index, tuned, tuning_s,
                            _epoch_seconds(name, config, extra), default_size)
@@ -545,6 +551,8 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
         if before is not None and before.get("final_from") == same["scenario"] and \
                 before.get("history") == same["row"].get("history"):
             tuning_s = kept_seconds(before, tuning_s, clock)
+        else:
+            tuning_s += reused_s
         forget_replaced(output_dir, args.run_id)  # no trained final run to compare
         if args.profile and distributed.is_main():
             log.info("%s: no profiler trace of its own: it trains nothing the %s scenario's "
@@ -610,8 +618,10 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
     row["prepare_s"] = prepare_s  # the hpo scenario counts it when it takes this final run
     if carried:
         keep_timeline(row, carried, extra.get("warm_start"))
-        if not anew:
-            tuning_s = kept_seconds(carried, tuning_s, clock if name != "baseline" else None)
+    if carried and not anew:
+        tuning_s = kept_seconds(carried, tuning_s, clock if name != "baseline" else None)
+    else:
+        tuning_s += reused_s
     if name == "resolution":
         tuned["final"] = {"scenario": name, "config": config, "row": copy.deepcopy(row)}
     row.update(extra, run_id=args.run_id, tuning_s=tuning_s,
@@ -647,13 +657,20 @@ def kept_seconds(before: dict[str, Any], tuning_s: float, clock: Path | None) ->
     """A resumed session that found the scenario finished, and tuned nothing anew, only read
     back what the run had done: the row keeps the tuning seconds the run took (each resume
     added its own before, and with them to total_s and the time ratios), and so does the
-    clock."""
+    clock (less a reused trial's seconds, which the row adds to it)."""
     seconds = before.get("tuning_s")
     if not isinstance(seconds, (int, float)) or isinstance(seconds, bool):
-        return tuning_s
+        return tuning_s + reused_seconds(before)
     if clock is not None and distributed.is_main():
-        write_clock(clock, seconds)
+        write_clock(clock, seconds - reused_seconds(before))
     return float(seconds)
+
+
+def reused_seconds(extra: dict[str, Any]) -> float:
+    """Seconds of the search's default trial taken from the resolution scenario (0 for other
+    scenarios), from a row or the tuning's extra."""
+    seconds = ((extra.get("hpo") or {}).get("default_reused_s"))
+    return float(seconds) if isinstance(seconds, (int, float)) and seconds > 0 else 0.0
 
 
 def measured_speeds(autotune_report: dict[str, Any] | None) -> dict[str, Any]:

@@ -529,6 +529,12 @@ def test_hpo_takes_the_resolution_final_when_it_would_train_the_same(small, tmp_
     assert hpo["history"] == resolution["history"] and hpo["test_acc"] == resolution["test_acc"]
     assert hpo["total_s"] == pytest.approx(hpo["tuning_s"] + resolution["prepare_s"]
                                            + resolution["wall_s"])
+    # the trial it continues from trained in the resolution scenario: counted here too, as the
+    # final run is (the same model must not read faster in the hpo row)
+    picked = resolution["resolution_trials"][0]
+    assert hpo["hpo"]["default_reused_s"] == pytest.approx(picked["epoch_s"] * 2,
+                                                           rel=0.2)
+    assert hpo["tuning_s"] > hpo["hpo"]["default_reused_s"] > 0
     for row in rows.values():  # the final run's preparation (the decode, the model) counts
         assert row["total_s"] >= row["tuning_s"] + row["wall_s"] and row["prepare_s"] >= 0
     assert hpo["warm_start"]["weights"] == resolution["warm_start"]["weights"]
@@ -539,6 +545,9 @@ def test_hpo_takes_the_resolution_final_when_it_would_train_the_same(small, tmp_
     assert (checkpoints / "hpo.pt").read_bytes() == (checkpoints / "resolution.pt").read_bytes()
     again = scenarios(tmp_path / "once", "--resume")
     assert again["hpo"]["resumed_from_epoch"] == again["hpo"]["epochs"] == 2
+    assert again["hpo"]["tuning_s"] == pytest.approx(hpo["tuning_s"])  # nothing added twice
+    assert scenarios(tmp_path / "once", "--resume")["hpo"]["tuning_s"] == \
+        pytest.approx(hpo["tuning_s"])
     assert again["hpo"]["history"] == hpo["history"] and again["hpo"]["final_from"] == "resolution"
 
     monkeypatch.setattr(scenario, "final_to_reuse", lambda *_: None)
