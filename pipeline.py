@@ -421,7 +421,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {said}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        if args is None or args.run_id is None:  # still reading the options or the data
+        if args is not None and args.run_id is None and args.resume:  # reading the data
+            print("interrupted while reading the data: rerun the same command (with --resume) "
+                  "to continue the run it was resuming.", file=sys.stderr)
+        elif args is None or args.run_id is None:  # still reading the options or the data
             print("interrupted before the run started: nothing to resume.", file=sys.stderr)
         else:
             print("interrupted: rerun the same command with --resume to continue.",

@@ -315,7 +315,8 @@ def render_report(rows: list[dict[str, Any]], charts: list[str],
                   "failed); `--resume` continues it.", ""]
     lines += [table_markdown(results_table(rows)), "",
               "Accuracies and data wait in percent; CPU Exec is host CPU time per step; n/a = "
-              "not measured on this hardware, or no baseline to compare with.", ""]
+              "not measured on this hardware, or no baseline to compare with; never = its "
+              "validation never reached the baseline's.", ""]
     lines += ["## Diagnosis", ""]
     for row in rows:
         diag = row.get("diagnosis") or {}
@@ -402,17 +403,23 @@ _COLUMNS = (
 )
 
 
+NEVER = "never"  # compared with a baseline, and never reached its validation accuracy
+
+
 def results_table(rows: list[dict]):
     """The scenario results as a pandas DataFrame of display strings, indexed by scenario.
 
     Accuracies and the data-wait fraction are shown as percentages; a missing or None value is
-    "n/a" (never 0, which would read as a measurement).
+    "n/a" (never 0, which would read as a measurement), and a time to the baseline's
+    accuracy that was compared but never reached is "never".
     """
     import pandas as pd  # only the reporting path needs pandas
 
     if not isinstance(rows, (list, tuple)) or not all(isinstance(r, dict) for r in rows):
         raise UserError(f"results_table needs a list of result dicts, but got {type(rows).__name__}.")
-    data = [[_cell(row.get(key), kind) for key, _, kind in _COLUMNS] for row in rows]
+    data = [[NEVER if key == "time_to_baseline_acc_s" and row.get(key) is None
+             and row.get("baseline_acc_target") is not None else _cell(row.get(key), kind)
+             for key, _, kind in _COLUMNS] for row in rows]
     index = pd.Index([str(row.get("scenario", NA)) for row in rows], name="Scenario")
     return pd.DataFrame(data, index=index, columns=[header for _, header, _ in _COLUMNS],
                         dtype=object)

@@ -302,6 +302,9 @@ def test_the_search_verdict_needs_a_best_clear_of_chance():
     # trained first by both) can make 0
     assert met[3] == ("search: plain TPE reached its best after 30 trial seconds; ours came "
                       "within 0.5 points after 0.30x that")
+    # 3 images of 600 below plain TPE's best is 0.5 points exactly (0.500000000000006)
+    exact = verdict([(10, 4, 301 / 600)], [(3, 4, 298 / 600)], 600, 6)
+    assert exact[2].startswith("met: ours within 0.5 points")
     first = verdict([(10, 4, 0.6), (20, 8, 0.6)], [(10, 4, 0.6)], 360, 6)
     assert "after 10 trial seconds (its first trial, the default configuration" in first[3]
 
@@ -320,6 +323,14 @@ def test_targets_read_exact_points_borrowed_runs_and_a_difference_of_two_accurac
     assert "MISSED: hpo measuring at most 10% of its wall time (15.0%)" in lines
     assert "test set: 1200 images, standard error of a 3-point difference 2.0 points " \
            "(3 points < 2 SE: too small)" in lines
+    # choices an earlier run's cache gave measured nothing here: no verdict, said so
+    cached = {**hpo, "autotune": {"seconds": 0.0, "reused_from": "out/autotune_cache.json (x)"}}
+    lines = bench.targets([base, cached])
+    assert not any("measuring at most 10%" in line for line in lines)
+    assert "not judged: hpo measuring reused the choices of an earlier run " \
+           "(out/autotune_cache.json (x)); a fresh --output-dir measures them" in lines
+    shown = {"test_acc_se": 0.01, "best_resolution": 64}
+    assert "(cached)" in bench.rows_table([{**base, **shown}, {**cached, **shown}])[-1]
 
 
 def test_the_scenarios_benchmark_reads_only_its_own_runs_rows(tmp_path, monkeypatch, capsys):

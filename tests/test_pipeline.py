@@ -21,7 +21,7 @@ import resolution_tuner
 from conftest import COLOURS, make_folder, run_path, write_image
 from modules import hostmem, report
 from modules.results import MACHINE_FIGURES, STEP_FIGURES
-from modules.utility import load_model, predict
+from modules.utility import load_model, predict, results_table
 
 ROOT = Path(__file__).resolve().parents[1]
 ROW_FIELDS = {"scenario", "train_acc", "train_loss", "test_acc", "best_resolution", "epochs",
@@ -1057,6 +1057,10 @@ def test_each_row_is_compared_with_the_baseline():
     assert fast["time_to_baseline_acc_s"] == 25.0  # tuning included: 5 + 20
     assert fast["test_acc_vs_baseline"] == pytest.approx(5.0) and fast["total_vs_baseline"] == 0.5
     assert slow["time_to_baseline_acc_s"] is None and slow["total_vs_baseline"] == 1.5
+    # compared, and never reached: the table says so, where "n/a" would say not measured
+    table = results_table([base, fast, slow])
+    assert table.loc["hpo", "To Baseline Val Acc (s)"] == "never"
+    assert table.loc["resolution", "To Baseline Val Acc (s)"] == "25.0"
     # The epochs of the trial a final run continued from are the final model's first: its
     # curve (seconds since the scenario started) counts, before the final run's own.
     trial = lambda *points: {"curve": [{"elapsed_s": t, "val_acc": a} for t, a in points]}  # noqa: E731
@@ -1861,3 +1865,8 @@ def test_ctrl_c_before_the_run_started_offers_no_resume(monkeypatch, capsys):
         monkeypatch.setattr(pipeline, "run", lambda args, started=started: stopped(args, started))
         assert pipeline.main(["--dataset", "synthetic", "--quick"]) == 130
         assert capsys.readouterr().err.startswith(said)
+    # resuming, the run it resumes is still there to continue
+    monkeypatch.setattr(pipeline, "run", lambda args: stopped(args, False))
+    assert pipeline.main(["--dataset", "synthetic", "--quick", "--resume"]) == 130
+    assert capsys.readouterr().err.startswith("interrupted while reading the data: rerun the "
+                                              "same command (with --resume)")
