@@ -126,12 +126,16 @@ def start_run(output_dir: Path, index: DatasetIndex, *, resume: bool, command: s
     newest = runs[0] if runs else None
     # --resume continues the newest run that left something to continue, when one did: a run
     # stopped before its first checkpoint (Ctrl-C on one started without --resume) would hide
-    # the one that has. A run that finished has nothing left: the newer one is continued.
-    latest = next((r for r in runs if _has_progress(output_dir, r["run_id"])), newest) \
-        if resume else newest
-    if latest is not None and latest is not newest and latest.get("finished"):
-        latest = newest
+    # the one that has, and so would a newer run that finished (it has nothing left), the
+    # interrupted one then never reachable again. One on this data first; with none left, the
+    # newest run.
     fingerprint = index.fingerprint()
+    if resume:
+        left = [r for r in runs if not r.get("finished") and _has_progress(output_dir, r["run_id"])]
+        latest = next((r for r in left if index.same_data(r.get("data_fingerprint"))),
+                      left[0] if left else newest)
+    else:
+        latest = newest
     if resume and latest is not None:
         if not index.same_data(latest.get("data_fingerprint")):
             was_quick = latest.get("quick")

@@ -475,6 +475,27 @@ def test_resume_continues_the_run_with_progress_past_a_newer_empty_one(tmp_path,
         "20261127-100000", "20261127-110000")
 
 
+def test_resume_continues_an_interrupted_run_past_a_newer_finished_one(tmp_path, caplog):
+    """Run A was interrupted; run B, newer, finished (its rows, its checkpoints). --resume
+    continued B, which has nothing left, and A could never be continued. A on other data
+    is passed over for an unfinished run on this data."""
+    from modules.results import mark_finished, start_run
+    out = tmp_path / "out"
+    index = two_runs(out)
+    resume = dict(index=index, resume=True, command="python pipeline.py --resume")
+    for run_id in ("20261127-100000", "20261127-110000"):
+        (out / "checkpoints" / run_id / "baseline.pt").write_bytes(b"a checkpoint")
+    mark_finished(out, "20261127-110000")
+    with caplog.at_level("INFO"):
+        assert start_run(out, **resume) == "20261127-100000"
+    assert "the newer run 20261127-110000 left nothing to continue" in caplog.text
+    # both unfinished: the newest on this data, before a newer one on other data
+    record = out / "checkpoints" / "20261127-110000" / "run.json"
+    record.write_text(json.dumps({**json.loads(record.read_text()), "finished": False,
+                                  "data_fingerprint": "other"}))
+    assert start_run(out, **resume) == "20261127-100000"
+
+
 def test_a_typo_after_an_interrupted_run_does_not_take_over_resume(tmp_path, capsys):
     data = make_folder(tmp_path / "d", n_train=4, n_test=2)
     out = tmp_path / "o"
