@@ -575,6 +575,11 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
         # Only the model is built so: the config stays rank 0's, which the hpo scenario
         # compares with its own to reuse this run (final_to_reuse), as rank 0 does.
         building = dataclasses.replace(config, weights="none")
+    elif args.resume and kept is not None and \
+            checkpoint_file(output_dir, name, run_id=args.run_id).exists():
+        # Its checkpoint holds the weights it goes on from (or refuses in one line): the start
+        # weights are not read, and a trial's file damaged since cannot stop the resume.
+        building = dataclasses.replace(config, weights="none")
     apply_process_settings(config, device)
     # Building the model and its start weights, and decoding the images into the cache when
     # the tuning did not at this size: before the training clock starts, but the run's time.

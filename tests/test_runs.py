@@ -111,6 +111,21 @@ def test_a_moved_output_folder_resumes_the_hpo_final_run_from_its_kept_weights(t
     assert start.is_relative_to(copy) and start.exists()
 
 
+def test_a_damaged_trial_weights_file_does_not_stop_resuming_a_final_run(tmp_path):
+    """The final run's checkpoint holds the weights it goes on from: the trial's weights file
+    it started from, truncated since, is not read (it stopped the resume of a finished run
+    with "not a readable PyTorch file")."""
+    data = make_folder(tmp_path / "d", n_train=8, n_test=3)
+    out = tmp_path / "out"
+    argv = ["--data-dir", str(data), "--scenarios", "resolution", "--resolutions", "32",
+            "--no-autotune", "--output-dir", str(out), *RUN[2:]]
+    assert pipeline.main(argv) == 0
+    start = Path(rows(out)[-1]["warm_start"]["weights"])
+    start.write_bytes(start.read_bytes()[:100])
+    assert pipeline.main([*argv, "--resume"]) == 0
+    assert rows(out)[-1]["history"] == rows(out)[0]["history"]
+
+
 def test_a_kept_file_is_the_runs_own_copy_first(tmp_path):
     from modules.files import kept_file
     recorded = tmp_path / "out" / "checkpoints" / "run-1" / "w.pt"
