@@ -611,10 +611,9 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
         # Resumed after it had finished: this process only evaluated, so the figures measured
         # while it trained stay (without results.json: the checkpoint's step timing, and
         # machine samples of the test evaluation only).
-        carried = previous_row(output_dir / "results.json", name, index.name, args.run_id)
-        if carried is not None and carried.get("history") != json.loads(
-                json.dumps(json_safe(result.history))):
-            carried = None  # a row of another run, not of the one in the checkpoint
+        # None: a row of another run, not of the one in the checkpoint
+        carried = own_run(previous_row(output_dir / "results.json", name, index.name,
+                                       args.run_id), json.loads(json.dumps(json_safe(result.history))))
         log.info("%s had finished; %s", name, "keeping the figures measured while it trained"
                  if carried else "its machine figures cover only the test evaluation")
     row = result_row(name, config, result, test, index, device, system,
@@ -763,8 +762,22 @@ def _final_row(output_dir: Path, index: DatasetIndex, run_id: str | None
 
 def gave_way(row: dict[str, Any]) -> dict[str, Any]:
     """What an hpo row keeps of a final run that validated below the one it took instead
-    (winner_final, default_final, grown_final: the report quotes them)."""
-    return {k: row.get(k) for k in ("val_acc", "test_acc", "epochs", "wall_s", "settings")}
+    (winner_final, default_final, grown_final: the report quotes them; a resume that finds
+    that run finished reads its history and seconds back, own_run)."""
+    return {k: row.get(k) for k in ("val_acc", "test_acc", "epochs", "wall_s", "settings",
+                                    "prepare_s", "tuning_s", "history")}
+
+
+def own_run(row: dict[str, Any] | None, history: Any) -> dict[str, Any] | None:
+    """The earlier row of a final run found finished on --resume: `row` itself when its
+    history is `history` (the checkpoint's), or, where the hpo row took another run's model,
+    the record of its own run that gave way (its times, the row's search summary)."""
+    if row is None or row.get("history") == history:
+        return row
+    own = next((row[k] for k in ("winner_final", "default_final")
+                if isinstance(row.get(k), dict) and row[k].get("history") == history), None)
+    return None if own is None else {**{k: v for k, v in own.items() if v is not None},
+                                     "hpo": row.get("hpo")}
 
 
 def default_if_better(row: dict[str, Any], same: dict[str, Any] | None) -> dict[str, Any]:

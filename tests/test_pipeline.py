@@ -564,6 +564,12 @@ def test_hpo_takes_the_resolution_final_when_it_would_train_the_same(small, tmp_
     lower = both["hpo"]
     assert lower["final_from"] == "resolution" and lower["default_final"]["epochs"] == 2
     assert lower["history"] == both["resolution"]["history"]
+    # resumed, it finds both final runs finished: its own (which gave way) read back, nothing
+    # added to its seconds (each resume added its own)
+    for _ in range(2):
+        again = scenarios(tmp_path / "lower", "--resume")["hpo"]
+        assert again["tuning_s"] == pytest.approx(lower["tuning_s"])
+        assert again["default_final"]["wall_s"] == lower["default_final"]["wall_s"]
     runs = run_path(tmp_path / "lower", "runs")
     assert [p.name[:12] for p in runs.glob("hpo.*")] == ["hpo.default-"]
     assert "kept the default configuration" in (tmp_path / "lower" / "report.md").read_text()
