@@ -479,19 +479,31 @@ def read_clock(path: Path) -> float:
         return 0.0
 
 
+def read_sessions(path: Path) -> list[list[float]]:
+    """The tuning sessions the clock recorded, oldest first: [time.time() at the session's
+    start, the clock's seconds then] each (lineage places a trial's epochs by them); none
+    when unreadable or written by a version without them."""
+    try:
+        sessions = json.loads(path.read_text())["sessions"]
+        return [[float(at), float(clock)] for at, clock in sessions]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
 CLOCK_EVERY_S = 10.0  # how often a tuning session records its seconds so far
 
 
 @contextlib.contextmanager
-def ticking(path: Path, earlier_s: float, started: float):
+def ticking(path: Path, earlier_s: float, started: float,
+            sessions: list[list[float]] | None = None):
     """While tuning, the clock is written every CLOCK_EVERY_S from a background thread, so a
     session killed outside Python (kill -9, a lost Colab VM: no finally runs) leaves its
-    seconds up to then for the resumed row."""
+    seconds up to then for the resumed row (and `sessions`, read_sessions)."""
     stop = threading.Event()
 
     def tick() -> None:
         while not stop.wait(CLOCK_EVERY_S):
-            write_clock(path, earlier_s + time.perf_counter() - started)
+            write_clock(path, earlier_s + time.perf_counter() - started, sessions)
     thread = threading.Thread(target=tick, name="tuning-clock", daemon=True)
     thread.start()
     try:
@@ -501,10 +513,12 @@ def ticking(path: Path, earlier_s: float, started: float):
         thread.join()
 
 
-def write_clock(path: Path, tuning_s: float) -> None:
+def write_clock(path: Path, tuning_s: float, sessions: list[list[float]] | None = None) -> None:
+    """The scenario's tuning seconds so far, and its sessions (None: those recorded)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_json(path, {"tuning_s": tuning_s})
+        write_json(path, {"tuning_s": tuning_s,
+                          "sessions": read_sessions(path) if sessions is None else sessions})
     except OSError as exc:  # a clock that cannot be written costs only a resumed row's time
         log.info("could not write %s (%s)", path, exc)
 
@@ -516,19 +530,24 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
     config = scenario_config(name, args, device)
     default_size = config.image_size  # the baseline's
     clock = checkpoint_file(output_dir, name, CLOCK_SUFFIX, args.run_id)
-    earlier_s = read_clock(clock) if args.resume and name != "baseline" else 0.0
+    resumed = args.resume and name != "baseline"
+    earlier_s = read_clock(clock) if resumed else 0.0
+    # This session's start on the scenario's clock, after the earlier sessions'.
+    sessions = [*(read_sessions(clock) if resumed else []), [started_at, earlier_s]]
     extra: dict[str, Any] = {}
     try:
-        with (ticking(clock, earlier_s, started) if name != "baseline" and distributed.is_main()
-              else contextlib.nullcontext()):
+        with (ticking(clock, earlier_s, started, sessions)
+              if name != "baseline" and distributed.is_main() else contextlib.nullcontext()):
             config, extra = tune_scenario(name, config, args, index, output_dir, device, tuned)
     finally:  # Ctrl-C and errors too: --resume then adds this session's tuning to the next's
-        # A final run a grown study set aside counts as tuning, as a candidate trained.
+        # A final run a grown study set aside counts as tuning, as a candidate trained (before
+        # this session's trials).
         replaced = extra.get("replaced_final") or {}
         set_aside_s = 0.0 if replaced.get(COUNTED) else replaced.get("seconds", 0.0)
+        sessions[-1][1] += set_aside_s
         tuning_s = earlier_s + time.perf_counter() - started + set_aside_s
         if name != "baseline" and distributed.is_main():
-            write_clock(clock, tuning_s)
+            write_clock(clock, tuning_s, sessions)
     anew = extra.pop(TUNED_ANEW, True)
     # private to the comparison with a set-aside final run (earlier_if_better), not the row's
     earlier_final = replaced.pop(EARLIER_ROW, None)
@@ -537,9 +556,7 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
     # counts it as if trained here, first, as it counts a final run it takes (same_final).
     # Not in the clock, which is this scenario's own time (fill_time's): the row adds it.
     reused_s = reused_seconds(extra)
-    # The set-aside final run trained before this session's trials, as did a reused trial.
-    lineage(extra.get("warm_start"), started_at, tuning_s + reused_s,
-            earlier_s + set_aside_s + reused_s)
+    lineage(extra.get("warm_start"), sessions, tuning_s + reused_s, reused_s)
     if name != "baseline":
         config = fill_time(config, name, args, output_dir, index, tuned, tuning_s,
                            _epoch_seconds(name, config, extra), default_size)
@@ -1108,18 +1125,24 @@ def warm_start(config: TrainConfig, name: str, source: str, weights: Path | None
         "curve": [{"at": at, "val_acc": acc} for at, acc in curve]}
 
 
-def lineage(warm: dict[str, Any] | None, started_at: float, tuning_s: float,
-            earlier_s: float = 0.0) -> None:
-    """The start trial's curve as seconds since the scenario started (`started_at`, a
-    time.time(), after `earlier_s` seconds of tuning in earlier sessions of the run), in
-    place: compare_to_baseline counts these epochs as the final model's first. Epochs that
-    ended before this session started (a trial from an earlier session, reused) are left
-    out: when they ended in the scenario's time is not known. None is later than the
-    tuning's end (the wall clock may be set forward meanwhile)."""
-    if warm is not None:
-        warm["curve"] = [{"elapsed_s": min(tuning_s, earlier_s + p["at"] - started_at),
-                          "val_acc": p["val_acc"]}
-                         for p in warm.get("curve", []) if p["at"] >= started_at]
+def lineage(warm: dict[str, Any] | None, sessions: list[list[float]], tuning_s: float,
+            before_s: float = 0.0) -> None:
+    """The start trial's curve as seconds on the scenario's clock, in place: compare_to_baseline
+    counts these epochs as the final model's first. Each epoch's end (a time.time()) is placed
+    in the tuning session it ended in (`sessions`: [its start, the clock's seconds then],
+    oldest first), after `before_s` (a trial reused from the resolution scenario, counted as
+    trained first). Epochs that ended before the first session (a trial reused from another
+    scenario) are left out: when they ended in the scenario's time is not known. None is later
+    than the tuning's end (the wall clock may be set forward meanwhile)."""
+    if warm is None:
+        return
+    curve = []
+    for p in warm.get("curve", []):
+        start = next(((at, clock) for at, clock in reversed(sessions) if p["at"] >= at), None)
+        if start is not None:
+            curve.append({"elapsed_s": min(tuning_s, before_s + start[1] + p["at"] - start[0]),
+                          "val_acc": p["val_acc"]})
+    warm["curve"] = curve
 
 
 def tune_hyperparameters(config: TrainConfig, args: RunOptions, index: DatasetIndex,

@@ -1089,15 +1089,22 @@ def test_each_row_is_compared_with_the_baseline():
     assert fast["test_acc_vs_baseline"] is None
 
 
-def test_a_start_trial_counts_only_the_epochs_trained_in_the_scenario():
-    """A trial reused from an earlier session (--resume) ended its epochs before this scenario
-    started: their time is not in its tuning_s, so they are not counted as reached here."""
-    warm = {"curve": [{"at": 90.0, "val_acc": 0.2}, {"at": 101.0, "val_acc": 0.4},
-                      {"at": 103.5, "val_acc": 0.5}]}
-    scenario.lineage(warm, started_at=100.0, tuning_s=3.0)
+def test_a_start_trial_counts_its_epochs_where_they_ended_on_the_scenarios_clock():
+    """An epoch that ended before the scenario's first session (a trial of another run) is not
+    counted; one of an earlier session (--resume) counts where it ended on that session's
+    clock (dropped, a resumed row reached the baseline's accuracy later than it did); one of
+    this session after it, and after a reused trial's seconds (before_s)."""
+    curve = [{"at": 90.0, "val_acc": 0.2}, {"at": 101.0, "val_acc": 0.4},
+             {"at": 103.5, "val_acc": 0.5}]
+    warm = {"curve": list(curve)}
+    scenario.lineage(warm, [[100.0, 0.0]], tuning_s=3.0)
     assert warm["curve"] == [{"elapsed_s": 1.0, "val_acc": 0.4},
                              {"elapsed_s": 3.0, "val_acc": 0.5}]  # never after the tuning
-    scenario.lineage(None, 100.0, 3.0)  # no start trial: nothing to do
+    # session 1 started at 100 and tuned 4 s; session 2 started at 200
+    warm = {"curve": list(curve) + [{"at": 201.0, "val_acc": 0.6}]}
+    scenario.lineage(warm, [[100.0, 0.0], [200.0, 4.0]], tuning_s=20.0, before_s=4.0)
+    assert [p["elapsed_s"] for p in warm["curve"]] == [5.0, 7.5, 9.0]
+    scenario.lineage(None, [[100.0, 0.0]], 3.0)  # no start trial: nothing to do
 
 
 def test_the_estimate_covers_every_scenario_and_match_times_fill(small, tmp_path, monkeypatch):
@@ -1497,6 +1504,28 @@ def test_the_time_to_the_baselines_accuracy_counts_the_final_runs_preparation():
     assert row["time_to_baseline_acc_s"] == 18.0 and row["baseline_acc_reached_in"] == "final run"
 
 
+def test_a_resumed_final_run_keeps_its_start_trials_epochs(small, tmp_path, monkeypatch):
+    """Stopped as the resolution final run started and resumed, the row counted its tuning
+    seconds but dropped the picked trial's epochs (they ended in the first session), so it
+    reached the baseline's accuracy later than it had: they count where they ended."""
+    argv = ["--data-dir", str(small), "--scenarios", "resolution", "--resolutions", "32",
+            "--image-size", "32", "--epochs", "2", "--weights", "none", "--no-progress",
+            "--no-autotune", "--output-dir", str(tmp_path / "out")]
+    real = scenario.train
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(scenario, "train", stopped)
+    assert run_main(*argv) == 130
+    monkeypatch.setattr(scenario, "train", real)
+    assert run_main(*argv, "--resume") == 0
+    row = json.loads((tmp_path / "out" / "results.json").read_text())[-1]
+    curve = row["warm_start"]["curve"]
+    assert [p["val_acc"] for p in curve] == row["resolution_trials"][0]["val_curve"]
+    elapsed = [p["elapsed_s"] for p in curve]
+    assert 0 < elapsed[0] and elapsed == sorted(elapsed) and elapsed[-1] <= row["tuning_s"]
+
+
 def test_the_tuning_clock_is_written_while_tuning(tmp_path, monkeypatch):
     """kill -9 (a lost Colab VM) runs no finally: the seconds tuned so far are on disk already,
     for the resumed row's tuning_s."""
@@ -1509,6 +1538,13 @@ def test_the_tuning_clock_is_written_while_tuning(tmp_path, monkeypatch):
             time.sleep(0.02)
         assert scenario.read_clock(clock) >= 30.0  # earlier sessions' seconds and this one's
     assert scenario.read_clock(clock) >= 30.0
+    # the sessions given are written; a write without them keeps those recorded
+    with scenario.ticking(clock, 30.0, started, [[1.0, 0.0], [5.0, 30.0]]):
+        time.sleep(0.2)
+    assert scenario.read_sessions(clock) == [[1.0, 0.0], [5.0, 30.0]]
+    scenario.write_clock(clock, 40.0)
+    assert scenario.read_sessions(clock) == [[1.0, 0.0], [5.0, 30.0]]
+    assert scenario.read_clock(clock) == 40.0
 
 
 def test_a_grown_studys_new_final_run_gives_way_to_a_better_earlier_one(tmp_path):
