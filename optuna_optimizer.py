@@ -162,8 +162,10 @@ class _BeyondNoise(optuna.pruners.BasePruner):
         # trial has left chance, can be asked that late.)
         if step is None or step >= self.epochs:
             return False
+        # Not a trial cut off with its session (FAIL): its retry, the same parameters, is here
+        # too, and one configuration would count twice in the ranking.
         here = [t.intermediate_values[step] for t in study.get_trials(deepcopy=False)
-                if step in t.intermediate_values]
+                if step in t.intermediate_values and t.state != optuna.trial.TrialState.FAIL]
         leader, value = max(here), trial.intermediate_values[step]
         if step in self.early:
             if not informative(value, self.n_val, self.num_classes):
@@ -980,7 +982,10 @@ class OptunaTuner:
         trial, left chance or not: its own final run would fail the same way."""
         complete = self._complete()
         if not complete:
-            return None, "no trial completed: keeping the default configuration"
+            failed = self._failed_default()
+            return None, ("no trial completed: keeping the default configuration" + (
+                "" if failed is None else f", whose trial failed ({failed}): its final run "
+                "may fail the same way"))
         default = self._default_trial()
         # A trial whose first epoch alone took more optimizer steps than the default's whole
         # trial cannot be judged within them: it does not compete (batch 16 beside 64, over

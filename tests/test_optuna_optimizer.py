@@ -685,6 +685,24 @@ def test_a_trial_that_has_left_chance_can_be_stopped_before_the_first_rung(index
     assert [trial.state for trial in t.study.trials] == [optuna.trial.TrialState.COMPLETE] * 3
 
 
+def test_a_trial_cut_off_with_its_session_is_no_yardstick(index, tmp_path):
+    """A trial cut off with its session (FAIL) is retried with the same parameters: its
+    values and its retry's would count one configuration twice. Three classes, 1,000
+    validation images: the retry at 60% against the default's 62% is within the noise, and
+    goes on; against its own earlier attempt's 75% it was stopped."""
+    t = tuner(index, tmp_path)
+    study = optuna.create_study(direction="maximize")
+    made = lambda state, acc, **kw: optuna.trial.create_trial(  # noqa: E731
+        state=state, params=PARAMS, distributions=t.distributions(),
+        intermediate_values={1: acc}, **kw)
+    study.add_trial(made(optuna.trial.TrialState.COMPLETE, 0.62, value=0.62,
+                         user_attrs={"default": True}))
+    study.add_trial(made(optuna.trial.TrialState.FAIL, 0.75))
+    pruner = optuna_optimizer._BeyondNoise(optuna.pruners.NopPruner(), n_val=1000,
+                                           num_classes=3, epochs=4, early=[1])
+    assert not pruner.prune(study, made(optuna.trial.TrialState.COMPLETE, 0.60, value=0.60))
+
+
 def test_the_default_stays_only_while_no_trial_has_left_chance(index, tmp_path, monkeypatch):
     """Three classes, 1,000 validation images: chance is 33%, two standard errors 3 points.
     Trials all at chance rank nothing: the default stays. A trial that has left chance where
@@ -898,6 +916,13 @@ def test_a_default_that_diverged_gives_way_to_the_search_s_best(index, tmp_path,
     summary = tuner(index, tmp_path, n_trials=3).run()
     assert summary["chosen_params"] is not None and summary["chosen_params"]["lr"] != BASE.lr
     assert "the default configuration's trial failed (training diverged" in summary["choice"]
+    # nothing else completed either: said, as its final run may fail the same way
+    monkeypatch.setattr(optuna_optimizer, "fit", lambda *a, **k: (_ for _ in ()).throw(
+        DivergedError("training diverged: the loss was NaN/inf in 3 batches")))
+    summary = tuner(index, tmp_path / "all", n_trials=2).run()
+    assert summary["chosen_params"] is None and summary["choice"].startswith(
+        "no trial completed: keeping the default configuration, whose trial failed (training "
+        "diverged")
 
 
 def test_a_study_given_by_storage_is_joined_whatever_the_database(index, tmp_path, monkeypatch):
