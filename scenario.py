@@ -1201,7 +1201,10 @@ def _search(config: TrainConfig, args: RunOptions, index: DatasetIndex, output_d
              "; the time budget the study was started with" if auto_budget and args.resume else
              f"; no trial started after {budget[0]:.0f} s of trials ({budget[1]})")
     # Batch sizes are searched only up to what the GPU holds at this resolution.
+    probing = time.perf_counter()
     largest = max_batch_size(config, len(index.classes), device, upto=max(BATCH_SIZES))
+    # measuring, as the autotuner's is (None on a CPU, where it probes nothing)
+    probe_s = time.perf_counter() - probing if device.type == "cuda" else None
     # A study of its own for each run in the output dir's SQLite file; on a shared --storage
     # one study per dataset that every worker joins, each sampling from its own seed.
     shared = args.storage is not None
@@ -1280,7 +1283,8 @@ def _search(config: TrainConfig, args: RunOptions, index: DatasetIndex, output_d
     if distributed.world_size() > 1:
         end_trials()
         distributed.from_main(chosen)
-    return chosen, {"hpo": summary, "warm_start": warm, TUNED_ANEW: tuner.new_trials > 0
+    return chosen, {"hpo": {**summary, "memory_probe_s": probe_s}, "warm_start": warm,
+                    TUNED_ANEW: tuner.new_trials > 0
                     or bool(replaced and not replaced.get(COUNTED)),
                     **({"replaced_final": replaced} if replaced else {})}
 

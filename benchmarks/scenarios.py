@@ -132,7 +132,7 @@ def rows_table(rows: list[dict]) -> list[str]:
              "to baseline val acc | best size |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     base_total = next((r["total_s"] for r in rows if r["scenario"] == "baseline"), None)
     for r in rows:
-        measuring = (r.get("autotune") or {}).get("seconds") or 0.0
+        measuring = measuring_s(r) or 0.0
         # Compared with this run's baseline only: the pipeline may compare with an earlier
         # run's, which the targets below do not judge by.
         reached = r.get("time_to_baseline_acc_s") if base_total else None
@@ -147,6 +147,15 @@ def rows_table(rows: list[dict]) -> list[str]:
             f"{('never' if compared else 'n/a') if reached is None else f'{reached:.0f} s'}"
             f"{ratio} | {r['best_resolution']} |")
     return lines
+
+
+def measuring_s(row: dict) -> float | None:
+    """A row's measuring seconds: the autotuner's, and the hpo scenario's GPU memory probe
+    (None: nothing measured)."""
+    parts = [(row.get("autotune") or {}).get("seconds"),
+             (row.get("hpo") or {}).get("memory_probe_s")]
+    parts = [p for p in parts if isinstance(p, (int, float))]
+    return sum(parts) if parts else None
 
 
 def cached_from(row: dict) -> str | None:
@@ -208,7 +217,7 @@ def targets(rows: list[dict]) -> list[str]:
         out.append(f"{verdict(diff >= 3)}: hpo at least 3 points above the "
                    f"baseline ({figure(diff, 3, 1, '+')} points)")
     for r in rows:
-        measuring = (r.get("autotune") or {}).get("seconds")
+        measuring = measuring_s(r)
         cached = cached_from(r)
         if cached:  # its 0 s measured nothing: no verdict on what this run did not do
             out.append(f"not judged: {r['scenario']} measuring reused the choices of an "

@@ -323,6 +323,10 @@ def test_targets_read_exact_points_borrowed_runs_and_a_difference_of_two_accurac
     assert "MISSED: hpo measuring at most 10% of its wall time (15.0%)" in lines
     assert "test set: 1200 images, standard error of a 3-point difference 2.0 points " \
            "(3 points < 2 SE: too small)" in lines
+    # the hpo scenario's GPU memory probe is measuring too
+    probed = {**hpo, "hpo": {"memory_probe_s": 1.5}}
+    assert "MISSED: hpo measuring at most 10% of its wall time (20.0%)" in bench.targets(
+        [base, probed])
     # choices an earlier run's cache gave measured nothing here: no verdict, said so
     cached = {**hpo, "autotune": {"seconds": 0.0, "reused_from": "out/autotune_cache.json (x)"}}
     lines = bench.targets([base, cached])
