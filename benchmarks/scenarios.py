@@ -270,7 +270,7 @@ def compare_search(data: list[str], args, out: Path) -> list[str]:
         trials = [t for t in tuner.study.trials if t.state in (
             optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)]
         # Epochs beside seconds: a busy machine stretches seconds, not epochs.
-        curve, spent, epochs_so_far, best = [], 0.0, 0, -1.0
+        curve, spent, epochs_so_far, best = [], 0.0, 0, 0.0  # none completed: 0%, not -100%
         for t in trials:
             spent += (t.datetime_complete - t.datetime_start).total_seconds()
             epochs_so_far += len(t.intermediate_values)

@@ -195,8 +195,9 @@ def check_resumable(ckpt: dict[str, Any], config: TrainConfig, path: Path) -> No
     changed = [k for k in RESUME_KEYS if saved[k] != getattr(config, k)]
     if changed:
         diffs = ", ".join(f"{k} {saved[k]!r} -> {getattr(config, k)!r}" for k in changed)
-        raise UserError(f"cannot resume from {str(path)!r}: settings changed ({diffs}); run "
-                        "without --resume to start over.")
+        raise UserError(f"cannot resume from {str(path)!r}: settings changed ({diffs}); "
+                        "resume with the options the run was started with (the 'resuming run' "
+                        "line names its command), or run without --resume to start over.")
 
 
 OPTIMIZER_KERNEL_KEYS = ("fused", "foreach", "capturable")

@@ -182,7 +182,9 @@ def versus_baseline_lines(rows: list[dict[str, Any]]) -> list[str]:
         diff, ratio = finite_number(row.get("test_acc_vs_baseline")), finite_number(row.get("total_vs_baseline"))
         total = finite_number(row.get("total_s"))
         if row["scenario"] != "baseline" and diff is not None:
-            line += f", {diff:+.1f} points against the baseline"
+            line += f", {diff:+.1f} points against the baseline" + (
+                f" of run {row['baseline_run_id']}" if row.get("baseline_run_id")
+                not in (None, row.get("run_id")) else "")
         if total is not None:
             line += f", {total:.0f} s in all" + (
                 f" ({ratio:.2f}x the baseline's)" if row["scenario"] != "baseline" and ratio

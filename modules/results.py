@@ -436,6 +436,8 @@ def compare_to_baseline(rows: list[dict[str, Any]], baseline: dict[str, Any] | N
         total = row.get("total_s") or row.get("wall_s")
         row["total_vs_baseline"] = total / base_total if total and base_total else None
         row["baseline_acc_target"] = target
+        # an earlier run's, when this run trained none (same data, model and kind of device)
+        row["baseline_run_id"] = baseline.get("run_id")
 
 
 def _beats(mine: float | None, best: Any) -> bool:

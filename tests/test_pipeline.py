@@ -1063,6 +1063,13 @@ def test_each_row_is_compared_with_the_baseline():
     assert fast["time_to_baseline_acc_s"] == 25.0  # tuning included: 5 + 20
     assert fast["test_acc_vs_baseline"] == pytest.approx(5.0) and fast["total_vs_baseline"] == 0.5
     assert slow["time_to_baseline_acc_s"] is None and slow["total_vs_baseline"] == 1.5
+    # the baseline compared with is named when it is another run's
+    base["run_id"], fast["run_id"] = "run-1", "run-2"
+    scenario.compare_to_baseline([fast], base)
+    assert fast["baseline_run_id"] == "run-1"
+    assert "points against the baseline of run run-1" in report.versus_baseline_lines([fast])[0]
+    fast["run_id"] = "run-1"
+    assert "baseline of run" not in report.versus_baseline_lines([fast])[0]
     # compared, and never reached: the table says so, where "n/a" would say not measured
     table = results_table([base, fast, slow])
     assert table.loc["hpo", "To Baseline Val Acc (s)"] == "never"

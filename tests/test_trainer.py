@@ -466,7 +466,7 @@ def test_resume_continues_and_matches_an_uninterrupted_run(tmp_path):
 
 def test_resume_refuses_changed_settings(tmp_path):
     fit(dataclasses.replace(BASE, epochs=1), checkpoint_path=tmp_path / "c.pt")
-    with pytest.raises(UserError, match="settings changed.*batch_size"):
+    with pytest.raises(UserError, match="settings changed.*batch_size.*resume with the options"):
         fit(dataclasses.replace(BASE, epochs=1, batch_size=4), checkpoint_path=tmp_path / "c.pt",
             resume=True)
 
