@@ -565,11 +565,10 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
     if same is not None:
         before = None if anew else previous_row(output_dir / "results.json", name, index.name,
                                                 args.run_id)
-        if before is not None and before.get("final_from") == same["scenario"] and \
-                before.get("history") == same["row"].get("history"):
-            tuning_s = kept_seconds(before, tuning_s, clock)
-        else:
-            tuning_s += reused_s
+        if before is not None and (before.get("final_from") != same["scenario"] or
+                                   before.get("history") != same["row"].get("history")):
+            before = None  # a row of another final run
+        tuning_s = row_tuning_s(tuning_s, reused_s, before, clock)
         forget_replaced(output_dir, args.run_id)  # no trained final run to compare
         if args.profile and distributed.is_main():
             log.info("%s: no profiler trace of its own: it trains nothing the %s scenario's "
@@ -639,10 +638,8 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
     row["prepare_s"] = prepare_s  # the hpo scenario counts it when it takes this final run
     if carried:
         keep_timeline(row, carried, extra.get("warm_start"))
-    if carried and not anew:
-        tuning_s = kept_seconds(carried, tuning_s, clock if name != "baseline" else None)
-    else:
-        tuning_s += reused_s
+    tuning_s = row_tuning_s(tuning_s, reused_s, None if anew else carried,
+                            clock if name != "baseline" else None)
     if name == "resolution":
         tuned["final"] = {"scenario": name, "config": config, "row": copy.deepcopy(row)}
     row.update(extra, run_id=args.run_id, tuning_s=tuning_s,
@@ -674,14 +671,17 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
 TUNED_ANEW = "_tuned_anew"
 
 
-def kept_seconds(before: dict[str, Any], tuning_s: float, clock: Path | None) -> float:
-    """A resumed session that found the scenario finished, and tuned nothing anew, only read
-    back what the run had done: the row keeps the tuning seconds the run took (each resume
-    added its own before, and with them to total_s and the time ratios), and so does the
-    clock (less a reused trial's seconds, which the row adds to it)."""
-    seconds = before.get("tuning_s")
+def row_tuning_s(tuning_s: float, reused_s: float, before: dict[str, Any] | None,
+                 clock: Path | None) -> float:
+    """The row's tuning seconds: the clock's `tuning_s` (this scenario's own time) and
+    `reused_s` (a trial it took from the resolution scenario). `before`: the row of a resumed
+    session that found the scenario finished, and tuned nothing anew, so only read back what
+    the run had done: the row keeps the tuning seconds the run took (each resume added its own
+    before, and with them to total_s and the time ratios), and so does the clock (less the
+    reused trial's, which the row adds to it)."""
+    seconds = None if before is None else before.get("tuning_s")
     if not isinstance(seconds, (int, float)) or isinstance(seconds, bool):
-        return tuning_s + reused_seconds(before)
+        return tuning_s + reused_s
     if clock is not None and distributed.is_main():
         write_clock(clock, seconds - reused_seconds(before))
     return float(seconds)
