@@ -456,19 +456,22 @@ def _tune_compile(config: TrainConfig, num_classes: int, current: dict[str, Any]
                         "img_s": {"false": round(eager_img_s, 2), "true": result["error"]},
                         "reason": f"torch.compile failed here ({result['error']})"}
     eager_img_s, compiled_img_s = result["img_s"]
+    # Raced in a child, its eager figure is the child's: compared with its compiled one there,
+    # but the parent's own measure stays the figure later knobs and the summary read.
+    own_img_s = current["img_s"] if deadline_s is not None else eager_img_s
     figures = {"false": round(eager_img_s, 2), "true": round(compiled_img_s, 2)}
     warmup_extra = result["warmup_s"] - 2 * config.batch_size / eager_img_s  # 2 micro-steps
     step_s = config.effective_batch_size / eager_img_s
     saving_per_step = step_s - config.effective_batch_size / compiled_img_s
     horizon = "the planned run" if planned_steps is not None else "a long run"
     if saving_per_step <= 0 or compiled_img_s < MIN_GAIN * eager_img_s:
-        current["img_s"] = eager_img_s
+        current["img_s"] = own_img_s
         reason = (f"compiled {compiled_img_s:.1f} img/s is not faster than eager "
                   f"{eager_img_s:.1f} (after {result['warmup_s']:.0f} s of warm-up)")
         return config, {"choice": False, "img_s": figures, "reason": reason}
     payback_steps = math.ceil(max(0.0, warmup_extra) / saving_per_step)
     if planned_steps is not None and payback_steps > planned_steps:
-        current["img_s"] = eager_img_s
+        current["img_s"] = own_img_s
         reason = (f"compiled {compiled_img_s:.1f} vs eager {eager_img_s:.1f} img/s, but its "
                   f"{result['warmup_s']:.0f} s warm-up pays back only after {payback_steps} steps, "
                   f"more than the {planned_steps} planned")

@@ -1131,3 +1131,15 @@ def test_the_compile_child_ends_when_its_parent_is_killed(tmp_path):
             pytest.fail("the child outlived its parent")
     finally:
         parent.kill()
+
+
+def test_a_child_race_lost_by_compile_keeps_this_process_s_own_speed(monkeypatch):
+    """Raced in a child, compile lost against the child's eager figure: the figure later knobs
+    and the summary read stays this process's own measure, not the child's (slower, cold)."""
+    monkeypatch.setattr(at, "COMPILE_WARMUP_FLOOR_S", 1.0)
+    monkeypatch.setattr(at, "_race_compile_with_deadline", lambda config, n, deadline_s: {
+        "img_s": (600.0, 610.0), "warmup_s": 5.0})
+    current = {"probe": object(), "img_s": 800.0}
+    config, entry = at._tune_compile(_config(), 3, current, planned_steps=None, deadline_s=30.0)
+    assert config.compile is False and "not faster" in entry["reason"]
+    assert current["img_s"] == 800.0 and entry["img_s"] == {"false": 600.0, "true": 610.0}
