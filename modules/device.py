@@ -98,10 +98,16 @@ def autocast_dtype(amp: str, device: torch.device) -> torch.dtype | None:
 
 def native_bf16_cpu() -> bool:
     """Whether /proc/cpuinfo lists native bf16 units (AVX512-BF16 or AMX-BF16) that PyTorch
-    may use: not when its kernels are capped below AVX-512 (ATEN_CPU_CAPABILITY=avx2). A hint
-    only: measured speed with and without bf16 autocast is what counts. False off Linux."""
+    may use: not when its kernels are capped below AVX-512 (ATEN_CPU_CAPABILITY=avx2), nor
+    when oneDNN's are (ONEDNN_MAX_CPU_ISA=AVX2), which run the convolutions. A hint only:
+    measured speed with and without bf16 autocast is what counts. False off Linux."""
     if not torch.backends.cpu.get_cpu_capability().upper().startswith("AVX512"):
         return False
+    try:
+        if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return False
+    except (AttributeError, RuntimeError):  # a build without oneDNN: ATen's check alone
+        pass
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

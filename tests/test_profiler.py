@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -265,6 +266,18 @@ def test_native_bf16_cpu_is_a_bool(monkeypatch):
     # kernels capped below AVX-512 (ATEN_CPU_CAPABILITY=avx2) do not use the bf16 units
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     assert native_bf16_cpu() is False
+
+
+
+def test_native_bf16_cpu_is_false_where_onednn_is_capped_below_its_bf16_kernels():
+    """ONEDNN_MAX_CPU_ISA=AVX2 alone (ATen uncapped) runs the convolutions without the bf16
+    units, where bf16 autocast is several times slower: the diagnosis must not suggest it."""
+    code = "from modules.device import native_bf16_cpu; print(native_bf16_cpu())"
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    env.pop("ATEN_CPU_CAPABILITY", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, check=True, cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.strip() == "False"
 
 
 def test_usable_cpus_are_the_processs_affinity_not_the_machines_count(monkeypatch):
