@@ -1098,14 +1098,16 @@ def machine_key() -> str:
 
 def kernel_caps() -> list[str]:
     """What caps the CPU kernels PyTorch uses, whichever variable set it: ATen's capability in
-    effect, whether oneDNN runs bf16 natively, and every ONEDNN_/DNNL_/ATEN_CPU_ variable
-    (oneDNN also reads its older DNNL_MAX_CPU_ISA name, which capped bf16 6x slower)."""
+    effect, whether oneDNN runs bf16 natively, every ONEDNN_/DNNL_/ATEN_CPU_ variable (oneDNN
+    also reads its older DNNL_MAX_CPU_ISA name, which capped bf16 6x slower), and the thread
+    count variables (a thread count left unmeasured keeps the one they set)."""
     try:
         bf16 = str(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         bf16 = "?"
     env = sorted(f"{k}={v}" for k, v in os.environ.items()
-                 if k.startswith(("ONEDNN_", "DNNL_", "ATEN_CPU_")))
+                 if k.startswith(("ONEDNN_", "DNNL_", "ATEN_CPU_"))
+                 or k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"))
     return [torch.backends.cpu.get_cpu_capability(), bf16, *env]
 
 
@@ -1178,14 +1180,18 @@ def _valid_report(report: Any) -> dict[str, Any]:
         raise ValueError("its knobs are not this version's")
     phases = report.get("phases_s") or {}
     if not isinstance(phases, dict) or not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) for v in phases.values()):
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            for v in phases.values()):
         raise ValueError("phases_s is not this version's")
     for k, v in knobs.items():  # a choice TrainConfig refuses would fail mid-run (UserError)
         dataclasses.replace(TrainConfig(), **{k: v["choice"]})
     for name in ("compute_img_s", "budget_s", "planned_steps", "seconds_per_candidate"):
         value = report.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise ValueError(f"{name} is not a number")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value < 0):
+            raise ValueError(f"{name} is not a number of 0 or more")
+    if report.get("compute_img_s") is not None and report["compute_img_s"] <= 0:
+        raise ValueError("compute_img_s is not a speed")
     return report
 
 

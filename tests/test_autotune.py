@@ -585,6 +585,12 @@ def test_a_batch_that_does_not_fit_on_a_cpu_is_split_to_the_same_effective_batch
     {"knobs": {"old_knob": {"choice": 1, "img_s": {"1": 2.0}, "reason": "r"}}},
     {"knobs": {"amp": {"choice": "off", "img_s": {}, "reason": 7}}},
     {"knobs": {}, "seconds_per_candidate": "2 s"},
+    # not finite or below zero: later arithmetic (int(inf), a budget from it) failed mid-run
+    {"knobs": {}, "compute_img_s": float("inf")},
+    {"knobs": {}, "compute_img_s": float("nan")},
+    {"knobs": {}, "compute_img_s": 0},
+    {"knobs": {}, "budget_s": -3.0},
+    {"knobs": {}, "phases_s": {"first_probe": float("nan")}},
 ])
 def test_a_cache_entry_of_another_shape_is_measured_again_not_a_traceback(tmp_path, caplog,
                                                                           report):
@@ -1030,13 +1036,16 @@ def test_the_machine_key_follows_the_kernels_in_effect_whichever_variable_capped
     code = "from modules.autotune import machine_key; print(machine_key())"
     keys = {}
     for name, env in (("plain", {}), ("dnnl", {"DNNL_MAX_CPU_ISA": "AVX2"}),
-                      ("onednn", {"ONEDNN_MAX_CPU_ISA": "AVX2"})):
+                      ("onednn", {"ONEDNN_MAX_CPU_ISA": "AVX2"}),
+                      # a thread count left unmeasured was reused under another OMP_NUM_THREADS
+                      ("threads", {"OMP_NUM_THREADS": "1"})):
         clean = {k: v for k, v in os.environ.items()
-                 if not k.startswith(("ONEDNN_", "DNNL_", "ATEN_CPU_"))}
+                 if not k.startswith(("ONEDNN_", "DNNL_", "ATEN_CPU_"))
+                 and k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
         out = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, cwd=ROOT,
                              capture_output=True, text=True, timeout=120)
         keys[name] = out.stdout.strip()
-    assert len(set(keys.values())) == 3, keys
+    assert len(set(keys.values())) == 4, keys
 
 
 def test_a_cache_that_cannot_be_parsed_or_written_costs_a_measurement_only(tmp_path, caplog):
