@@ -214,8 +214,11 @@ class DatasetIndex:
         return digest.hexdigest()
 
     def skipped_lines(self) -> list[str]:
-        """Each skipped file, by its path inside the data folder, and why."""
-        return [f"{os.path.relpath(p, self.root)}\t{reason}" for p, reason in self.skipped]
+        """Each skipped file, by its path inside the data folder (a name that is not UTF-8
+        with escapes, as class_name writes it), and why."""
+        return [f"{os.path.relpath(p, self.root)}\t{reason}".encode(
+            "utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+            for p, reason in self.skipped]
 
     def summary(self) -> str:
         return (f"{self.name}: {len(self.classes)} classes, {len(self.train)} train / "

@@ -27,8 +27,9 @@ def atomic_torch_save(payload: dict, path: Path) -> None:
 
 
 def atomic_write_text(text: str, path: Path) -> None:
-    """The same guarantee for a text file (results.json)."""
-    _atomic_write(Path(path), lambda f: f.write(text), "w")
+    """The same guarantee for a text file (results.json), in UTF-8: a file name that is not
+    UTF-8 (zips made on Windows) is written with escapes, not a UnicodeEncodeError."""
+    _atomic_write(Path(path), lambda f: f.write(text.encode("utf-8", "backslashreplace")), "wb")
 
 
 def share_file(source: Path, path: Path) -> None:
@@ -320,7 +321,7 @@ def run_log(path: Path, preamble: list[str] = ()):
     `preamble`: lines said before the file could be opened (the data's), written first, to
     the file only."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    handler = _RunLog(path, encoding="utf-8", delay=True)
+    handler = _RunLog(path, encoding="utf-8", errors="backslashreplace", delay=True)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     for line in preamble:
         handler.handle(logging.LogRecord("modules.dataset", logging.INFO, __file__, 0, line,

@@ -363,6 +363,9 @@ def test_names_that_are_not_utf8_train_and_print(tmp_path):
         os.rename(os.fsencode(root / split / "red"), os.fsencode(root / split) + b"/r\xe9d")
     os.rename(os.fsencode(root / "train" / "blue" / "0.jpg"),
               os.fsencode(root / "train" / "blue") + b"/b\xff.jpg")
+    # a file that is not an image, skipped and listed: its name failed the list's write
+    with open(os.fsencode(root / "train" / "green") + b"/br\xe9ken.jpg", "wb") as f:
+        f.write(b"not a jpeg")
     out = tmp_path / "out"
     assert pipeline.main(["--data-dir", str(root), "--output-dir", str(out), "--quick",
                           "--epochs", "1", "--image-size", "32", "--resolutions", "24",
@@ -370,6 +373,9 @@ def test_names_that_are_not_utf8_train_and_print(tmp_path):
     rows = json.loads((out / "results.json").read_text())
     assert [r["scenario"] for r in rows] == ["baseline", "resolution", "hpo"]
     assert set(rows[0]["per_class_test_acc"]) == {"blue", "green", "r\\xe9d"}
+    assert rows[0]["skipped_files"] == 1
+    listed = (run_path(out, "runs") / "skipped_files.txt").read_text(encoding="utf-8")
+    assert listed.startswith(f"train{os.sep}green{os.sep}br\\xe9ken.jpg\t")
 
 
 def test_a_damaged_results_file_is_kept_aside_not_overwritten(tmp_path):
