@@ -282,6 +282,33 @@ SKIPPED_LIST = "skipped_files.txt"  # in the run's folder: every skipped file an
 TRAIN_NAMES, TEST_NAMES = ("train", "training"), ("test", "testing")
 VAL_NAMES = ("val", "valid", "validation")
 SPLIT_NAMES = TRAIN_NAMES + TEST_NAMES + VAL_NAMES
+# Words a split folder's name may add to its split's: Kaggle's training_set/, test_data/ ...
+SPLIT_WORDS = ("set", "data", "dataset", "images", "imgs", "split", "folder")
+
+
+def split_of(name: str) -> str | None:
+    """The split a folder's name names ("train", "test" or "val"), None for a class name:
+    train/, Training/, training_set/, test-data/, "Validation Set"/; not test_tube/."""
+    words = [w for w in re.split(r"[^a-z0-9]+", name.lower()) if w]
+    kinds = {kind for w in words for kind, names in
+             (("train", TRAIN_NAMES), ("test", TEST_NAMES), ("val", VAL_NAMES)) if w in names}
+    if len(kinds) != 1 or any(w not in SPLIT_NAMES + SPLIT_WORDS for w in words):
+        return None
+    return kinds.pop()
+
+
+def _unwrapped(split: Path) -> Path:
+    """A split folder that holds only a folder of its own name (training_set/training_set/,
+    as Intel's seg_train/seg_train/ and archives unpacked into a folder of their name): the
+    inner one."""
+    try:
+        inner = _class_dirs(split)
+    except OSError:
+        return split
+    if len(inner) == 1 and inner[0].name.lower() == split.name.lower() and \
+            not _loose_images(split):
+        return inner[0]
+    return split
 
 
 def find_splits(root: Path) -> tuple[str, dict[str, Path]]:
@@ -296,18 +323,20 @@ def find_splits(root: Path) -> tuple[str, dict[str, Path]]:
             raise UserError(f"{str(root)!r} has seg_train but no seg_test folder (Intel layout).")
         return "intel", {"train": intel_train, "test": intel_test}
     folders = _class_dirs(root)
-    if len(folders) == 1 and folders[0].name.lower() in TEST_NAMES + VAL_NAMES:
+    if len(folders) == 1 and split_of(folders[0].name) in ("test", "val"):
         raise UserError(f"{str(root)!r} has {folders[0].name}/ but no train/ folder; add "
                         "train/<class>/ images or pass a folder of class folders to split "
                         "automatically.")
 
-    def split_dir(names: tuple[str, ...]) -> Path:
-        return next((d for d in (_child(root, name) for name in names) if d.is_dir()),
-                    _child(root, names[0]))
-    train, test, val = split_dir(TRAIN_NAMES), split_dir(TEST_NAMES), split_dir(VAL_NAMES)
+    def split_dir(kind: str, names: tuple[str, ...]) -> Path:
+        named = [d for d in (_child(root, name) for name in names) if d.is_dir()] + \
+            [f for f in folders if split_of(f.name) == kind]
+        return _unwrapped(named[0]) if named else root / names[0]
+    train, test, val = (split_dir("train", TRAIN_NAMES), split_dir("test", TEST_NAMES),
+                        split_dir("val", VAL_NAMES))
     # train/ in any case, but a class folder named Train (beside Bus/, Car/) is not a split
-    others = [f.name for f in folders if f.name.lower() not in SPLIT_NAMES]
-    lower_train = any((root / name).is_dir() for name in TRAIN_NAMES)
+    others = [f.name for f in folders if split_of(f.name) is None]
+    lower_train = any(f.name == f.name.lower() and split_of(f.name) == "train" for f in folders)
     # A class named train holds images; a train/ of class folders is a split, whatever else
     # is beside it (an unlabelled pred/): taken as one class, it would train "pred vs train".
     if lower_train and not test.is_dir() and not val.is_dir() and others and \
@@ -322,8 +351,9 @@ def find_splits(root: Path) -> tuple[str, dict[str, Path]]:
         splits = {"train": train, "test": test}
         if val.is_dir():
             splits["val"] = val
-        for names, used in ((TRAIN_NAMES, train), (TEST_NAMES, test), (VAL_NAMES, val)):
-            unused = [f.name for f in folders if f.name.lower() in names and f != used]
+        for kind, used in (("train", train), ("test", test), ("val", val)):
+            unused = [f.name for f in folders if split_of(f.name) == kind
+                      and f not in (used, used.parent)]
             if unused and used.is_dir():  # training/ beside train/, Val/ beside val/ ...
                 log.warning("%r: %s beside %s/ %s not used (each split is read from one "
                             "folder)", str(root), ", ".join(f"{u}/" for u in unused),
@@ -333,14 +363,16 @@ def find_splits(root: Path) -> tuple[str, dict[str, Path]]:
                         "read from %s/)", str(root), ", ".join(f"{o}/" for o in others),
                         "is" if len(others) == 1 else "are", "/, ".join(VAL_NAMES))
         return "train/test", splits
-    if folders and all(f.name.lower() in SPLIT_NAMES for f in folders):
+    if folders and all(split_of(f.name) for f in folders):
         # Train/ + Val/ without a test split: training them as two classes learns nothing.
+        missing = [s for s in ("train", "test") if s not in {split_of(f.name) for f in folders}]
         raise UserError(f"{str(root)!r} holds {', '.join(f.name + '/' for f in folders)}: split "
-                        "folders, not classes, and no test split; expected train/<class> + "
-                        "test/<class> (+ val/<class>), or a folder of class folders.")
+                        f"folders, not classes, and no {' or '.join(missing)} split; expected "
+                        "train/<class> + test/<class> (+ val/<class>), or a folder of class "
+                        "folders.")
     # A class may be named train (beside bus/, car/), but a test/ or val/ beside classes holds
     # a split of them: as a class, it would mix every class's images under one label.
-    splits = [f.name for f in folders if f.name.lower() in TEST_NAMES + VAL_NAMES]
+    splits = [f.name for f in folders if split_of(f.name) in ("test", "val")]
     if splits:
         raise UserError(f"{str(root)!r} holds {', '.join(s + '/' for s in splits)} beside "
                         f"{', '.join(f.name + '/' for f in folders if f.name not in splits)}: "

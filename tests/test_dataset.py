@@ -51,6 +51,39 @@ def test_split_folders_in_other_names_and_cases(tmp_path):
         index_dataset(tmp_path / "tv")
 
 
+@pytest.mark.parametrize("train, test", [("training_set/training_set", "test_set/test_set"),
+                                         ("train_data", "test-data"),
+                                         ("train/train", "test/test")])
+def test_split_folders_named_with_a_set_word_or_doubled_are_splits_not_classes(
+        tmp_path, train, test):
+    """Kaggle's Cats-and-Dogs unpacks to training_set/training_set/<class> + test_set/test_set/:
+    it trained "test_set vs training_set" as two classes, without a word."""
+    root = tmp_path / "d"
+    for split, n in ((train, 6), (test, 3)):
+        for c in ("cats", "dogs"):
+            for i in range(n):
+                write_image(root / split / c / f"{i}.png", COLOURS["red" if c == "cats" else
+                                                                 "blue"])
+    index = index_dataset(root)
+    assert index.layout == "train/test" and index.classes == ["cats", "dogs"]
+    assert len(index.test) == 6 and len(index.train) + len(index.val) == 12
+
+
+def test_a_class_whose_name_starts_with_a_split_word_stays_a_class(tmp_path):
+    for c in ("test_tube", "beaker"):
+        for i in range(6):
+            write_image(tmp_path / "lab" / c / f"{i}.png", COLOURS["red"], seed=i)
+    assert index_dataset(tmp_path / "lab").classes == ["beaker", "test_tube"]
+
+
+def test_split_folders_without_train_say_train_is_missing(tmp_path):
+    for split in ("test", "val"):
+        for c in COLOURS:
+            write_image(tmp_path / "d" / split / c / "0.png", COLOURS[c])
+    with pytest.raises(UserError, match=r"not classes, and no train split"):
+        index_dataset(tmp_path / "d")
+
+
 def test_the_quick_subset_is_a_seeded_sample_and_its_test_part_the_same_for_every_seed(tmp_path):
     """By name, the first images of a class can all be one source's (camA_ before camB_)."""
     for split, n in (("train", 40), ("test", 20)):
