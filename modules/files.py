@@ -225,13 +225,25 @@ def read_torch_file(path: Path, what: str, remedy: str = "") -> Any:
     except (OSError, MemoryError) as exc:
         raise ReadFailed(f"could not read {what} {str(path)!r} ({_error_name(exc)}).") from None
     except Exception as exc:
-        pickled = "weights only load failed" in str(exc).lower()  # torch's own refusal
+        # torch's own refusal, which it also gives a file that is no pickle at all (a JPEG)
+        pickled = "weights only load failed" in str(exc).lower() and _torch_magic(path)
         raise UserError(f"{what} {str(path)!r} is not a readable PyTorch file "
                         f"({type(exc).__name__}" + (
                             ": it holds pickled Python objects, which are not run for safety; "
                             "a whole model saved with torch.save(model)? save "
                             "model.state_dict() instead" if pickled else "")
                         + f"){'; ' + remedy if remedy else ''}.") from None
+
+
+def _torch_magic(path: Path) -> bool:
+    """Whether the file starts as torch.save writes: a zip archive, or (before torch 1.6) a
+    pickle's protocol mark."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        return False
+    return head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"
 
 
 def _error_name(exc: BaseException) -> str:

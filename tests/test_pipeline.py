@@ -209,7 +209,7 @@ def test_mistakes_found_in_files_and_devices_are_refused_before_a_run_starts(tmp
     torch.save({"encoder.w": torch.zeros(3)}, other)
     whole = tmp_path / "whole.pt"  # torch.save(model): pickled code, not loaded
     torch.save(torch.nn.Linear(2, 2), whole)
-    cases = [(["--weights", str(notes)], "is not a readable PyTorch file"),
+    cases = [(["--weights", str(notes)], "is not a readable PyTorch file (UnpicklingError)"),
              (["--weights", str(whole)], "(UnpicklingError: it holds pickled Python objects, "
               "which are not run for safety; a whole model saved with torch.save(model)? save "
               "model.state_dict() instead)"),
