@@ -63,6 +63,8 @@ def test_throughput_benchmark_runs_every_row_trace_and_time_to_accuracy(tmp_path
     tta = result["time_to_accuracy"]
     assert tta["baseline_s"] > 0 and tta["optimized_s"] > 0 and 0 <= tta["target_val_acc"] <= 1
     assert tta["val_images"] == 6 * 4
+    assert (tta["ratio"] is None) == (not tta["reached"]) and "(its whole run, 2 epochs)" in \
+        proc.stdout
     lines = proc.stderr.splitlines()  # no log line twice (Lightning's handler beside ours did that)
     assert not [a for a, b in zip(lines, lines[1:]) if a == b and a.strip()]
 
@@ -399,3 +401,14 @@ def test_benchmark_mistakes_are_one_line_before_any_run(tmp_path, capsys):
                         str(tmp_path / "bench"), "--json", str(tmp_path / "new" / "s.json"),
                         "--search-only", "--compare-search", "--", "--image-size", "5"])
     assert (tmp_path / "new").is_dir()
+
+
+def test_throughput_rounds_put_every_pair_of_rows_in_both_orders():
+    """Swapping neighbours left Lightning, the third row, last in every round."""
+    order = _benchmark_module("throughput").round_order
+    runs = ["pipeline", "baseline", "lightning"]
+    rounds = [order(runs, r) for r in range(2)]
+    for a in runs:
+        for b in runs:
+            if a != b:
+                assert {o.index(a) < o.index(b) for o in rounds} == {True, False}, (a, b)
