@@ -616,8 +616,11 @@ def index_dataset(root: Path, name: str | None = None, *, seed: int = 0, check: 
         if sorted(scanned[split]) != classes:
             only_train = sorted(set(classes) - set(scanned[split]))
             only_other = sorted(set(scanned[split]) - set(classes))
-            parts = ([f"only in train: {', '.join(only_train)}"] if only_train else []) + \
-                    ([f"only in {split}: {', '.join(only_other)}"] if only_other else [])
+            # quoted where a space at an end or an unprintable letter would hide the difference
+            shown = lambda names: ", ".join(  # noqa: E731
+                repr(n) if n != n.strip() or not n.isprintable() else n for n in names)
+            parts = ([f"only in train: {shown(only_train)}"] if only_train else []) + \
+                    ([f"only in {split}: {shown(only_other)}"] if only_other else [])
             raise UserError(f"train and {split} have different classes ({'; '.join(parts)}).")
     to_samples = lambda per: [(str(p), classes.index(c)) for c in classes for p in per[c]]  # noqa: E731
     index = DatasetIndex(name=name or root.name, root=root, layout=layout, classes=classes,

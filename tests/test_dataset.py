@@ -194,6 +194,7 @@ def test_bad_files_are_skipped_counted_and_named(folder, caplog):
     ("empty class", "class 'green' in the train split has no usable images"),
     ("all bad", "class 'green' in the train split has no usable images (12 undecodable"),
     ("class mismatch", "only in test: yellow"),
+    ("class with a trailing space", "only in train: red; only in test: 'red '"),
     ("no test", "has train/ but no test/"),
     ("one training image per class", "too few images to set aside a validation split: 15 "
                                      "usable images in 3 classes"),
@@ -218,6 +219,8 @@ def test_clear_errors(tmp_path, breakage, message):
             f.write_bytes(b"")
     if breakage == "class mismatch":
         write_image(root / "test" / "yellow" / "0.jpg", (200, 200, 0))
+    if breakage == "class with a trailing space":  # unquoted, the two names read the same
+        (root / "test" / "red").rename(root / "test" / "red ")
     if breakage == "no test":
         import shutil
         shutil.rmtree(root / "test")
