@@ -383,6 +383,22 @@ def _worker_free(message: str, exc: BaseException) -> str:
     return last
 
 
+def interrupted_message(args: RunOptions | None, notebook: bool = False) -> str:
+    """What Ctrl-C (the notebook's Stop button) leaves to do: nothing before a run started,
+    else resume it."""
+    again = "run the cells again" if notebook else "rerun the same command"
+    if getattr(args, "run_id", None) is None and getattr(args, "resume", False):
+        return (f"interrupted while reading the data: {again} (with "
+                f"{'RESUME ticked' if notebook else '--resume'}) to continue the run it was "
+                "resuming.")
+    if getattr(args, "run_id", None) is None:  # still reading the options or the data
+        return "interrupted before the run started: nothing to resume" + (
+            f"; {again} to start it." if notebook else ".")
+    return ("interrupted: the checkpoints are kept; tick RESUME (resume=True) and run the "
+            "cells again to continue." if notebook else
+            "interrupted: rerun the same command with --resume to continue.")
+
+
 def quiet_user_errors() -> None:
     """In IPython (the notebook): a UserError, or a folder the run cannot write, prints as the
     command line prints it, one line without a traceback, and the Stop button says how to
@@ -393,8 +409,8 @@ def quiet_user_errors() -> None:
         return
     def one_line(shell, etype, value, tb, tb_offset=None):
         if isinstance(value, KeyboardInterrupt):
-            print("interrupted: the checkpoints are kept; tick RESUME (resume=True) and run the "
-                  "cells again to continue.", file=sys.stderr)
+            print(interrupted_message(getattr(shell, "user_ns", {}).get("args"), notebook=True),
+                  file=sys.stderr)
             return
         said = user_error(value)
         if said is None:
@@ -421,14 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {said}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        if args is not None and args.run_id is None and args.resume:  # reading the data
-            print("interrupted while reading the data: rerun the same command (with --resume) "
-                  "to continue the run it was resuming.", file=sys.stderr)
-        elif args is None or args.run_id is None:  # still reading the options or the data
-            print("interrupted before the run started: nothing to resume.", file=sys.stderr)
-        else:
-            print("interrupted: rerun the same command with --resume to continue.",
-                  file=sys.stderr)
+        print(interrupted_message(args), file=sys.stderr)
         return 130
     except RuntimeError as exc:
         if not distributed.peer_left(exc):

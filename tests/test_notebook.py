@@ -238,7 +238,8 @@ def test_drive_folders_are_checked_before_anything_is_written(tmp_path, monkeypa
 
     def run(**params):
         names = {"IN_COLAB": True, "USE_DRIVE": False, "OUTPUT_DIR": "others", "DATA_DIR": "",
-                 "DRIVE_MOUNT": str(mount), "START": tmp_path / "start", "Path": Path, **params}
+                 "WEIGHTS": "imagenet", "DRIVE_MOUNT": str(mount), "START": tmp_path / "start",
+                 "Path": Path, **params}
         exec(checks, names)
         return names
     for params, said in (
@@ -250,6 +251,25 @@ def test_drive_folders_are_checked_before_anything_is_written(tmp_path, monkeypa
             run(**params)
     assert not mount.exists()
     assert run(DATA_DIR="uploaded")["DATA_DIR"] == str(tmp_path / "start" / "uploaded")
+    (tmp_path / "start" / "w.pt").write_bytes(b"")  # uploaded with the Files panel
+    assert run(WEIGHTS="w.pt")["WEIGHTS"] == str(tmp_path / "start" / "w.pt")
+    assert run(WEIGHTS="imagenet")["WEIGHTS"] == "imagenet"
+    # Drive is mounted before a relative DATA_DIR is looked up: drive/MyDrive/photos, relative
+    # to /content, was read inside the clone on the first Run all and found on the second
+    import types
+    colab = types.ModuleType("google.colab")
+    colab.drive = types.SimpleNamespace(
+        mount=lambda folder: (Path(folder) / "MyDrive" / "photos").mkdir(parents=True))
+    try:
+        import google  # noqa: F401  (a namespace package, there with protobuf)
+    except ImportError:
+        monkeypatch.setitem(sys.modules, "google", types.ModuleType("google"))
+    monkeypatch.setitem(sys.modules, "google.colab", colab)
+    inside = tmp_path / "start" / "drive"
+    mounted = run(USE_DRIVE=True, DRIVE_MOUNT=str(inside), DATA_DIR="drive/MyDrive/photos")
+    assert mounted["DATA_DIR"] == str(inside / "MyDrive" / "photos")
+    assert mounted["OUTPUT_DIR"] == str(inside / "MyDrive" / "hwtrain" / "others")
+    monkeypatch.undo()
     assert run(DATA_DIR="elsewhere")["DATA_DIR"] == "elsewhere"  # left to the run's own check
     (mount / "MyDrive").mkdir(parents=True)  # mounted by the user: the folders are Drive's
     assert run(OUTPUT_DIR=str(mount / "MyDrive" / "runs"))["OUTPUT_DIR"] == \
@@ -299,9 +319,21 @@ def test_the_stop_button_says_how_to_continue(monkeypatch, capsys):
     monkeypatch.setattr(pipeline, "get_ipython", lambda: shell, raising=False)
     pipeline.quiet_user_errors()
     assert KeyboardInterrupt in handlers["kinds"]
+    handlers["handler"](shell, KeyboardInterrupt, KeyboardInterrupt(), None)  # no options yet
+    assert capsys.readouterr().err.startswith("interrupted before the run started")
+    shell.user_ns = {"args": pipeline.parse_args(["--quick"])}
+    shell.user_ns["args"].run_id = "20261206-120000"  # the run had started
     handlers["handler"](shell, KeyboardInterrupt, KeyboardInterrupt(), None)
     assert capsys.readouterr().err == ("interrupted: the checkpoints are kept; tick RESUME "
                                        "(resume=True) and run the cells again to continue.\n")
+    # Stop while the data is read or the estimate runs: no run to resume
+    shell.user_ns["args"].run_id = None
+    handlers["handler"](shell, KeyboardInterrupt, KeyboardInterrupt(), None)
+    assert capsys.readouterr().err.startswith("interrupted before the run started: nothing to "
+                                              "resume; run the cells again")
+    shell.user_ns["args"].resume = True
+    handlers["handler"](shell, KeyboardInterrupt, KeyboardInterrupt(), None)
+    assert "(with RESUME ticked) to continue the run it was resuming" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- simulated Colab
