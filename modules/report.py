@@ -199,6 +199,11 @@ def versus_baseline_lines(rows: list[dict[str, Any]]) -> list[str]:
                      else "; never reached the baseline's validation accuracy")
         line += "".join(f"; {note}" for note in final_run_notes(row))
         lines.append(line)
+    if rows and all(r["scenario"] != "baseline" and r.get("test_acc_vs_baseline") is None
+                    for r in rows):
+        lines.append("no baseline to compare with: none in this run, nor a comparable earlier "
+                     "one in its output folder; run the baseline scenario too (RUN_BASELINE, "
+                     "--scenarios baseline)")
     return lines
 
 

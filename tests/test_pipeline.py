@@ -1070,6 +1070,11 @@ def test_each_row_is_compared_with_the_baseline():
     assert "points against the baseline of run run-1" in report.versus_baseline_lines([fast])[0]
     fast["run_id"] = "run-1"
     assert "baseline of run" not in report.versus_baseline_lines([fast])[0]
+    # no baseline anywhere: said, rather than the comparison left silently empty
+    alone = {k: v for k, v in slow.items() if k not in ("test_acc_vs_baseline",
+                                                         "total_vs_baseline")}
+    assert report.versus_baseline_lines([alone])[-1].startswith("no baseline to compare with")
+    assert len(report.versus_baseline_lines([base, fast])) == 2
     # compared, and never reached: the table says so, where "n/a" would say not measured
     table = results_table([base, fast, slow])
     assert table.loc["hpo", "To Baseline Val Acc (s)"] == "never"
