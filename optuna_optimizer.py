@@ -909,7 +909,10 @@ class OptunaTuner:
                  # The default trial, which any worker may train, is the study's record of
                  # these; the batch is left out: it may be what fits one worker's GPU.
                  "default_lr": b.lr, "default_optimizer": b.optimizer,
-                 "default_weight_decay": b.weight_decay}
+                 "default_weight_decay": b.weight_decay,
+                 # torchrun's processes each train the searched batch: a trial's global batch
+                 # (and steps per epoch) is that many times it
+                 "processes": distributed.world_size()}
         saved = recorded = self.study.user_attrs.get("trial_setup")
         if saved is None:  # a study from before the record: its finished trials' epochs
             ran = {t.user_attrs.get("epochs_run") for t in self._complete()} - {None}

@@ -226,6 +226,12 @@ def test_a_study_whose_trials_trained_otherwise_is_refused(index, tmp_path, monk
         with pytest.raises(UserError, match=f"trained {message}.*nothing was deleted"):
             OptunaTuner(index, base, output_dir=tmp_path / "hpo", batch_sizes=(8, 16),
                         n_trials=2, resume=True, **{"epochs": 2, **kwargs}).run()
+    # joined under torchrun with 2 processes: each trial's global batch twice the study's
+    with monkeypatch.context() as m:
+        m.setattr(optuna_optimizer.distributed, "world_size", lambda: 2)
+        with pytest.raises(UserError, match="trained processes=1, this run's would train "
+                                            "processes=2"):
+            tuner(index, tmp_path, n_trials=2, resume=True).run()
     assert tuner(index, tmp_path, n_trials=2, resume=True).run()["n_complete"] == 2
     # a size the user did not choose (--search-size auto): the study's own is kept
     kept = OptunaTuner(index, dataclasses.replace(BASE, image_size=48), output_dir=tmp_path / "hpo",
