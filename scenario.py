@@ -414,6 +414,12 @@ def load_data(args: RunOptions, output_dir: Path) -> DatasetIndex:
         raise UserError("the processes of this torchrun run read different images (another "
                         "copy of the data folder on each machine?): give every machine the "
                         "same data, or run on one.")
+    processes = distributed.world_size()
+    if processes > 1 and len(index.train) < 2 * processes:
+        # a share of one image is a batch of one, which BatchNorm cannot train on
+        raise UserError(f"{len(index.train)} training images for {processes} torchrun "
+                        "processes: each trains on its own share and needs at least 2; run "
+                        "fewer processes (--nproc-per-node) or add images.")
     log.info("data: %s", index.summary())
     return index
 

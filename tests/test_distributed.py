@@ -375,3 +375,20 @@ def test_more_processes_than_gpus_stop_in_one_line_before_joining(monkeypatch):
     with pytest.raises(UserError, match="4 processes on this machine, which has 2 GPU.*"
                                         "--nproc-per-node 2"):
         distributed.init_from_env("cuda")
+
+
+def test_too_few_training_images_for_the_processes_is_one_line(tmp_path, monkeypatch):
+    """Two training images under two processes: each shard a batch of one, and BatchNorm's
+    "Expected more than 1 value per channel" traceback on every rank."""
+    import scenario
+    from modules import distributed
+    from modules.config import UserError
+    from pipeline import parse_args
+    data = make_folder(tmp_path / "d", n_train=3, n_test=1)
+    args = parse_args(["--data-dir", str(data), "--weights", "none"])
+    index = scenario.load_data(args, tmp_path / "out")
+    monkeypatch.setattr(distributed, "world_size", lambda: len(index.train) // 2 + 1)
+    monkeypatch.setattr(distributed, "same_on_every_rank", lambda value: True)
+    with pytest.raises(UserError, match=rf"^{len(index.train)} training images for "
+                                        r"\d+ torchrun processes: .*\(--nproc-per-node\)"):
+        scenario.load_data(args, tmp_path / "out")
