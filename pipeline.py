@@ -445,7 +445,8 @@ def main(argv: list[str] | None = None) -> int:
         # Rank 0 alone writes the outputs, so a folder it cannot write (say) stops it there,
         # and the others at their next collective: one line each, beside its own.
         print(f"error: rank {distributed.rank()}: another process of this run stopped; its "
-              "error, above, says why.", file=sys.stderr)
+              "error, above, says why (a process the system killed, out of memory say, says "
+              "nothing: torchrun's summary gives its exit code).", file=sys.stderr)
         return 2
     finally:
         if torch.distributed.is_available() and torch.distributed.is_initialized():

@@ -1489,7 +1489,7 @@ def run(args: RunOptions, index: DatasetIndex | None = None) -> list[dict[str, A
             output_dir, index, resume=args.resume, seed=args.seed, quick=args.quick,
             weights=str(weights_file(args.weights).resolve()) if weights_file(args.weights)
             else args.weights, model=args.model,
-            command=args.command or shlex.join(["python", *shown_argv(sys.argv)])))
+            command=args.command or shlex.join(launcher() + shown_argv(sys.argv))))
         runs = run_folder(output_dir, "runs", args.run_id)
         with (run_log(runs / "run.log", data_record(index, runs)) if distributed.is_main()
               else contextlib.nullcontext()):
@@ -1503,6 +1503,17 @@ def run(args: RunOptions, index: DatasetIndex | None = None) -> list[dict[str, A
                 if distributed.is_main():  # refused before it made anything: not a run to resume
                     forget_refused_run(output_dir, args.run_id)
                 raise
+
+
+def launcher() -> list[str]:
+    """How this process was started, as the run's record shows it to rerun (--resume): under
+    torchrun its processes, which a resume must have again (the checkpoints are per process
+    count)."""
+    if distributed.world_size() == 1:
+        return ["python"]
+    nodes = distributed.world_size() // max(1, distributed.local_world_size())
+    return ["torchrun", *(["--standalone"] if nodes == 1 else [f"--nnodes={nodes}"]),
+            f"--nproc-per-node={distributed.local_world_size()}"]
 
 
 def data_record(index: DatasetIndex, folder: Path) -> list[str]:

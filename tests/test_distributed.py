@@ -392,3 +392,16 @@ def test_too_few_training_images_for_the_processes_is_one_line(tmp_path, monkeyp
     with pytest.raises(UserError, match=rf"^{len(index.train)} training images for "
                                         r"\d+ torchrun processes: .*\(--nproc-per-node\)"):
         scenario.load_data(args, tmp_path / "out")
+
+
+def test_the_run_record_names_torchrun_as_its_command(monkeypatch):
+    """run.json's command is what a --resume reruns: under torchrun it said `python
+    pipeline.py ...`, which a checkpoint of two processes refuses."""
+    import scenario
+    from modules import distributed
+    assert scenario.launcher() == ["python"]
+    monkeypatch.setattr(distributed, "world_size", lambda: 4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert scenario.launcher() == ["torchrun", "--nnodes=2", "--nproc-per-node=2"]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert scenario.launcher() == ["torchrun", "--standalone", "--nproc-per-node=4"]
