@@ -177,6 +177,9 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
     if len(train_loader) == 0:
         raise UserError("the training split is empty; add images or lower --batch-size.")
     optimizer = make_optimizer(model, config, device)
+    # a model trained before (a run that diverged, or was stopped mid-window, in a notebook)
+    # keeps its last gradients: the first window would add them to its own
+    optimizer.zero_grad(set_to_none=True)
     scheduler = make_scheduler(optimizer, config, math.ceil(len(train_loader) /
                                                             config.grad_accum_steps))
     # GradScaler only matters for fp16, whose narrow range underflows small gradients.

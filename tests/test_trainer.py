@@ -225,6 +225,22 @@ def test_a_diverging_run_stops_with_a_clear_message():
         fit(dataclasses.replace(BASE, epochs=4, batch_size=8, max_nonfinite_steps=3), small)
 
 
+def test_a_model_retried_after_a_divergence_starts_from_clean_gradients():
+    """A notebook user retrying on the same model after "training diverged": its NaN gradients
+    stayed on the parameters, and the clean retry added them to its first window."""
+    config = dataclasses.replace(BASE, epochs=2, batch_size=8, max_nonfinite_steps=2)
+    torch.manual_seed(0)
+    model = TinyNet()
+    bad = colour_data(40)
+    bad.tensors[0][:] = float("nan")
+    val = loader(colour_data(12), config, False)
+    with pytest.raises(DivergedError):
+        train(model, loader(bad, config), val, config)
+    result = train(model, loader(colour_data(40), config), val, config)
+    assert result.nonfinite_steps == 0 and all(torch.isfinite(p).all()
+                                               for p in model.parameters())
+
+
 def test_a_run_shorter_than_the_limit_whose_every_step_is_nan_is_no_result():
     """Three batches in all, each NaN, under a limit of 5 in a row: no update was applied,
     and the run must not end as if it trained (a tuner would score the untrained model)."""
