@@ -193,7 +193,8 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
                       carried=progress.timing if progress.resumed_from is not None else None)
     epochs = _Epochs(model, optimizer, scheduler, scaler, config, device, dtype, progress, timer,
                      profiler)
-    writer = _summary_writer(run_dir if distributed.is_main() else None, config)
+    writer = _summary_writer(run_dir if distributed.is_main() else None, config,
+                             first_step=progress.start_epoch + 1)
     elapsed_before, stopped_early, profiled_before = progress.elapsed_s, False, 0.0
     try:  # the event file is closed however the loop ends (pruned, diverged, Ctrl-C)
         for epoch in range(progress.start_epoch, config.epochs):
@@ -721,7 +722,10 @@ def _more_splits(splits: int, failed_y: torch.Tensor, config: TrainConfig,
     return splits
 
 
-def _summary_writer(run_dir, config: TrainConfig):
+def _summary_writer(run_dir, config: TrainConfig, first_step: int = 1):
+    """TensorBoard's writer for run_dir; what an earlier session logged from first_step (the
+    epoch this one starts at) on is dropped: it logged an epoch whose checkpoint it did not
+    live to write, which this session trains again."""
     if run_dir is None:
         return None
     run_dir = Path(run_dir)
@@ -730,7 +734,7 @@ def _summary_writer(run_dir, config: TrainConfig):
     from torch.utils.tensorboard import (
         SummaryWriter,  # imported late: it loads TensorBoard
     )
-    return SummaryWriter(log_dir=str(run_dir))
+    return SummaryWriter(log_dir=str(run_dir), purge_step=first_step)
 
 
 def prepare(index, config: TrainConfig, test: bool = True) -> tuple[nn.Module, Any, Any, Any]:

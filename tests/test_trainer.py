@@ -522,6 +522,33 @@ def test_tensorboard_scalars_and_config_are_written(tmp_path):
     assert '"batch_size": 8' in (tmp_path / "run" / "config.json").read_text()
 
 
+def test_an_epoch_logged_before_its_checkpoint_was_cut_shows_once_after_resume(tmp_path,
+                                                                              monkeypatch):
+    """Stopped while epoch 2's checkpoint was written (its scalars already flushed), the resumed
+    run trained epoch 2 again: TensorBoard showed it twice, two throughputs at one step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from modules import checkpoints
+    saved = []
+    real = checkpoints.save_checkpoint
+
+    def cut_at_the_second(path, state):
+        saved.append(path)
+        if len(saved) == 2:
+            raise KeyboardInterrupt
+        real(path, state)
+    monkeypatch.setattr(checkpoints, "save_checkpoint", cut_at_the_second)
+    config = dataclasses.replace(BASE, epochs=3)
+    kwargs = {"run_dir": tmp_path / "run", "checkpoint_path": tmp_path / "c.pt"}
+    with pytest.raises(KeyboardInterrupt):
+        fit(config, **kwargs)
+    monkeypatch.setattr(checkpoints, "save_checkpoint", real)
+    assert fit(config, resume=True, **kwargs).resumed_from_epoch == 1
+    events = EventAccumulator(str(tmp_path / "run"))
+    events.Reload()
+    for tag in ("train/loss", "val/acc", "samples/per_s"):
+        assert [e.step for e in events.Scalars(tag)] == [1, 2, 3], tag
+
+
 def test_a_stopped_run_closes_its_tensorboard_file(tmp_path, monkeypatch):
     """A pruned trial (on_epoch raises) leaves no writer thread or open event file behind in
     the notebook's kernel."""
