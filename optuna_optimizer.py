@@ -72,6 +72,7 @@ class EarlierTrial:
     wall_s: float
     samples_per_s: float
     source: str               # for the log: "the resolution scenario's 64 px trial"
+    epoch_end_at: list[float] = dataclasses.field(default_factory=list)  # time.time() each
 
 
 class _Storage(optuna.storages.RDBStorage):
@@ -390,6 +391,8 @@ class OptunaTuner:
         attrs = {"default": True, "run": self.run_name, "reused_from": e.source,
                  "epochs_run": len(e.val_curve),
                  "wall_s": e.wall_s, "samples_per_s": e.samples_per_s}
+        if len(e.epoch_end_at) == len(e.val_curve):
+            attrs["epoch_end_at"] = list(e.epoch_end_at)
         if e.weights is not None and e.weights.exists():
             attrs["weights"] = str(e.weights)
         return optuna.trial.create_trial(
@@ -548,12 +551,15 @@ class OptunaTuner:
 
     def curve_for(self, params: dict | None) -> list[tuple[float, float]]:
         """(time.time() at its end, validation accuracy) for each epoch of the trial the final
-        run of `params` continues from (start_for), when this process trained it; none for the
-        earlier trial, or another worker's on a shared study, whose time was spent elsewhere."""
+        run of `params` continues from (start_for), when this process trained it or it is the
+        earlier trial this run reused as its default (whose seconds the scenario counts); none
+        for another worker's on a shared study, whose time was spent elsewhere."""
         _, _, source = self.start_for(params)
         trial = None if source not in ("the chosen trial", "the default trial") else \
             self._trial_for(params)
-        if trial is None or trial.user_attrs.get("worker") != self.worker:
+        reused = trial is not None and trial.user_attrs.get("reused_from") and \
+            trial.user_attrs.get("run") == self.run_name
+        if trial is None or (trial.user_attrs.get("worker") != self.worker and not reused):
             return []
         values = [trial.intermediate_values[e] for e in sorted(trial.intermediate_values)]
         return list(zip(trial.user_attrs.get("epoch_end_at") or [], values))

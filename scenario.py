@@ -562,7 +562,8 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
     # counts it as if trained here, first, as it counts a final run it takes (same_final).
     # Not in the clock, which is this scenario's own time (fill_time's): the row adds it.
     reused_s = reused_seconds(extra)
-    lineage(extra.get("warm_start"), sessions, tuning_s + reused_s, reused_s)
+    lineage(extra.get("warm_start"), sessions, tuning_s + reused_s, reused_s,
+            reused_start=bool((extra.get("hpo") or {}).get("keeps_default")))
     if name != "baseline":
         config = fill_time(config, name, args, output_dir, index, tuned, tuning_s,
                            _epoch_seconds(name, config, extra), default_size)
@@ -1097,7 +1098,7 @@ def tune_resolution(config: TrainConfig, args: RunOptions, index: DatasetIndex,
         tuned["trial"] = EarlierTrial(
             config=tuner.trial_config(size), val_curve=trial.val_curve, weights=weights,
             wall_s=trial.wall_s, samples_per_s=trial.samples_per_s,
-            source=f"the resolution scenario's {size} px trial")
+            source=f"the resolution scenario's {size} px trial", epoch_end_at=trial.epoch_end_at)
     config, warm = warm_start(dataclasses.replace(config, image_size=size), "resolution",
                               f"the {size} px trial", weights, trial_epochs,
                               list(zip(trial.epoch_end_at, trial.val_curve)) if trial else [])
@@ -1132,23 +1133,28 @@ def warm_start(config: TrainConfig, name: str, source: str, weights: Path | None
 
 
 def lineage(warm: dict[str, Any] | None, sessions: list[list[float]], tuning_s: float,
-            before_s: float = 0.0) -> None:
+            before_s: float = 0.0, reused_start: bool = False) -> None:
     """The start trial's curve as seconds on the scenario's clock, in place: compare_to_baseline
     counts these epochs as the final model's first. Each epoch's end (a time.time()) is placed
     in the tuning session it ended in (`sessions`: [its start, the clock's seconds then],
     oldest first), after `before_s` (a trial reused from the resolution scenario, counted as
-    trained first). Epochs that ended before the first session (a trial reused from another
-    scenario) are left out: when they ended in the scenario's time is not known. None is later
+    trained first). Epochs that ended before the first session are that reused trial's when
+    it is the start trial (`reused_start`), placed to end at before_s; else (a trial of another
+    run) they are left out: when they ended in the scenario's time is not known. None is later
     than the tuning's end (the wall clock may be set forward meanwhile)."""
     if warm is None:
         return
-    curve = []
+    curve, earlier = [], []
     for p in warm.get("curve", []):
         start = next(((at, clock) for at, clock in reversed(sessions) if p["at"] >= at), None)
         if start is not None:
             curve.append({"elapsed_s": min(tuning_s, before_s + start[1] + p["at"] - start[0]),
                           "val_acc": p["val_acc"]})
-    warm["curve"] = curve
+        elif reused_start and before_s > 0:
+            earlier.append(p)
+    last = max((p["at"] for p in earlier), default=0.0)
+    warm["curve"] = [{"elapsed_s": min(tuning_s, max(0.0, before_s - (last - p["at"]))),
+                      "val_acc": p["val_acc"]} for p in earlier] + curve
 
 
 def tune_hyperparameters(config: TrainConfig, args: RunOptions, index: DatasetIndex,

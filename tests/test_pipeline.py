@@ -505,10 +505,17 @@ def test_quick_run_does_all_three_scenarios_on_synthetic_data(tmp_path, monkeypa
     elapsed = [p["elapsed_s"] for p in curve]
     assert 0 < elapsed[0] and elapsed == sorted(elapsed)
     assert elapsed[-1] <= rows["resolution"]["tuning_s"]
+    hpo_curve = rows["hpo"]["warm_start"]["curve"]
+    assert [p["elapsed_s"] for p in hpo_curve] == sorted(p["elapsed_s"] for p in hpo_curve)
     if search["default_reused_from"] and rows["hpo"]["warm_start"]["from"] != "the chosen trial":
-        assert rows["hpo"]["warm_start"]["curve"] == []  # trained in the resolution scenario
+        # trained in the resolution scenario, counted in this row first: its epochs end where
+        # its seconds counted do (left out, the row reached the baseline's accuracy only in
+        # its final run, though its model was the same)
+        assert [p["val_acc"] for p in hpo_curve] == picked["val_curve"]
+        assert hpo_curve[-1]["elapsed_s"] == pytest.approx(
+            rows["hpo"]["hpo"]["default_reused_s"])
     else:
-        assert rows["hpo"]["warm_start"]["curve"]
+        assert hpo_curve
 
 
 def test_hpo_takes_the_resolution_final_when_it_would_train_the_same(small, tmp_path, monkeypatch):
@@ -1116,6 +1123,13 @@ def test_a_start_trial_counts_its_epochs_where_they_ended_on_the_scenarios_clock
     warm = {"curve": list(curve) + [{"at": 201.0, "val_acc": 0.6}]}
     scenario.lineage(warm, [[100.0, 0.0], [200.0, 4.0]], tuning_s=20.0, before_s=4.0)
     assert [p["elapsed_s"] for p in warm["curve"]] == [5.0, 7.5, 9.0]
+    # the start trial is the default trial reused from the resolution scenario, which trained
+    # it before this scenario's first session: its epochs end where its 4 s counted do
+    reused = [{"at": 50.0, "val_acc": 0.2}, {"at": 52.5, "val_acc": 0.4}]
+    warm = {"curve": list(reused)}
+    scenario.lineage(warm, [[100.0, 0.0]], tuning_s=20.0, before_s=4.0, reused_start=True)
+    assert warm["curve"] == [{"elapsed_s": 1.5, "val_acc": 0.2},
+                             {"elapsed_s": 4.0, "val_acc": 0.4}]
     scenario.lineage(None, [[100.0, 0.0]], 3.0)  # no start trial: nothing to do
 
 
