@@ -126,7 +126,11 @@ def _input_bound(f: _Figures) -> dict[str, Any] | None:
             f"{'GPU' if f.cuda else 'CPU'}: {waits}. A smaller --image-size shrinks it with the "
             f"model's own work; on a CPU a GPU run moves it off the cores."])
     recs = []
-    if workers is None or cores is None or workers < cores:
+    more = _more_workers_no_faster(f, workers)
+    if more:
+        recs.append(f"More loader workers were measured no faster here ({more}): the cores, "
+                    f"not the worker count, bound decoding ({waits}).")
+    elif workers is None or cores is None or workers < cores:
         target = f" toward {cores:.0f} (one per core)" if cores else " (up to one per core)"
         start = f" from {workers:.0f}" if workers is not None else ""
         recs.append(f"Raise num_workers{start}{target}: {waits}.")
@@ -204,6 +208,11 @@ def _overhead_bound(f: _Figures) -> dict[str, Any] | None:
     elif compiled:
         recs.append(f"torch.compile was measured no faster here ({compiled}): leave it off "
                     f"({why_txt}).")
+    elif "true" not in (((f.get("raced") or {}).get("compile")) or {"true": None}):
+        # the autotuner weighed it and did not try it: its warm-up would not pay back here
+        recs.append(f"torch.compile was left untried: its warm-up would not pay back within "
+                    f"this run's steps or measuring budget; for a run several times longer, try "
+                    f"--compile ({why_txt}).")
     elif f.cuda:
         recs.append(f"Try --compile (torch.compile) to fuse small kernels and cut kernel-launch "
                     f"and Python overhead: {why_txt}.")
@@ -240,6 +249,21 @@ def _compute_bound(f: _Figures) -> dict[str, Any]:
         recs.append(f"The usual speed knobs are on; a smaller model or input size is what is left "
                     f"({basis}).")
     return _result("compute-bound", summary, recs)
+
+
+def _more_workers_no_faster(f: _Figures, workers: float | None) -> str | None:
+    """The autotuner's worker race, when every count above the one kept measured no faster
+    than it: advice to raise it would go against what was measured."""
+    raced = (f.get("raced") or {}).get("num_workers") or {}
+    speeds = {int(k): v for k, v in raced.items()
+              if str(k).isdigit() and isinstance(v, (int, float))}
+    if workers is None or int(workers) not in speeds:
+        return None
+    above = {n: v for n, v in speeds.items() if n > workers}
+    if not above or any(v > speeds[int(workers)] for v in above.values()):
+        return None
+    return ", ".join(f"{n}: {v:.0f}" for n, v in sorted(above.items())) + \
+        f" against {int(workers)}: {speeds[int(workers)]:.0f} img/s"
 
 
 def _measured_slower(f: _Figures, knob: str, on: str = "true", off: str = "false") -> str | None:

@@ -177,6 +177,19 @@ def test_input_bound_quotes_the_wait_and_the_workers():
     assert 1 <= len(d["recommendations"]) <= 3
 
 
+def test_input_bound_does_not_advise_more_workers_the_race_measured_no_faster():
+    figures = {"data_wait_frac": 0.6, "num_workers": 1, "cpu_count": 4, "avg_step_ms": 120,
+               "device": "cpu", "cached_decode": False}
+    assert any("Raise num_workers from 1" in r for r in diagnose(figures)["recommendations"])
+    recs = diagnose({**figures, "raced": {"num_workers": {"1": 120.0, "2": 118.0}}})[
+        "recommendations"]
+    assert not any("Raise num_workers" in r for r in recs)
+    assert any("measured no faster here (2: 118 against 1: 120 img/s)" in r for r in recs)
+    recs = diagnose({**figures, "raced": {"num_workers": {"1": 120.0, "2": 150.0}}})[
+        "recommendations"]  # faster with more, kept fewer for another reason: advice stands
+    assert any("Raise num_workers" in r for r in recs)
+
+
 def test_input_bound_on_the_decoded_cache_points_at_augmentation_not_workers():
     d = diagnose({"data_wait_frac": 0.4, "num_workers": 0, "cpu_count": 2, "avg_step_ms": 50,
                   "device": "cpu", "cached_decode": True})
@@ -341,6 +354,10 @@ def test_bf16_is_not_advised_where_the_autotuner_measured_it_slower():
         recs = diagnose({**overhead, "raced": {"compile": compile_race}})["recommendations"]
         assert not any("Try --compile" in r for r in recs)
         assert any("measured no faster here" in r and said in r for r in recs)
+    # weighed and not tried (its warm-up would not pay back): said so, not "Try --compile"
+    recs = diagnose({**overhead, "raced": {"compile": {"false": 7100.0}}})["recommendations"]
+    assert not any("Try --compile" in r for r in recs)
+    assert any("left untried: its warm-up would not pay back" in r for r in recs)
     import scenario  # a cached report of another shape is left out, not a crash
     assert scenario.measured_speeds({"knobs": {"amp": {"img_s": {"off": 1.0}}, "x": "bad"}}) == \
         {"amp": {"off": 1.0}}
