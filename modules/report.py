@@ -321,7 +321,9 @@ def render_report(rows: list[dict[str, Any]], charts: list[str],
         lines += [f"**Incomplete run:** {', '.join(unfinished)} did not finish (stopped or "
                   "failed); `--resume` continues it.", ""]
     lines += [table_markdown(results_table(rows)), "",
-              "Accuracies and data wait in percent; CPU Exec is host CPU time per step; n/a = "
+              "Accuracies and data wait in percent; CPU Exec is the training process's own "
+              "CPU time per step (its loader workers' is not in it); Peak Mem on a CPU is the "
+              "process's peak RSS, which holds what the run's earlier scenarios left; n/a = "
               "not measured on this hardware, or no baseline to compare with; never = its "
               "validation never reached the baseline's.", ""]
     lines += ["## Diagnosis", ""]
