@@ -274,7 +274,11 @@ def _fitting_tensors(model: nn.Module, path: Path) -> dict[str, torch.Tensor]:
     if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
         state = state["state_dict"]  # a file written by modules.utility.save_model
     elif isinstance(state, dict) and isinstance(state.get("model"), dict) and "config" in state:
-        state = state["model"]  # a run's checkpoint (checkpoints/<run>/<scenario>.pt)
+        # a run's checkpoint (checkpoints/<run>/<scenario>.pt): the model the run ends with,
+        # its best validation epoch's, not its last epoch's
+        best = state.get("best")
+        state = best["state"] if isinstance(best, dict) and isinstance(best.get("state"), dict) \
+            else state["model"]
     if not isinstance(state, dict):
         raise UserError(f"--weights: {str(path)!r} does not hold a state_dict.")
     own = model.state_dict()

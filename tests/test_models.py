@@ -126,6 +126,16 @@ def test_weights_from_a_runs_checkpoint_are_its_model(tmp_path):
     model = build_model("squeezenet1_1", 6, str(tmp_path / "baseline.pt"))
     for name, tensor in source.state_dict().items():
         torch.testing.assert_close(model.state_dict()[name], tensor)
+    # with a best epoch before its last: the best epoch's, the model the run ends with (the
+    # last epoch's was loaded, which early stopping had passed over)
+    best = build_model("squeezenet1_1", 6)
+    save_checkpoint(tmp_path / "stopped.pt", {
+        "epoch": 5, "finished": True, "config": TrainConfig().to_dict(),
+        "model": source.state_dict(), "optimizer": {"state": {}, "param_groups": []},
+        "best": {"acc": 0.9, "epoch": 2, "state": best.state_dict()}})
+    model = build_model("squeezenet1_1", 6, str(tmp_path / "stopped.pt"))
+    for name, tensor in best.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], tensor)
 
 
 def test_weights_of_another_architecture_are_refused(tmp_path):
