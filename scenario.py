@@ -398,9 +398,10 @@ def load_data(args: RunOptions, output_dir: Path) -> DatasetIndex:
     cache = Path(args.local_dir).expanduser() if args.local_dir else output_dir
     if (output_dir / "data" / "synthetic").is_dir():
         cache = output_dir  # a run made before this moved: its images' paths are its data's
-    if args.data_dir is None and args.dataset == "intel" and distributed.world_size() > 1:
+    if args.data_dir is None and distributed.world_size() > 1:
         # kagglehub has no lock: torchrun's processes downloading into one cache at once
-        # truncate and remove each other's archive. Rank 0 downloads; the others then find it.
+        # truncate and remove each other's archive. Rank 0 downloads (or generates the
+        # synthetic set: rank 0 alone writes files); the others then find it.
         on_main(lambda: resolve_source(args.dataset, None, cache / "data", per_class))
     root, name = resolve_source(args.dataset, args.data_dir, cache / "data", per_class)
     generated = args.data_dir is None and args.dataset == "synthetic"
