@@ -15,6 +15,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import psutil
@@ -243,6 +244,32 @@ def augment_with(x: torch.Tensor, params: torch.Tensor, means: torch.Tensor | No
 
 
 # ----------------------------------------------------------------------------- the loader
+
+class DeferredLoader:
+    """A loader built at its first use (len, iteration or any attribute)."""
+
+    data_path = "decoded cache"
+
+    def __init__(self, build: Callable[[], CachedLoader]):
+        self._build: Callable[[], CachedLoader] | None = build
+        self._loader: CachedLoader | None = None
+
+    def _built(self) -> CachedLoader:
+        if self._loader is None:
+            self._loader, self._build = self._build(), None
+        return self._loader
+
+    def __len__(self) -> int:
+        return len(self._built())
+
+    def __iter__(self):
+        return iter(self._built())
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):  # its own, before __init__ set them (copy, pickle)
+            raise AttributeError(name)
+        return getattr(self._built(), name)
+
 
 class CachedLoader:
     """Batches from a decoded-image cache, augmented (train) or normalised (eval) on `device`.
@@ -482,13 +509,24 @@ def cached_loaders(index, config: TrainConfig, test: bool = True
                      "training step planned to %.0f%% of its %.0f MB leaves", own / 2**20,
                      size, 100 * CACHE_GPU_FRACTION, free / 2**20, 100 * MEMORY_MARGIN,
                      total / 2**20)
-    loaders = []
-    for samples, train in zip(splits, (True, False, False)):
+    def loader(samples: list, train: bool) -> CachedLoader:
         images, means = decoded_images(samples, size)
         labels = torch.tensor([label for _, label in samples], dtype=torch.int64)
+        moved = None
         if on_gpu:
-            images, means = images.to(device), means.to(device)
-        loaders.append(CachedLoader(images, labels, batch_size=config.batch_size, train=train,
-                                    device=device, seed=config.seed,
-                                    channels_last=config.channels_last, means=means))
-    return (*loaders, None) if not test else tuple(loaders)
+            try:
+                moved = images.to(device), means.to(device)
+            except RuntimeError as exc:  # the test split after training: what it left held
+                if not is_out_of_memory(exc):
+                    raise
+            if moved is None:
+                release(device)  # batches are then copied from RAM, as a cache kept there is
+            else:
+                images, means = moved
+        return CachedLoader(images, labels, batch_size=config.batch_size, train=train,
+                            device=device, seed=config.seed, channels_last=config.channels_last,
+                            means=means)
+    loaders = [loader(index.train, True), loader(index.val, False)]
+    # The test split is decoded at the test pass, after training: its decode is that pass's
+    # cost (as the streamed baseline's is), not the run's preparation.
+    return (*loaders, DeferredLoader(lambda: loader(index.test, False)) if test else None)

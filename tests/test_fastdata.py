@@ -96,7 +96,8 @@ def test_cached_loaders_match_the_pil_loaders_in_shape_order_and_values(folder):
     index = index_dataset(folder)
     cached = make_loaders(index, _config(image_size=32, channels_last=True))
     pil = make_loaders(index, _config(image_size=32, cache_decoded=False))
-    assert all(isinstance(c, CachedLoader) for c in cached)
+    assert all(isinstance(c, CachedLoader) for c in cached[:2])
+    assert isinstance(cached[2], fastdata.DeferredLoader)  # built at the test pass
     assert all(isinstance(p, DataLoader) for p in pil)
     for c, p in zip(cached, pil):
         assert len(c) == len(p)
@@ -187,12 +188,15 @@ def test_images_are_decoded_once_per_size(folder, monkeypatch):
     calls = []
     real = fastdata.decode_resized
     monkeypatch.setattr(fastdata, "decode_resized", lambda p, s: calls.append(s) or real(p, s))
-    make_loaders(index, _config())
+    def every_split(config):
+        *_, test = make_loaders(index, config)
+        len(test)  # the test split is decoded at its first use
+    every_split(_config())
     n = len(calls)
     assert n == len(index.train) + len(index.val) + len(index.test)
-    make_loaders(index, _config(batch_size=7))
+    every_split(_config(batch_size=7))
     assert len(calls) == n          # cached
-    make_loaders(index, _config(image_size=20))
+    every_split(_config(image_size=20))
     assert len(calls) == 2 * n      # a new size decodes again
 
 
@@ -207,8 +211,12 @@ def test_a_tuning_trial_does_not_decode_the_test_images(folder, monkeypatch):
     fit(index, _config(epochs=1, progress=False))
     assert len(calls) == len(index.train) + len(index.val)
     assert not {path for path, _ in index.test} & set(calls)
-    *_, test = make_loaders(index, _config())  # the final run's test: decoded when asked
-    assert test is not None and len(calls) == len(index.train) + len(index.val) + len(index.test)
+    # the final run's test split: decoded at the test pass, after training (its decode is
+    # that pass's cost, as the streamed baseline's is, not the run's preparation)
+    *_, test = make_loaders(index, _config())
+    assert test is not None and len(calls) == len(index.train) + len(index.val)
+    assert sum(len(y) for _, y in test) == len(index.test)
+    assert len(calls) == len(index.train) + len(index.val) + len(index.test)
 
 
 def test_over_budget_streams_from_disk_and_says_so(folder, monkeypatch, caplog):
