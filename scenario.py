@@ -1021,25 +1021,27 @@ def fill_time(config: TrainConfig, name: str, args: RunOptions, output_dir: Path
     scenario's default (`default_size`, the baseline's), its own epochs are the ones that cost
     what the default's do: the resolution tuner compared the sizes at equal compute, and a
     smaller size given only the default's epochs ended lower than the default where it had led
-    at equal compute (docs/tuning.md). Kept as they are with --epochs, --no-match-time, and on
-    --resume of a final run that has started (its checkpoint fixes them, and its warm-up: 0
-    from a version without one)."""
+    at equal compute (docs/tuning.md); --no-match-time keeps those, without the fill. Kept as
+    they are with --epochs, and on --resume of a final run that has started (its checkpoint
+    fixes them, and its warm-up: 0 from a version without one)."""
     ckpt = checkpoint_file(output_dir, name, run_id=getattr(args, "run_id", None))
     if args.resume and ckpt.exists():
         try:
             saved = saved_config(load_checkpoint(ckpt))
             config = dataclasses.replace(config, warmup_epochs=saved["warmup_epochs"])
-            if args.epochs is not None or not args.match_time:
+            if args.epochs is not None:
                 return config
             return dataclasses.replace(config, epochs=int(saved["epochs"]))
         except (OSError, KeyError, TypeError, ValueError, RuntimeError, UserError):
             return config  # the trainer says what is wrong with it
-    if args.epochs is not None or not args.match_time:
+    if args.epochs is not None:
         return config
     own = epochs_at_size(config.epochs, config.image_size, default_size)
     if own != config.epochs:
         log.info("%s: %d epochs at %d px, not %d: they cost what %d do at the default %d px",
                  name, own, config.image_size, config.epochs, config.epochs, default_size)
+    if not args.match_time:
+        return dataclasses.replace(config, epochs=own)
     baseline_s = baseline_seconds(args, output_dir, index, tuned, torch.device(config.device))
     if not baseline_s or not epoch_s:
         return dataclasses.replace(config, epochs=own)

@@ -1015,7 +1015,11 @@ def test_another_size_trains_the_epochs_that_cost_what_the_defaults_do(tmp_path)
     larger = scenario.TrainConfig(epochs=10, image_size=96, device="cpu")
     assert fill(larger, tuning_s=78.0) == 4          # 10 x (64 / 96)^2: the compute compared
     assert fill(larger) == 10                        # time-matching fills what 10 s allow
-    assert fill(args={"epochs": 10}) == 10 and fill(args={"match_time": False}) == 10
+    assert fill(args={"epochs": 10}) == 10
+    # --no-match-time: no fill, but the compute the sizes were compared at (it trained the
+    # default's 10 epochs at 48 px: 0.56x the compute; at 96 px 2.25x)
+    assert fill(args={"match_time": False}, tuning_s=0.0) == 18
+    assert fill(larger, args={"match_time": False}, tuning_s=0.0) == 4
 
 
 def test_a_resumed_final_run_keeps_its_checkpoints_epochs_and_warm_up(tmp_path):
@@ -1034,6 +1038,7 @@ def test_a_resumed_final_run_keeps_its_checkpoints_epochs_and_warm_up(tmp_path):
                                   tmp_path, index, {"baseline_total_s": 100.0}, 10.0, 1.0)
     assert (fill().epochs, fill().warmup_epochs) == (21, 0.0)
     assert (fill(epochs=10).epochs, fill(epochs=10).warmup_epochs) == (10, 0.0)
+    assert fill(match_time=False).epochs == 21  # what it started with, as the checkpoint has
     torch.save({"config": {**older, "warmup_epochs": 1.0}}, ckpt)
     assert fill().warmup_epochs == 1.0
 
