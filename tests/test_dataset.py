@@ -69,11 +69,19 @@ def test_split_folders_named_with_a_set_word_or_doubled_are_splits_not_classes(
     assert len(index.test) == 6 and len(index.train) + len(index.val) == 12
 
 
-def test_a_class_whose_name_starts_with_a_split_word_stays_a_class(tmp_path):
-    for c in ("test_tube", "beaker"):
+def test_a_class_whose_name_starts_with_a_split_word_stays_a_class(tmp_path, caplog):
+    for c in ("test_tube", "beaker", "Test Set"):  # Test Set/ of images: a class, not a split
         for i in range(6):
             write_image(tmp_path / "lab" / c / f"{i}.png", COLOURS["red"], seed=i)
-    assert index_dataset(tmp_path / "lab").classes == ["beaker", "test_tube"]
+    assert index_dataset(tmp_path / "lab").classes == ["Test Set", "beaker", "test_tube"]
+    # an unlabelled val_images/ of loose images beside train/ and test/: not the val split
+    # (it was refused as "the val folder has no class folders"), named and left unused
+    root = make_folder(tmp_path / "d", n_train=4, n_test=2)
+    for i in range(3):
+        write_image(root / "val_images" / f"{i}.png", COLOURS["red"], seed=i)
+    with caplog.at_level(logging.WARNING):
+        index = index_dataset(root)
+    assert index.layout == "train/test" and "val_images/ beside train/ and test/" in caplog.text
 
 
 def test_split_folders_without_train_say_train_is_missing(tmp_path):
