@@ -549,6 +549,24 @@ def test_an_epoch_logged_before_its_checkpoint_was_cut_shows_once_after_resume(t
         assert [e.step for e in events.Scalars(tag)] == [1, 2, 3], tag
 
 
+def test_a_finished_run_resumed_purges_no_scalars(tmp_path):
+    """Resumed after it finished, a run trains nothing and must drop nothing: its folder may
+    hold the scalars of another scenario's final run it took, with more epochs (the hpo row
+    taking the resolution's)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+    config = dataclasses.replace(BASE, epochs=2)
+    kwargs = {"run_dir": tmp_path / "run", "checkpoint_path": tmp_path / "c.pt"}
+    fit(config, **kwargs)
+    with SummaryWriter(str(tmp_path / "run")) as taken:  # a longer run's epochs 3 and 4
+        for step in (3, 4):
+            taken.add_scalar("train/loss", 1.0, step)
+    assert fit(config, resume=True, **kwargs).resumed_from_epoch == 2
+    events = EventAccumulator(str(tmp_path / "run"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4]
+
+
 def test_a_stopped_run_closes_its_tensorboard_file(tmp_path, monkeypatch):
     """A pruned trial (on_epoch raises) leaves no writer thread or open event file behind in
     the notebook's kernel."""
