@@ -490,3 +490,20 @@ def test_the_set_up_cell_run_again_in_one_session_follows_repo_ref(tmp_path):
     assert "UsageError: the project moved to" in said and "Restart session" in said
     assert not tracebacks(ran) and "To exit" not in said
     assert said.count("warning: git merge failed") == 1 and "delete its folder" in said
+
+
+def test_the_run_cell_keeps_its_run_id_when_stopped():
+    """Stopped (or failed) after the run had started, the later cells showed an earlier run's
+    traces and model (or failed on a name never set): the run cell keeps the id however it
+    ends."""
+    import types
+    cell = next(source(c) for c in cells() if "pipeline.run(args, index)" in source(c))
+
+    def stopped(args, index):
+        args.run_id = "20261206-170000"
+        raise KeyboardInterrupt
+    names = {"pipeline": types.SimpleNamespace(run=stopped), "index": None,
+             "args": types.SimpleNamespace(run_id=None), "RUN_ID": "an earlier run"}
+    with pytest.raises(KeyboardInterrupt):
+        exec(cell, names)
+    assert names["RUN_ID"] == "20261206-170000"
