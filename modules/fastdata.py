@@ -521,6 +521,8 @@ def cached_loaders(index, config: TrainConfig, test: bool = True
                     raise
             if moved is None:
                 release(device)  # batches are then copied from RAM, as a cache kept there is
+                log.info("decoded-image cache of %d images at %d px: the GPU had no room for "
+                         "it after all; kept in RAM, each batch copied", len(samples), size)
             else:
                 images, means = moved
         return CachedLoader(images, labels, batch_size=config.batch_size, train=train,
