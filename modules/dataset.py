@@ -336,20 +336,21 @@ def find_splits(root: Path) -> tuple[str, dict[str, Path]]:
             raise UserError(f"{str(root)!r} has seg_train but no seg_test folder (Intel layout).")
         return "intel", {"train": intel_train, "test": intel_test}
     folders = _class_dirs(root)
-    if len(folders) == 1 and _split_kind(folders[0]) in ("test", "val"):
+    kinds = {f: _split_kind(f) for f in folders}  # each read once: it may list the folder
+    if len(folders) == 1 and kinds[folders[0]] in ("test", "val"):
         raise UserError(f"{str(root)!r} has {folders[0].name}/ but no train/ folder; add "
                         "train/<class>/ images or pass a folder of class folders to split "
                         "automatically.")
 
     def split_dir(kind: str, names: tuple[str, ...]) -> Path:
         named = [d for d in (_child(root, name) for name in names) if d.is_dir()] + \
-            [f for f in folders if _split_kind(f) == kind]
+            [f for f in folders if kinds[f] == kind]
         return _unwrapped(named[0]) if named else root / names[0]
     train, test, val = (split_dir("train", TRAIN_NAMES), split_dir("test", TEST_NAMES),
                         split_dir("val", VAL_NAMES))
     # train/ in any case, but a class folder named Train (beside Bus/, Car/) is not a split
-    others = [f.name for f in folders if _split_kind(f) is None]
-    lower_train = any(f.name == f.name.lower() and _split_kind(f) == "train" for f in folders)
+    others = [f.name for f in folders if kinds[f] is None]
+    lower_train = any(f.name == f.name.lower() and kinds[f] == "train" for f in folders)
     # A class named train holds images; a train/ of class folders is a split, whatever else
     # is beside it (an unlabelled pred/): taken as one class, it would train "pred vs train".
     if lower_train and not test.is_dir() and not val.is_dir() and others and \
@@ -365,7 +366,7 @@ def find_splits(root: Path) -> tuple[str, dict[str, Path]]:
         if val.is_dir():
             splits["val"] = val
         for kind, used in (("train", train), ("test", test), ("val", val)):
-            unused = [f.name for f in folders if _split_kind(f) == kind
+            unused = [f.name for f in folders if kinds[f] == kind
                       and f not in (used, used.parent)]
             if unused and used.is_dir():  # training/ beside train/, Val/ beside val/ ...
                 log.warning("%r: %s beside %s/ %s not used (each split is read from one "
@@ -376,16 +377,16 @@ def find_splits(root: Path) -> tuple[str, dict[str, Path]]:
                         "read from %s/)", str(root), ", ".join(f"{o}/" for o in others),
                         "is" if len(others) == 1 else "are", "/, ".join(VAL_NAMES))
         return "train/test", splits
-    if folders and all(_split_kind(f) for f in folders):
+    if folders and all(kinds[f] for f in folders):
         # Train/ + Val/ without a test split: training them as two classes learns nothing.
-        missing = [s for s in ("train", "test") if s not in {_split_kind(f) for f in folders}]
+        missing = [s for s in ("train", "test") if s not in {kinds[f] for f in folders}]
         raise UserError(f"{str(root)!r} holds {', '.join(f.name + '/' for f in folders)}: split "
                         f"folders, not classes, and no {' or '.join(missing)} split; expected "
                         "train/<class> + test/<class> (+ val/<class>), or a folder of class "
                         "folders.")
     # A class may be named train (beside bus/, car/), but a test/ or val/ beside classes holds
     # a split of them: as a class, it would mix every class's images under one label.
-    splits = [f.name for f in folders if _split_kind(f) in ("test", "val")]
+    splits = [f.name for f in folders if kinds[f] in ("test", "val")]
     if splits:
         raise UserError(f"{str(root)!r} holds {', '.join(s + '/' for s in splits)} beside "
                         f"{', '.join(f.name + '/' for f in folders if f.name not in splits)}: "
