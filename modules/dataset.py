@@ -216,9 +216,8 @@ class DatasetIndex:
     def skipped_lines(self) -> list[str]:
         """Each skipped file, by its path inside the data folder (a name that is not UTF-8
         with escapes, as class_name writes it), and why."""
-        return [f"{os.path.relpath(p, self.root)}\t{reason}".encode(
-            "utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-            for p, reason in self.skipped]
+        return [printable(f"{os.path.relpath(p, self.root)}\t{reason}")
+                for p, reason in self.skipped]
 
     def summary(self) -> str:
         return (f"{self.name}: {len(self.classes)} classes, {len(self.train)} train / "
@@ -416,8 +415,13 @@ def class_name(folder: Path) -> str:
     made on Windows) is written with escapes, b"caf\xe9" as 'caf\\xe9'; and in Unicode's
     composed form (NFC), so that a test/ folder written on macOS (decomposed) names the same
     classes as train/."""
-    name = folder.name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-    return unicodedata.normalize("NFC", name)
+    return unicodedata.normalize("NFC", printable(folder.name))
+
+
+def printable(text: str) -> str:
+    """A file name as it can be printed and written in UTF-8: bytes that are not UTF-8 (kept by
+    the file system as surrogates) with escapes, b"caf\xe9" as 'caf\\xe9'."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 # Folders that archivers and Python leave beside the data: never a class. Any other name is
