@@ -73,13 +73,15 @@ def _probe(config: TrainConfig, num_classes: int, batch_size: int, device: torch
     return None
 
 
-def _largest_fitting(config: TrainConfig, num_classes: int, device: torch.device,
-                     fits: int, over: int) -> int:
+def _largest_fitting(peak, fits: int, over: int, budget: float) -> int:
     """The largest batch from `fits` (known to fit; 0: none known) below `over` (known not
-    to), by bisection: a few probes, each a new shape."""
+    to), by bisection: a few probes, each a new shape. A step fits when it takes at most
+    `budget` bytes: the rest of the memory is planned for the decoded-image cache.
+    peak: a batch size's step peak in bytes, None when it ran out of memory."""
     while over - fits > 1:
         middle = (fits + over) // 2
-        if _probe(config, num_classes, middle, device) is None:
+        bytes_ = peak(middle)
+        if bytes_ is None or bytes_ > budget:
             over = middle
         else:
             fits = middle
@@ -91,30 +93,42 @@ def _max_batch_size(config: TrainConfig, num_classes: int, device: torch.device,
     small, large = PROBE_BATCHES
     if upto is not None:  # never a probe past what the caller would use
         small, large = min(small, upto), min(large, upto)
-    low = _probe(config, num_classes, small, device)
-    if low is None:  # fewer images than the smallest probe
-        fits = _largest_fitting(config, num_classes, device, 0, small)
+    total = torch.cuda.get_device_properties(device).total_memory
+    budget = margin * total
+    peaks: dict[int, int | None] = {}
+
+    def peak(batch_size: int) -> int | None:
+        if batch_size not in peaks:
+            peaks[batch_size] = _probe(config, num_classes, batch_size, device)
+        return peaks[batch_size]
+    low = peak(small)
+    if low is None or low > budget:  # fewer images than the smallest probe
+        fits = _largest_fitting(peak, 0, small, budget)
         if fits < 1:
-            free, total = torch.cuda.mem_get_info(device)
-            raise UserError(f"a training step of 1 image at {config.image_size} px does not "
-                            f"fit in the GPU's memory ({free / 2**20:.0f} MB free of "
-                            f"{total / 2**20:.0f} MB): use a smaller --image-size, or free "
-                            "the GPU.")
-        log.info("memory probe at %d px: a step of %d images does not fit; %d do",
-                 config.image_size, small, fits)
+            if peak(1) is None:
+                free, whole = torch.cuda.mem_get_info(device)
+                raise UserError(f"a training step of 1 image at {config.image_size} px does "
+                                f"not fit in the GPU's memory ({free / 2**20:.0f} MB free of "
+                                f"{whole / 2**20:.0f} MB): use a smaller --image-size, or "
+                                "free the GPU.")
+            log.warning("memory probe at %d px: a step of 1 image takes more than %.0f%% of "
+                        "the GPU's %.0f MB, which leaves the decoded-image cache little room; "
+                        "a smaller --image-size leaves more", config.image_size, 100 * margin,
+                        total / 2**20)
+            return 1
+        log.info("memory probe at %d px: a step of %d images does not fit in %.0f%% of the "
+                 "GPU's memory; %d do", config.image_size, fits + 1, 100 * margin, fits)
         return fits
     if large == small:
         return small
-    high = _probe(config, num_classes, large, device)
-    if high is None:  # between the two probes
-        fits = _largest_fitting(config, num_classes, device, small, large)
-        log.info("memory probe at %d px: a step of %d images does not fit; %d do",
-                 config.image_size, fits + 1, fits)
+    high = peak(large)
+    if high is None or high > budget:  # between the two probes
+        fits = _largest_fitting(peak, small, large, budget)
+        log.info("memory probe at %d px: a step of %d images does not fit in %.0f%% of the "
+                 "GPU's memory; %d do", config.image_size, fits + 1, 100 * margin, fits)
         return fits
     per_sample = max(1.0, (high - low) / (large - small))
     fixed = low - per_sample * small
-    total = torch.cuda.get_device_properties(device).total_memory
-    budget = margin * total
     fits = max(1, int((budget - fixed) / per_sample))
     if upto is not None:
         fits = min(fits, upto)
@@ -124,12 +138,12 @@ def _max_batch_size(config: TrainConfig, num_classes: int, device: torch.device,
     # workspace) at the same cost an image, or a steeper cost an image through the first
     # probe. Scaling the batch alone would leave the fixed part over the budget.
     if fits > large:
-        peak = _probe(config, num_classes, fits, device)
-        if peak is None:
+        third = peak(fits)
+        if third is None:
             fits = max(1, fits // 2)
-        elif peak > budget:
-            fixed_more = peak - per_sample * fits
-            steeper = max(1.0, (peak - low) / (fits - small))
+        elif third > budget:
+            fixed_more = third - per_sample * fits
+            steeper = max(1.0, (third - low) / (fits - small))
             fits = max(1, min(int((budget - fixed_more) / per_sample),
                               int((budget - (low - steeper * small)) / steeper)))
     log.info("memory probe at %d px: %.1f MB per sample, %.0f MB fixed; up to batch %d fits in "

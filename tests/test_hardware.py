@@ -75,3 +75,39 @@ def test_a_third_probe_that_overshoots_refits_the_line_with_its_fixed_part(monke
                         lambda device=None: SimpleNamespace(total_memory=16 * 2**30))
     fits = max_batch_size(CONFIG, 6, torch.device("cuda"), margin=0.8)
     assert peak(fits) <= 0.8 * 16 * 2**30 and fits > 16
+
+
+@pytest.mark.parametrize("fixed_mb, per_image_mb", [(100, 2000), (9000, 500), (500, 20)])
+def test_a_batch_found_by_bisection_also_keeps_to_the_margin(monkeypatch, fixed_mb,
+                                                             per_image_mb):
+    """The GPU has 16000 MB; steps over it run out of memory. A step that fits the GPU but
+    not 80% of it (the rest is planned for the decoded-image cache) is too large: the
+    bisection after a probe that ran out of memory returned 7 images (88%) and 14 (100%)."""
+    mb = 2**20
+
+    def step_peak(config, num_classes, batch_size, device):
+        peak = (fixed_mb + per_image_mb * batch_size) * mb
+        if peak > 16000 * mb:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory.")
+        return peak
+    monkeypatch.setattr(modules.hardware, "step_peak_bytes", step_peak)
+    monkeypatch.setattr(modules.hardware, "release", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: SimpleNamespace(total_memory=16000 * mb))
+    fits = max_batch_size(CONFIG, 6, torch.device("cuda"), margin=0.8)
+    assert fixed_mb + per_image_mb * fits <= 0.8 * 16000 < fixed_mb + per_image_mb * (fits + 1)
+
+
+def test_a_single_image_over_the_margin_still_trains_with_a_warning(monkeypatch, caplog):
+    """1 image takes 90% of the GPU: it fits, so the batch is 1, and the log says the cache
+    has little room."""
+    monkeypatch.setattr(modules.hardware, "step_peak_bytes",
+                        lambda config, num_classes, batch_size, device: (
+                            900 * batch_size if batch_size == 1 else
+                            (_ for _ in ()).throw(torch.cuda.OutOfMemoryError("CUDA oom"))))
+    monkeypatch.setattr(modules.hardware, "release", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: SimpleNamespace(total_memory=1000))
+    with caplog.at_level("WARNING", logger="modules.hardware"):
+        assert max_batch_size(CONFIG, 6, torch.device("cuda"), margin=0.8) == 1
+    assert "a step of 1 image takes more than 80% of the GPU" in caplog.text
