@@ -29,8 +29,13 @@ def evaluate(model: nn.Module, loader, *, device: torch.device | str | None = No
     the call, each halving said in the log; the figures do not depend on the pieces.
     pieces: what each batch is cut into from the start, as an earlier call returned it in
     "pieces" (the trainer's every epoch: else each epoch's validation runs out of memory again).
-    device: as load_model takes it ("auto" too); None runs where the model's weights are."""
-    device = library_device(device) if device is not None else next(model.parameters()).device
+    device: as load_model takes it ("auto" too), where the model is moved, as predict() does;
+    None runs where the model's weights are."""
+    if device is None:
+        device = next(model.parameters()).device
+    else:
+        device = library_device(device)
+        model.to(device)
     num_classes = int(num_classes or num_classes_of(model))
     memory_format = torch.channels_last if channels_last else torch.contiguous_format
     # Summed across processes below, only when each evaluated its own share (torchmetrics

@@ -113,6 +113,17 @@ def test_a_device_that_is_not_here_is_a_one_line_user_error(saved, tmp_path):
     assert predict(model, _write_images(tmp_path))  # the refused "meta" left its weights
 
 
+def test_evaluate_runs_the_model_on_the_device_it_is_given(saved, monkeypatch):
+    """load_model loads on the CPU: evaluate(model, loader, device="cuda") moved the images
+    there but not the model, and failed with torch's weight-type traceback."""
+    model = load_model(saved[1])
+    moved = []
+    monkeypatch.setattr(model, "to", lambda *args, **kwargs: moved.append(args) or model)
+    loader = [(torch.randn(2, 3, IMAGE_SIZE, IMAGE_SIZE), torch.tensor([0, 2]))]
+    assert evaluate(model, loader, device="cpu")["n"] == 2
+    assert moved == [(torch.device("cpu"),)]
+
+
 def test_evaluating_a_model_without_a_class_count_is_a_user_error():
     model = build_model("squeezenet1_1", len(CLASSES), weights="none")
     del model.num_classes  # as a torchvision model built directly
