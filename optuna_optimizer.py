@@ -27,9 +27,9 @@ from matplotlib.ticker import MaxNLocator
 from modules import distributed
 from modules.checkpoints import save_weights
 from modules.config import OPTIMIZERS, TrainConfig, UserError, first_line
-from modules.files import kept_file
+from modules.files import atomic_save_figure, atomic_write_text, kept_file
 from modules.oom import release
-from modules.report import figure
+from modules.report import figure, write_html
 from modules.selection import accuracy_se, beats, informative, tie_margin
 from modules.device import resolve_device
 from modules.trainer import DivergedError, fit, trial_failure
@@ -1091,7 +1091,7 @@ class OptunaTuner:
 
         # Plotly's JS goes next to the pages once, not inlined or from a CDN: works offline.
         path = self.output_dir / "optuna_history.html"
-        vis.plot_optimization_history(study).write_html(path, include_plotlyjs="directory")
+        write_html(vis.plot_optimization_history(study), path)
         written.append(path)
 
         # Importances fit a model to (params -> value): it needs two results and some variation.
@@ -1100,7 +1100,7 @@ class OptunaTuner:
             path = self.output_dir / "optuna_importance.html"
             with warnings.catch_warnings():  # "importances will be equal" on few trials: the
                 warnings.simplefilter("ignore", UserWarning)  # chart shows it, no need to warn
-                vis.plot_param_importances(study).write_html(path, include_plotlyjs="directory")
+                write_html(vis.plot_param_importances(study), path)
                 written += [path, self._importance_png(study)]
         else:
             log.info("skipping parameter importances: need >= 2 complete trials with different "
@@ -1116,7 +1116,7 @@ class OptunaTuner:
                                         "n_trials", "n_complete", "n_pruned", "n_failed")}
         kept["trained_params"] = summary["chosen_params"] or self.searched(self.default_config())
         kept["study_name"] = self.study_name  # hpo-<dataset>-<run>: which run's search
-        path.write_text(json.dumps(kept, indent=2, sort_keys=True))
+        atomic_write_text(json.dumps(kept, indent=2, sort_keys=True), path)
         written.append(path)
         return written
 
@@ -1129,7 +1129,7 @@ class OptunaTuner:
         ax.set(xlabel="importance (share of the validation accuracy's variance)",
                title="Which hyperparameters mattered")
         path = self.output_dir / "optuna_importance.png"
-        fig.savefig(path, dpi=100, bbox_inches="tight")
+        atomic_save_figure(fig, path, dpi=100, bbox_inches="tight")
         return path
 
     def _history_png(self, complete: list[optuna.trial.FrozenTrial]) -> Path:
@@ -1144,7 +1144,7 @@ class OptunaTuner:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.legend(loc="best")
         path = self.output_dir / "optuna_history.png"
-        fig.savefig(path, dpi=100, bbox_inches="tight")
+        atomic_save_figure(fig, path, dpi=100, bbox_inches="tight")
         return path
 
 

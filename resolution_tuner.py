@@ -26,7 +26,7 @@ from modules.checkpoints import save_weights
 from modules.config import TrainConfig, UserError, first_line
 from modules.dataset import DatasetIndex
 from modules.device import resolve_device
-from modules.files import atomic_write_text
+from modules.files import atomic_save_figure, atomic_write_text
 from modules.oom import release
 from modules.report import figure, finite_number
 from modules.selection import accuracy_se, beats, clearly_ahead, informative, ties
@@ -368,7 +368,7 @@ class ResolutionTuner:
         ax.grid(True, alpha=0.3)
         fig.tight_layout()
         path = Path(path)
-        fig.savefig(path)
+        atomic_save_figure(fig, path)
         return path
 
 

@@ -526,8 +526,8 @@ def write_clock(path: Path, tuning_s: float, sessions: list[list[float]] | None 
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json(path, {"tuning_s": tuning_s,
                           "sessions": read_sessions(path) if sessions is None else sessions})
-    except OSError as exc:  # a clock that cannot be written costs only a resumed row's time
-        log.info("could not write %s (%s)", path, exc)
+    except (OSError, UserError) as exc:  # a clock not written costs only a resumed row's time
+        log.info("could not write %s (%s)", path, first_line(exc))
 
 
 def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: Path,
@@ -1510,7 +1510,8 @@ def run(args: RunOptions, index: DatasetIndex | None = None) -> list[dict[str, A
                 return rows
             except UserError:
                 if distributed.is_main():  # refused before it made anything: not a run to resume
-                    forget_refused_run(output_dir, args.run_id)
+                    with contextlib.suppress(OSError, UserError):  # the refusal is the news
+                        forget_refused_run(output_dir, args.run_id)
                 raise
 
 

@@ -32,6 +32,13 @@ def atomic_write_text(text: str, path: Path) -> None:
     _atomic_write(Path(path), lambda f: f.write(text.encode("utf-8", "backslashreplace")), "wb")
 
 
+def atomic_save_figure(fig, path: Path, **kwargs) -> None:
+    """The same guarantee for a matplotlib chart, in the format its name ends with."""
+    path = Path(path)
+    _atomic_write(path, lambda f: fig.savefig(f, format=path.suffix[1:] or "png", **kwargs),
+                  "wb")
+
+
 def share_file(source: Path, path: Path) -> None:
     """`path` gets `source`'s content: a hard link where the file system allows one (every
     writer here replaces a file atomically, so a later write to either path leaves the other

@@ -12,6 +12,7 @@ from torch.profiler import ProfilerAction, ProfilerActivity
 from modules.config import UserError, first_line
 from modules.device import native_bf16_cpu  # noqa: F401  (its old home)
 from modules.diagnosis import BOTTLENECKS, THRESHOLDS, Thresholds, diagnose  # noqa: F401
+from modules.files import atomic_write_text
 from modules.monitor import SystemSampler  # noqa: F401
 
 log = logging.getLogger(__name__)
@@ -117,7 +118,7 @@ class TorchProfiler:
             sort_by = "self_cuda_time_total" if self._cuda else "self_cpu_time_total"
             self.averages = prof.key_averages()
             table = self.averages.table(sort_by=sort_by, row_limit=40)
-            (self.trace_dir / KEY_AVERAGES_TXT).write_text(table + "\n")
+            atomic_write_text(table + "\n", self.trace_dir / KEY_AVERAGES_TXT)
             log.info("profiler: trace of steps up to %d written to %s", self._steps,
                      self.trace_dir)
         except Exception as err:

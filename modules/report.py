@@ -10,6 +10,7 @@ from typing import Any
 
 from modules.config import UserError
 from modules.dataset import load_rgb
+from modules.files import atomic_save_figure, atomic_write_text
 from modules.model_files import load_model
 from modules.prediction import predict
 
@@ -61,7 +62,7 @@ def plot_breakdown(rows: list[dict[str, Any]], out_dir: Path) -> Path | None:
     step_ax.legend(fontsize="small")
     fig.tight_layout()
     path = Path(out_dir) / BREAKDOWN_PNG
-    fig.savefig(path)
+    atomic_save_figure(fig, path)
     return path
 
 
@@ -86,7 +87,7 @@ def _save_labelled(fig, path: Path) -> None:
         warnings.filterwarnings("ignore", message=r"Glyph \d+ .*missing from font",
                                 category=UserWarning)
         fig.tight_layout()
-        fig.savefig(path)
+        atomic_save_figure(fig, path)
 
 
 def best_row(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -373,7 +374,7 @@ def write_report(rows: list[dict[str, Any]], out_dir: Path,
     # the tuners' own charts of this run (resolution_tradeoff.png, optuna_*.png)
     charts += [name for name in also if name.endswith(".png") and (out_dir / name).is_file()]
     path = out_dir / REPORT_MD
-    path.write_text(render_report(rows, charts, earlier, unfinished))
+    atomic_write_text(render_report(rows, charts, earlier, unfinished), path)
     if copy_to is not None:
         copy_to.mkdir(parents=True, exist_ok=True)
         for name in (REPORT_MD, *charts, *also):
@@ -555,7 +556,7 @@ def _plot_png(series: dict, metric: str, title: str, ylabel: str, path: Path) ->
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize="small")
     fig.tight_layout()
-    fig.savefig(path)
+    atomic_save_figure(fig, path)
     return path
 
 
@@ -601,14 +602,19 @@ def _plotly_figure(series: dict):
 
 
 def _plot_html(series: dict, path: Path) -> list[Path]:
+    return [path, write_html(_plotly_figure(series), path)]
+
+
+def write_html(fig, path: Path) -> Path:
+    """A plotly figure's page at `path`, its script in plotly.min.js beside it (not inlined
+    nor from a CDN: the page opens offline), each written whole or not at all. Returns the
+    script's path."""
     import plotly
 
-    fig = _plotly_figure(series)
     bundle = path.parent / "plotly.min.js"
-    # plotly keeps an existing plotly.min.js; one left by another plotly version could break
-    # the page, so refresh it when it differs from the version that writes the HTML.
-    if bundle.exists() and bundle.read_text(encoding="utf-8", errors="replace") \
-            != plotly.offline.get_plotlyjs():
-        bundle.unlink()
-    fig.write_html(path, include_plotlyjs="directory", full_html=True, auto_open=False)
-    return [path, bundle]
+    script = plotly.offline.get_plotlyjs()
+    # One left by another plotly version could break the page: replaced when it differs.
+    if not bundle.exists() or bundle.read_text(encoding="utf-8", errors="replace") != script:
+        atomic_write_text(script, bundle)
+    atomic_write_text(fig.to_html(include_plotlyjs="directory", full_html=True), path)
+    return bundle

@@ -27,6 +27,7 @@ from modules.config import TrainConfig, UserError, first_line
 from modules.device import (REGIONS, apply_process_settings, autocast_dtype,  # noqa: F401
                             region, resolve_device)
 from modules.evaluation import evaluate
+from modules.files import atomic_write_text
 from modules.loaders import make_loaders
 from modules.models import build_model, num_classes_of
 from modules.oom import is_out_of_memory, more_pieces, release
@@ -733,7 +734,7 @@ def _summary_writer(run_dir, config: TrainConfig, first_step: int | None = 1):
         return None
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(config.to_json())
+    atomic_write_text(config.to_json(), run_dir / "config.json")
     from torch.utils.tensorboard import (
         SummaryWriter,  # imported late: it loads TensorBoard
     )

@@ -758,3 +758,63 @@ def test_a_folder_without_locks_runs_unguarded_with_no_lock_error_in_its_traceba
             raise ValueError("the run's own error")
     assert raised.value.__context__ is None
 
+
+
+def test_a_chart_or_report_that_fills_the_disk_leaves_the_earlier_one(tmp_path, monkeypatch):
+    """Charts, report.md and the plotly pages were written in place: a full disk left a
+    truncated PNG where the previous run's was, under a message saying it stayed intact."""
+    import errno
+
+    from modules import files
+    from modules.config import UserError
+    from modules.report import plot_comparison, write_html
+    histories = {"baseline": [{"epoch": 1, "train_loss": 1.0, "val_loss": 1.1,
+                               "train_acc": 0.5, "val_acc": 0.4}]}
+    paths = {p.name: p for p in plot_comparison(histories, tmp_path)}
+    before = {name: p.read_bytes() for name, p in paths.items()}
+
+    def full(self, target, **kwargs):
+        target.write(b"\x89PNG half a chart")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    from matplotlib.figure import Figure
+    monkeypatch.setattr(Figure, "savefig", full)
+    with pytest.raises(UserError, match="^no space left on the device holding "):
+        plot_comparison(histories, tmp_path)
+    real = files._atomic_write
+
+    def html_full(path, write, mode):  # the page's own write fails
+        if path.suffix == ".html":
+            raise files.write_error(path, OSError(errno.ENOSPC, "No space left on device"))
+        real(path, write, mode)
+    monkeypatch.setattr(files, "_atomic_write", html_full)
+    import plotly.graph_objects as go
+    with pytest.raises(UserError, match="^no space left"):
+        write_html(go.Figure(), paths["training_comparison.html"])
+    assert {name: p.read_bytes() for name, p in paths.items()} == before
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_a_clock_or_refusal_record_that_cannot_be_written_is_no_traceback(data, tmp_path,
+                                                                          caplog, capsys):
+    """The tuning clock's thread caught OSError only; writers raise UserError for a full or
+    read-only disk, so the thread died with a traceback on stderr. And a refused run whose
+    record could not be undone said that instead of why it was refused."""
+    import errno
+
+    import scenario
+    from modules import files
+    from modules.config import UserError
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(scenario, "write_json", lambda path, data: (_ for _ in ()).throw(
+            files.write_error(path, OSError(errno.ENOSPC, "No space left on device"))))
+        with caplog.at_level("INFO", logger="scenario"):
+            scenario.write_clock(tmp_path / "hpo.clock.json", 12.0)
+    assert "could not write" in caplog.text and "no space left" in caplog.text
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(scenario, "_run_scenarios", lambda *a, **k: (_ for _ in ()).throw(
+            UserError("the weights file is a JPEG")))
+        mp.setattr(scenario, "forget_refused_run", lambda *a, **k: (_ for _ in ()).throw(
+            files.write_error(tmp_path / "o" / "run.json", OSError(errno.EROFS, "Read-only"))))
+        assert pipeline.main(["--data-dir", str(data), "--output-dir", str(tmp_path / "o"),
+                              *RUN]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "error: the weights file is a JPEG"
