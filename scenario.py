@@ -29,7 +29,8 @@ import torch
 from modules import distributed
 from modules.autotune import MEASURE_SHARE, ComputeProbe, autotune, machine_key
 from modules.checkpoints import check_format, saved_config
-from modules.config import DEFAULTS, DISPLAY_ONLY, TrainConfig, UserError, first_line
+from modules.config import (DEFAULTS, DISPLAY_ONLY, SPEED_ONLY, TrainConfig, UserError,
+                            first_line)
 from modules.dataset import (SKIPPED_LIST, DatasetIndex, data_path_of, index_dataset, load_rgb,
                              make_loader, resolve_source, subset, train_transform)
 from modules.device import apply_process_settings, autocast_dtype, resolve_device, usable_cpus
@@ -42,7 +43,8 @@ from modules.models import possible_starts, start_weights, weights_file
 from modules.monitor import SystemSampler
 from modules.oom import is_out_of_memory, release
 from modules.profiler import TorchProfiler
-from modules.report import plot_comparison, results_table, table_markdown, write_report
+from modules.report import (baseline_source_lines, plot_comparison, results_table, table_markdown,
+                            write_report)
 from modules.results import (CLOCK_SUFFIX, checkpoint_file, compare_to_baseline, forget_refused_run,
                              json_safe, keep_best_model, mark_finished, merge_results,
                              previous_row, result_row, run_folder, start_run, write_json)
@@ -1061,10 +1063,18 @@ def baseline_seconds(args: RunOptions, output_dir: Path, index: DatasetIndex,
     output dir with this run's setup (same_setup); None when there is none."""
     baseline_s = tuned.get("baseline_total_s")
     if baseline_s is None:
-        row = previous_row(output_dir / "results.json", "baseline", index.name,
-                           match=same_setup(args, index, device))
+        row = earlier_baseline(args, output_dir, index, device)
         baseline_s = (row or {}).get("total_s") or (row or {}).get("wall_s")
     return baseline_s or None
+
+
+def earlier_baseline(args: RunOptions, output_dir: Path, index: DatasetIndex,
+                     device: torch.device) -> dict[str, Any] | None:
+    """The baseline row of this run (a --resume without the baseline scenario), else the
+    newest of an earlier run in the output dir with this run's setup (same_setup)."""
+    path = output_dir / "results.json"
+    own = args.run_id and previous_row(path, "baseline", index.name, run_id=args.run_id)
+    return own or previous_row(path, "baseline", index.name, match=same_setup(args, index, device))
 
 
 def _epoch_seconds(name: str, config: TrainConfig, extra: dict[str, Any]) -> float | None:
@@ -1406,8 +1416,12 @@ def same_setup(args: RunOptions, index: DatasetIndex, device: torch.device
             # settings["weights"] says "imagenet" also where they could not be fetched and it
             # trained from random weights: start_weights says which it was.
             # (a setting a row's version did not have, at its default)
+            # Its speed knobs too, those set rather than measured: a baseline given
+            # --num-workers 2 is not the plain one this run's time is to be judged against.
             return all(settings.get(k, DEFAULTS[k]) == v
                        for k, v in base.learning_settings().items() if k != "seed") and \
+                all(settings.get(k, DEFAULTS[k]) == v for k, v in base.run_settings().items()
+                    if k in SPEED_ONLY and v not in (None, "auto")) and \
                 row.get("start_weights") in ({None} | possible_starts(base.model, args.weights))
         # A picked size: from trials of this run's settings and compute (the baseline's size,
         # always among them, trained short_budget epochs), started from the same weights.
@@ -1456,7 +1470,8 @@ def write_outputs(results: list[dict[str, Any]], output_dir: Path, run_id: str |
                  unfinished=unfinished, also=also,
                  copy_to=output_dir / "runs" / run_id / "report" if run_id else None)
     if show:
-        print(table_markdown(results_table(current)))
+        print("\n".join([table_markdown(results_table(current)),
+                         *baseline_source_lines(current)]))
     return current
 
 
@@ -1570,8 +1585,7 @@ def _run_scenarios(args: RunOptions, index: DatasetIndex, output_dir: Path,
             if name == "baseline":
                 tuned["baseline_total_s"] = rows[-1]["total_s"]
             baseline = next((r for r in rows if r["scenario"] == "baseline"), None) or \
-                previous_row(output_dir / "results.json", "baseline", index.name,
-                             match=same_setup(args, index, device))
+                earlier_baseline(args, output_dir, index, device)
             compare_to_baseline(rows, baseline)
             if distributed.is_main():  # as each scenario ends: a crash in the next loses no row
                 path = output_dir / "results.json"

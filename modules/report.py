@@ -208,6 +208,16 @@ def versus_baseline_lines(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def baseline_source_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """A line naming the baseline the rows are compared with when it is another run's: the
+    table's "vs Baseline" columns say nothing of where their baseline came from."""
+    others = sorted({r["baseline_run_id"] for r in rows if r["scenario"] != "baseline"
+                     and r.get("baseline_run_id") not in (None, r.get("run_id"))})
+    return [f"Compared with the baseline of run {', '.join(others)}: an earlier run in this "
+            "folder with the same data, model and baseline settings (its row is in "
+            "results.json)."] if others else []
+
+
 def final_run_notes(row: dict[str, Any], detail: bool = False) -> list[str]:
     """What a row's final run was when it is not simply the scenario's own: phrases for the
     line against the baseline, or with `detail` sentences for the diagnosis."""
@@ -327,6 +337,8 @@ def render_report(rows: list[dict[str, Any]], charts: list[str],
               "process's peak RSS, which holds what the run's earlier scenarios left; n/a = "
               "not measured on this hardware, or no baseline to compare with; never = its "
               "validation never reached the baseline's.", ""]
+    source = baseline_source_lines(rows)
+    lines += [*source, ""] if source else []
     lines += ["## Diagnosis", ""]
     for row in rows:
         diag = row.get("diagnosis") or {}

@@ -912,7 +912,8 @@ def test_a_saved_autotune_is_reused_only_for_the_same_start(tmp_path):
 
 def _ns(**kw):
     from types import SimpleNamespace
-    return SimpleNamespace(**{"epochs": None, "match_time": True, "resume": False, **kw})
+    return SimpleNamespace(**{"epochs": None, "match_time": True, "resume": False,
+                              "run_id": None, **kw})
 
 
 def test_a_winner_whose_final_run_validates_below_the_defaults_gives_way_to_it(tmp_path):
@@ -1080,8 +1081,12 @@ def test_each_row_is_compared_with_the_baseline():
     scenario.compare_to_baseline([fast], base)
     assert fast["baseline_run_id"] == "run-1"
     assert "points against the baseline of run run-1" in report.versus_baseline_lines([fast])[0]
+    # ... in report.md and the printed table too, whose "vs Baseline" columns do not say
+    assert "Compared with the baseline of run run-1: an earlier run" in report.render_report(
+        [fast], [])
     fast["run_id"] = "run-1"
     assert "baseline of run" not in report.versus_baseline_lines([fast])[0]
+    assert "baseline of run" not in report.render_report([fast], [])
     # no baseline anywhere: said, rather than the comparison left silently empty
     alone = {k: v for k, v in slow.items() if k not in ("test_acc_vs_baseline",
                                                          "total_vs_baseline")}
@@ -1396,6 +1401,8 @@ def test_an_earlier_runs_rows_count_only_for_the_same_setup(tmp_path, monkeypatc
               row("baseline", 64, 12, weights="none"), row("baseline", 64, 12, lr=0.01),
               row("baseline", 64, 12, batch_size=64),  # another start or learning setting
               row("baseline", 64, 12, world_size=2),  # torchrun's 2 processes: another batch
+              # a speed knob set for it: not the plain baseline this run is judged against
+              row("baseline", 64, 12, num_workers=2), row("baseline", 64, 12, amp="bf16"),
               # "imagenet" asked for, but unreachable there: it trained from random weights
               row("baseline", 64, 12, begun="random (ImageNet weights unreachable)")]
     path.write_text(json.dumps(others))
@@ -1403,6 +1410,16 @@ def test_an_earlier_runs_rows_count_only_for_the_same_setup(tmp_path, monkeypatc
     assert previous_row(path, "baseline", "d", match=match) is None
     path.write_text(json.dumps([row("baseline", 64, 12, seed=7)]))  # another draw: the same setup
     assert previous_row(path, "baseline", "d", match=match) is not None
+    path.write_text(json.dumps([row("baseline", 64, 12, cpu_threads=2)]))  # measured, not set
+    assert previous_row(path, "baseline", "d", match=match) is not None
+    # a --resume without the baseline scenario takes its own run's baseline, not a newer one
+    own, newer = ({**row("baseline", 64, 12), "run_id": run_id, "total_s": total_s}
+                  for run_id, total_s in (("20261206-1000", 6.5), ("20261206-1100", 8.4)))
+    path.write_text(json.dumps([own, newer]))
+    for run_id, total_s in ((own["run_id"], 6.5), ("20261206-1200", 8.4)):
+        args = pipeline.parse_args(["--quick"])
+        args.run_id = run_id
+        assert scenario.baseline_seconds(args, tmp_path, index, {}, cpu) == total_s
     # a row of a version without a later setting had it at its default
     older = row("baseline", 64, 12)
     del older["settings"]["max_nonfinite_steps"]
