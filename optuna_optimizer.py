@@ -296,6 +296,18 @@ class OptunaTuner:
         if not self.batch_sizes:
             raise UserError(f"no batch size in {tuple(batch_sizes)} fits "
                             f"max_batch_size={max_batch_size!r}.")
+        # A batch whose first epoch alone takes more optimizer steps than the default trial's
+        # epochs cannot be judged against it (choice): its trials could never win, and would
+        # set the bar at equal epochs that prunes the others.
+        judged = tuple(b for b in self.batch_sizes
+                       if int(epochs * b / base.batch_size + 1e-9) >= 1)
+        if judged and judged != self.batch_sizes:
+            log.info("batch sizes %s left out of the search: over %d-epoch trials, their first "
+                     "epoch alone takes more optimizer steps than the default's (batch %d) "
+                     "whole trial, so they could not be judged against it",
+                     tuple(b for b in self.batch_sizes if b not in judged), epochs,
+                     base.batch_size)
+            self.batch_sizes = judged
         # Every trial trains the same epochs, so trials are compared at equal budgets.
         self.index, self.base, self.epochs = index, base, epochs
         self.output_dir = Path(output_dir)
@@ -617,7 +629,14 @@ class OptunaTuner:
         value = "-" if trial.value is None else f"{trial.value:.4f}"
         reason = trial.user_attrs.get("pruned_reason")
         log.info("trial %d %s value %s params %s%s", trial.number, trial.state.name, value,
-                 trial.params, f" ({reason})" if reason else "")
+                 self.trained(trial), f" ({reason})" if reason else "")
+
+    def trained(self, trial: optuna.trial.FrozenTrial) -> dict:
+        """The hyperparameters `trial` trained: the default trial trains the base's own values,
+        where the study records them clamped into the searched ranges (default_params)."""
+        if trial.user_attrs.get("default"):
+            return self.searched(self.default_config())
+        return dict(trial.params)
 
     def run(self, *, ended: bool = False) -> dict:
         """Optimise until the study has n_trials finished trials (on a shared --storage: run
@@ -860,7 +879,7 @@ class OptunaTuner:
         best_value = study.best_value if complete else None
         n_val = len(self.index.val)
         params, reason = self.choice()
-        return {"best_params": study.best_params if complete else {},
+        return {"best_params": self.trained(study.best_trial) if complete else {},
                 "best_value": best_value,
                 "best_value_se": None if best_value is None else accuracy_se(best_value, n_val),
                 "default_value": default.value if default else None,
@@ -1027,7 +1046,10 @@ class OptunaTuner:
         shown = f"trial {best.number}, {100 * best.value:.1f}%" + (
             "" if last == self.epochs else
             f", {100 * value:.1f}% after epoch {last}, within the default trial's optimizer steps")
-        if best.number == default.number or not beats(value, default.value, n):
+        if not rivals:
+            return None, ("no trial but the default's completed within its optimizer steps, "
+                          f"to compare with it ({100 * default.value:.1f}%): keeping the default")
+        if not beats(value, default.value, n):
             return None, (f"the search's best ({shown}) does not beat the default "
                           f"({100 * default.value:.1f}%) {margin}: keeping the default")
         if not informative(best.value, n, len(self.index.classes)):

@@ -87,7 +87,7 @@ def test_second_trial_pruned_and_counted(index, tmp_path, monkeypatch):
     assert first.user_attrs["epochs_run"] == t.epochs == 2  # every trial: the same budget
     assert first.user_attrs["samples_per_s"] > 0 and first.user_attrs["wall_s"] > 0
     assert second.user_attrs["pruned_reason"] == "pruned after epoch 1"
-    assert summary["best_value"] == first.value and summary["best_params"] == first.params
+    assert summary["best_value"] == first.value and summary["best_params"] == t.trained(first)
     assert set(first.params) == set(OptunaTuner.SEARCHED)  # what a resumed final run reads back
 
 
@@ -832,6 +832,7 @@ def test_a_trial_whose_first_epoch_outsteps_the_default_trial_does_not_win(index
     the default trial's optimizer steps, so no epoch of it can be judged within them. It does
     not win however far ahead it ends; the best trial that can be judged still does."""
     t = with_val_images(tuner(index, tmp_path, epochs=3, batch_sizes=(2, 8, 16)))
+    t.batch_sizes = (2, 8, 16)  # a study of a version that still searched batch 2
     assert t.default_params()["batch_size"] == 8
     t.study = optuna.create_study(direction="maximize")
     for params, accs, attrs in ((t.default_params(), [0.3, 0.4, 0.45], {"default": True}),
@@ -878,6 +879,7 @@ def test_the_chosen_trial_keeps_its_weights(index, tmp_path, monkeypatch):
     storage = f"sqlite:///{tmp_path / 's.db'}"
     t = with_val_images(tuner(index, tmp_path, n_trials=1, epochs=3, batch_sizes=(2, 8, 16),
                               pruner="none", weights_dir=tmp_path / "w", storage=storage))
+    t.batch_sizes = (2, 8, 16)  # a study of a version that still searched batch 2
     t.run()
     study = optuna.load_study(study_name="hpo", storage=storage)
     study.enqueue_trial({**PARAMS, "batch_size": 16})
@@ -906,6 +908,32 @@ def test_the_default_trial_is_judged_whatever_batch_it_is_recorded_at(index, tmp
             intermediate_values={1: acc}))
     params, why = t.choice()
     assert params is None and "keeping the default" in why and "epoch 0" not in why
+
+
+def test_a_batch_that_could_never_be_judged_is_not_searched(index, tmp_path):
+    """Over 3-epoch trials, batch 2's first epoch takes more optimizer steps than the default
+    batch 8's whole trial: choice() could never pick it, yet it was drawn, and at equal epochs
+    its extra steps set the bar that pruned the others."""
+    assert tuner(index, tmp_path, epochs=3, batch_sizes=(2, 4, 8, 16)).batch_sizes == (4, 8, 16)
+    # none left: the choices as they were (the default's own is judged whatever its batch)
+    assert tuner(index, tmp_path, epochs=1, batch_sizes=(2, 4)).batch_sizes == (2, 4)
+
+
+def test_a_default_with_no_rival_is_not_said_to_beat_itself(index, tmp_path):
+    """Every other trial pruned: "the search's best (trial 0) does not beat the default"
+    named the default as the search's best."""
+    t = with_val_images(tuner(index, tmp_path))
+    t.study = optuna.create_study(direction="maximize")
+    t.study.add_trial(optuna.trial.create_trial(
+        params=t.default_params(), distributions=t.distributions(), value=0.9,
+        user_attrs={"default": True}, intermediate_values={1: 0.8, 2: 0.9}))
+    t.study.add_trial(optuna.trial.create_trial(
+        params={**PARAMS, "batch_size": 16}, distributions=t.distributions(),
+        state=optuna.trial.TrialState.PRUNED, intermediate_values={1: 0.2}))
+    params, why = t.choice()
+    assert params is None and why == ("no trial but the default's completed within its "
+                                      "optimizer steps, to compare with it (90.0%): keeping "
+                                      "the default")
 
 
 def test_a_default_that_diverged_gives_way_to_the_search_s_best(index, tmp_path, monkeypatch):
@@ -1270,6 +1298,8 @@ def test_the_default_trial_trains_the_default_configuration_itself(index, tmp_pa
         if t.save_plots() else None
     assert saved["trained_params"] == {"lr": 0.05, "batch_size": 8, "optimizer": base.optimizer,
                                        "weight_decay": 0.0}
+    # the study's best is the default trial: named by what it trained, not the study's point
+    assert saved["best_params"] == saved["trained_params"]
 
 
 def test_a_shared_study_of_another_model_or_start_is_refused(index, tmp_path, monkeypatch):
