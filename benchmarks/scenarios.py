@@ -107,6 +107,28 @@ def pretrain_model(name: str, dataset: str, pipeline_args: list[str]) -> str:
     return options.model
 
 
+# The pipeline's options this benchmark sets itself, and where it reads the run's rows from.
+OWN_OPTIONS = {"output_dir": ("--output-dir", "--output-dir"), "device": ("--device", "--device"),
+               "data_dir": ("--data-dir", "--dataset"), "dataset": ("--dataset", "--dataset"),
+               "quick": ("--quick", "--quick")}
+
+
+def refuse_own_options(pipeline_args: list[str]) -> None:
+    """One line for an option after -- that the benchmark sets: a later --output-dir won,
+    and the benchmark then read an earlier run's rows from its own folder as this run's."""
+    parser = pipeline.build_parser()
+    parser.set_defaults(**dict.fromkeys(OWN_OPTIONS))
+    try:
+        options = parser.parse_args(pipeline_args)
+    except pipeline.UserError as exc:  # the pipeline's own one line, as pipeline.main gives it
+        raise SystemExit(f"error: {exc}") from None
+    given = [names for dest, names in OWN_OPTIONS.items() if getattr(options, dest) is not None]
+    if given:
+        (option, own), = given[:1]
+        raise SystemExit(f"error: the benchmark sets the pipeline's {option}: give the "
+                         f"benchmark's {own} before --, not {option} after it")
+
+
 def pretrained_weights(name: str, model: str, out: Path, device: str) -> Path:
     """Weights trained here on all of another offline set: the benchmark's stand-in for
     ImageNet weights, which cannot be fetched offline, so that the scenarios can be measured
@@ -367,6 +389,13 @@ def compare_fidelity(data: list[str], args, out: Path) -> list[str]:
     tuner = OptunaTuner(index, config, output_dir=out, epochs=scenario.short_budget(config),
                         storage="sqlite:///:memory:")
     low_size = args.fidelity_size or scenario.lower_size(config.image_size)
+    if low_size == config.image_size:
+        raise SystemExit(f"error: --fidelity-size {low_size} is the search's own size: give a "
+                         "lower one")
+    try:  # the model's limits, said before any configuration trains
+        scenario.dataclasses.replace(config, image_size=low_size)
+    except pipeline.UserError as exc:
+        raise SystemExit(f"error: --fidelity-size {low_size}: {exc}") from None
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     draw = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=ns.seed))
     configs = [tuner.default_config()] + [
@@ -425,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --compare-search or --compare-fidelity: skip the three scenarios")
     p.add_argument("--compare-fidelity", action="store_true",
                    help="does a lower input size rank the search's configurations the same way")
-    p.add_argument("--fidelity-size", type=int,
+    p.add_argument("--fidelity-size", type=at_least_1,
                    help="the lower size (default: 3/4 of the search's, to a multiple of 16, "
                         "as the search's --search-size auto)")
     p.add_argument("--fidelity-configs", type=at_least_1, default=8)
@@ -442,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise SystemExit(f"error: cannot make {exc.filename!r} ({exc.strerror})") from None
+    refuse_own_options(args.pipeline_args)
     if args.pretrain_on:
         model = pretrain_model(args.pretrain_on, args.dataset, args.pipeline_args)
     data = data_folder(args.dataset, out / "data")  # first: an unknown set stops here

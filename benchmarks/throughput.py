@@ -446,6 +446,9 @@ def at_least_1(text: str) -> int:
     return value
 
 
+ROWS = ("pure_compute", "pipeline", "baseline", "lightning")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -463,7 +466,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-compile", action="store_true",
                    help="do not let the autotuner try torch.compile (its warm-up is minutes on a CPU)")
     p.add_argument("--skip", default="", help="comma-separated rows to leave out: "
-                   "pure_compute,pipeline,baseline,lightning")
+                   + ",".join(ROWS))
     p.add_argument("--time-to-accuracy", action="store_true",
                    help="also run baseline and optimized training to the baseline's accuracy")
     p.add_argument("--tta-epochs", type=at_least_1, default=15)
@@ -485,7 +488,20 @@ def main(argv=None) -> int:
     try:
         device = resolve_device(args.device)
         TrainConfig(model=args.model, image_size=args.image_size, batch_size=args.batch_size)
+        if args.time_to_accuracy:
+            TrainConfig(model=args.model, image_size=args.tta_image_size)
         skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+        unknown = sorted(skip - set(ROWS))
+        if unknown or skip >= set(ROWS):
+            raise UserError(f"--skip {args.skip}: " + (
+                f"no row named {', '.join(unknown)}" if unknown else "every row left out")
+                + f" (the rows: {', '.join(ROWS)})")
+        try:  # before the measuring: a --json or --data-dir that cannot be written is said now
+            if args.json:
+                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.data_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"cannot make {exc.filename!r} ({exc.strerror})") from None
         if "lightning" not in skip and _lightning_package() is None:
             raise UserError("the lightning row needs PyTorch Lightning: pip install -r "
                             "benchmarks/requirements.txt, or pass --skip lightning.")

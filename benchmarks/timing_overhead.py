@@ -13,7 +13,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from modules.config import TrainConfig, UserError  # noqa: E402
+from modules.device import resolve_device  # noqa: E402
 from modules.models import build_model  # noqa: E402
+from throughput import at_least_1  # noqa: E402
 from modules.trainer import REGIONS, region  # noqa: E402
 
 
@@ -42,12 +46,18 @@ def step(model, optimizer, x, y, timed: bool, timing: dict) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--image-size", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=30, help="interleaved A/B pairs of steps")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--image-size", type=at_least_1, default=64)
+    p.add_argument("--batch-size", type=at_least_1, default=32)
+    p.add_argument("--rounds", type=at_least_1, default=30,
+                   help="interleaved A/B pairs of steps")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
+    try:  # the model's limits, and a device that is not here, in one line
+        TrainConfig(model="squeezenet1_1", image_size=args.image_size)
+        resolve_device(args.device)
+    except UserError as exc:
+        p.exit(2, f"error: {exc}\n")
     device = torch.device(args.device)
     model = build_model("squeezenet1_1", 6).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)

@@ -394,6 +394,19 @@ def test_benchmark_mistakes_are_one_line_before_any_run(tmp_path, capsys):
     with pytest.raises(SystemExit) as exited:
         _benchmark_module("throughput").main(["--device", "cpu", "--rounds", "0"])
     assert exited.value.code == 2 and "--rounds: must be 1 or more" in capsys.readouterr().err
+    # a row name that is not one, and a --json that cannot be written: before the measuring
+    throughput = _benchmark_module("throughput")
+    assert throughput.main(["--device", "cpu", "--skip", "pure-compute"]) == 2
+    assert "no row named pure-compute" in capsys.readouterr().err
+    (tmp_path / "a file").write_text("")
+    assert throughput.main(["--device", "cpu", "--skip", "lightning", "--json",
+                            str(tmp_path / "a file" / "x.json")]) == 2
+    assert capsys.readouterr().err.startswith("error: cannot make ")
+    for argv in (["--rounds", "0"], ["--image-size", "5"]):  # a StatisticsError, a traceback
+        with pytest.raises(SystemExit) as exited, pytest.MonkeyPatch.context() as mp:
+            mp.setattr(sys, "argv", ["timing_overhead.py", *argv])
+            _benchmark_module("timing_overhead").main()
+        assert exited.value.code == 2 and "error: " in capsys.readouterr().err
     data = make_folder(tmp_path / "data", n_train=6, n_test=2)
     scenarios = _benchmark_module("scenarios")
     with pytest.raises(SystemExit, match=r"^error: .*"):
@@ -401,6 +414,20 @@ def test_benchmark_mistakes_are_one_line_before_any_run(tmp_path, capsys):
                         str(tmp_path / "bench"), "--json", str(tmp_path / "new" / "s.json"),
                         "--search-only", "--compare-search", "--", "--image-size", "5"])
     assert (tmp_path / "new").is_dir()
+    # an option the benchmark sets itself: a later --output-dir won, and the benchmark read an
+    # earlier run's rows from its own folder as this run's
+    for given, said in ((["--output-dir", str(tmp_path / "o")], "--output-dir"),
+                        (["--data-dir", str(data)], "--dataset"), (["--quick"], "--quick")):
+        with pytest.raises(SystemExit, match=f"^error: the benchmark sets the pipeline's "
+                                             f"{given[0]}: give the benchmark's {said} before"):
+            scenarios.main(["--dataset", str(data), "--device", "cpu", "--output-dir",
+                            str(tmp_path / "bench"), "--", *given])
+    # a lower size the model cannot train at, or the search's own: before any training
+    for size, said in (("5", "too small"), ("32", "the search's own size")):
+        with pytest.raises(SystemExit, match=f"^error: --fidelity-size {size}.*{said}"):
+            scenarios.main(["--dataset", str(data), "--device", "cpu", "--output-dir",
+                            str(tmp_path / "bench"), "--search-only", "--compare-fidelity",
+                            "--fidelity-size", size, "--", "--image-size", "32"])
 
 
 def test_throughput_rounds_put_every_pair_of_rows_in_both_orders():
