@@ -42,7 +42,20 @@ log = logging.getLogger("pipeline")
 # ----------------------------------------------------------------------------- options
 
 class _Parser(argparse.ArgumentParser):
+    _argv: list[str] = []
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
     def error(self, message: str):  # one line, no usage block
+        option = message.removeprefix("argument ").split(":")[0].split("/")[-1]
+        given = self._argv[self._argv.index(option) + 1:][:1] if option in self._argv else []
+        if message.endswith("expected one argument") and given and given[0].startswith("-") \
+                and given[0].split("=")[0] not in self._option_string_actions:
+            # argparse reads a value starting with "-" (other than a plain negative number)
+            # as the next option: "--lr -1e-3" would never reach the value's own check.
+            message += f" (a value starting with '-' is written {option}={given[0]})"
         raise UserError(f"{message} (see python pipeline.py --help)")
 
 
@@ -242,6 +255,9 @@ def parse_args(argv: list[str] | None = None) -> RunOptions:
             not Path(args.local_dir).expanduser().is_dir():
         raise UserError(f"--local-dir {args.local_dir!r} is a file, not a folder.")
     if args.weights not in ("none", "imagenet"):
+        if not args.weights.strip():  # Path("") is ".", which the message would quote
+            raise UserError(f"--weights must be none, imagenet or an existing file, but got "
+                            f"{args.weights!r}.")
         args.weights = str(Path(args.weights).expanduser())
         if not _path_is("is_file", "--weights", args.weights):
             raise UserError(f"--weights must be none, imagenet or an existing file, but got "

@@ -192,6 +192,11 @@ def test_each_finished_scenario_is_in_results_json_before_the_next_one_runs(smal
     (["--scenarios", "baseline,magic"], "unknown scenario magic"),
     (["--frobnicate"], "unrecognized arguments: --frobnicate"),
     (["--early-stopping", "200000"], "argument --early-stopping: must be >= 1 and <= 100000"),
+    # argparse takes "-1e-3" for an option: the value's own check was never reached
+    (["--lr", "-1e-3"], "expected one argument (a value starting with '-' is written "
+                        "--lr=-1e-3)"),
+    (["--lr=-1e-3"], "argument --lr: must be > 0.0"),
+    (["--weights", ""], "--weights must be none, imagenet or an existing file, but got ''."),
 ])
 def test_bad_options_end_in_one_line(argv, message, capsys, tmp_path):
     assert run_main(*argv, "--output-dir", str(tmp_path / "o")) == 2
