@@ -1512,7 +1512,7 @@ def run(args: RunOptions, index: DatasetIndex | None = None) -> list[dict[str, A
         args.run_id = distributed.from_main(start_run(
             output_dir, index, resume=args.resume, seed=args.seed, quick=args.quick,
             weights=str(weights_file(args.weights).resolve()) if weights_file(args.weights)
-            else args.weights, model=args.model,
+            else args.weights, model=args.model, scenarios=list(args.scenarios),
             command=args.command or shlex.join(launcher() + shown_argv(sys.argv))))
         runs = run_folder(output_dir, "runs", args.run_id)
         with (run_log(runs / "run.log", data_record(index, runs)) if distributed.is_main()

@@ -110,7 +110,8 @@ def forget_refused_run(output_dir: Path, run_id: str) -> None:
 
 def start_run(output_dir: Path, index: DatasetIndex, *, resume: bool, command: str,
               seed: int | None = None, quick: bool | None = None,
-              weights: str | None = None, model: str | None = None) -> str:
+              weights: str | None = None, model: str | None = None,
+              scenarios: list[str] | None = None) -> str:
     """This run's id: with resume the newest run's, which must be on the same data and start
     from the same weights; else a new one (the UTC time), recorded as the newest. Earlier
     runs' files stay. `seed`, `quick`: the --seed the data was split with and whether --quick
@@ -120,7 +121,9 @@ def start_run(output_dir: Path, index: DatasetIndex, *, resume: bool, command: s
     `model`: with --weights imagenet, what the run started from is recorded too ("start": the
     weights, or a random start where they were unreachable), and a resumed run keeps it (a
     random start again where the weights are reachable now), or is refused where they were
-    fetched then and are unreachable now: trials from either start would be compared."""
+    fetched then and are unreachable now: trials from either start would be compared.
+    `scenarios`: the scenarios the run trains, recorded; a finished run is resumed only with
+    none it did not have (it trains nothing then: its study grows with --n-trials)."""
     keep_random_start(None)  # a start kept for a resumed run is that run's alone
     runs = _runs(output_dir)
     newest = runs[0] if runs else None
@@ -167,6 +170,19 @@ def start_run(output_dir: Path, index: DatasetIndex, *, resume: bool, command: s
                 f"--weights {latest['weights']} to continue it, or drop --resume to start a new "
                 "run beside it (nothing is deleted).")
         _same_start(latest, output_dir, weights, model)
+        had = latest.get("scenarios")
+        added = [s for s in scenarios or [] if had is not None and s not in had]
+        if latest.get("finished") and added:
+            raise UserError(
+                f"cannot resume: run {latest['run_id']} in {output_dir} finished with "
+                f"{', '.join(had)}; {', '.join(added)} would be trained into it: drop --resume "
+                "to train them as a new run beside it (they take its baseline and picked size "
+                "from this folder), or resume with its own --scenarios.")
+        if added and distributed.is_main():  # an unfinished run given more: it has them now
+            latest = {**latest, "scenarios": had + added}
+            write_json(_record_path(output_dir, latest["run_id"]), latest)
+            if latest["run_id"] == newest["run_id"]:
+                write_json(output_dir / RUN_FILE, latest)
         log.info("resuming run %s (%s)", latest["run_id"], latest.get("command") or "")
         if latest["run_id"] != newest["run_id"]:
             log.info("the newer run %s left nothing to continue", newest["run_id"])
@@ -185,7 +201,7 @@ def start_run(output_dir: Path, index: DatasetIndex, *, resume: bool, command: s
     if distributed.is_main():
         record = {"run_id": run_id, "dataset": index.name, "data_fingerprint": fingerprint,
                   "n_images": index.n_images(), "seed": seed, "quick": quick,
-                  "weights": weights,
+                  "weights": weights, "scenarios": scenarios,
                   "start": resolved_start(model, weights) if model and weights else None,
                   "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                   "command": command}

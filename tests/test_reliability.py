@@ -818,3 +818,32 @@ def test_a_clock_or_refusal_record_that_cannot_be_written_is_no_traceback(data, 
         assert pipeline.main(["--data-dir", str(data), "--output-dir", str(tmp_path / "o"),
                               *RUN]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == "error: the weights file is a JPEG"
+
+
+def test_a_finished_run_is_not_resumed_into_scenarios_it_did_not_have(tmp_path):
+    """A finished baseline,resolution run resumed with the default three scenarios trained hpo
+    into it, where the README says a finished run resumed trains nothing. An unfinished run
+    given more scenarios takes them, and keeps them on its next resume."""
+    from types import SimpleNamespace
+
+    from modules.config import UserError
+    from modules.results import mark_finished, start_run
+    out = tmp_path / "out"
+    index = SimpleNamespace(name="d", n_images=lambda: 9, fingerprint=lambda: "fp",
+                            same_data=lambda recorded: recorded == "fp")
+    run = start_run(out, index, resume=False, command="", scenarios=["baseline", "resolution"])
+    mark_finished(out, run)
+    with pytest.raises(UserError, match=rf"^cannot resume: run {run} in .* finished with "
+                                        r"baseline, resolution; hpo would be trained into it: "
+                                        "drop --resume"):
+        start_run(out, index, resume=True, command="",
+                  scenarios=["baseline", "resolution", "hpo"])
+    for scenarios in (["baseline", "resolution"], ["resolution"]):  # nothing to train
+        assert start_run(out, index, resume=True, command="", scenarios=scenarios) == run
+    unfinished = start_run(out, index, resume=False, command="", scenarios=["baseline"])
+    (out / "checkpoints" / unfinished / "baseline.pt").write_bytes(b"a checkpoint")
+    assert start_run(out, index, resume=True, command="",
+                     scenarios=["baseline", "hpo"]) == unfinished
+    mark_finished(out, unfinished)
+    assert start_run(out, index, resume=True, command="",
+                     scenarios=["baseline", "hpo"]) == unfinished
