@@ -1213,18 +1213,19 @@ def _search(config: TrainConfig, args: RunOptions, index: DatasetIndex, output_d
         budget = (None, "")
     stopping = {"asha": "successive halving over epochs", "hyperband": "Hyperband over epochs",
                 "median": "median stopping over epochs", "none": "no trial stopped early"}
-    # Resumed without --n-trials, the study keeps the count it was started with (the tuner
-    # reads it), which need not be the preset's.
-    count = "the study's own count of" if args.resume and args.n_trials is None else n_trials
+    # Resumed without --n-trials, a study that exists keeps the count (and the automatic
+    # budget) it was started with, which need not be the preset's; the tuner says what it has.
+    kept = args.resume and args.n_trials is None
     auto_budget = budget[0] is not None and args.time_budget is None
-    log.info("== hyperparameter search: %s trials of %d epochs at %d px%s (the default "
-             "configuration first), %s%s", count, trial_epochs, trial_size,
+    log.info("== hyperparameter search: %d trials of %d epochs at %d px%s (the default "
+             "configuration first), %s%s%s", n_trials, trial_epochs, trial_size,
              "" if trial_size == config.image_size else
              f" for a final run at {config.image_size} px (--search-size)",
              stopping.get(args.pruner, args.pruner),
              "" if budget[0] is None else
-             "; the time budget the study was started with" if auto_budget and args.resume else
-             f"; no trial started after {budget[0]:.0f} s of trials ({budget[1]})")
+             f"; no trial started after {budget[0]:.0f} s of trials ({budget[1]})",
+             "; a study resumed keeps the count" + (" and budget" if auto_budget else "")
+             + " it was started with" if kept else "")
     # Batch sizes are searched only up to what the GPU holds at this resolution.
     probing = time.perf_counter()
     largest = max_batch_size(config, len(index.classes), device, upto=max(BATCH_SIZES))

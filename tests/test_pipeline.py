@@ -814,9 +814,9 @@ def test_resume_after_the_search_finished_does_not_extend_the_study(small, tmp_p
     monkeypatch.setattr(scenario.OptunaTuner, "objective", search_again)
     capsys.readouterr()
     assert run_main(*argv, "--resume") == 0  # the final run continues with what it started with
-    # the study's count, 2, not the preset's 20 that the line said
-    assert "== hyperparameter search: the study's own count of trials of" in \
-        capsys.readouterr().err
+    # the study's count, 2, not the preset's 20, which the line alone would say; a fresh
+    # study in a resumed session (none before) was said to keep a count it never had
+    assert "; a study resumed keeps the count it was started with" in capsys.readouterr().err
     resumed = json.loads((out / "results.json").read_text())[-1]
     assert resumed["hpo"]["n_trials"] == first["hpo"]["n_trials"] + 1 == 3
     assert resumed["settings"]["lr"] == first["settings"]["lr"]
