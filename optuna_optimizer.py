@@ -798,6 +798,8 @@ class OptunaTuner:
             except KeyboardInterrupt:  # the stopped trial FAIL, its retry queued: in the copy
                 self._copy_to_mirror()
                 raise
+        if shared:
+            self._await_default()
         self.new_trials = len(self.study.trials) - before + waiting_before - waiting()
         ran = finished() - finished_before
         if self.timeout_s is not None and 0 < ran < to_run:
@@ -968,6 +970,27 @@ class OptunaTuner:
     def _default_trial(self) -> optuna.trial.FrozenTrial | None:
         """The completed trial of the default configuration, if any."""
         return next((t for t in self._complete() if t.user_attrs.get("default")), None)
+
+    def _await_default(self) -> None:
+        """On a shared study, the default configuration's trial that another worker is still
+        training is waited for: choice() would otherwise find no default to compare the
+        search with, and keep it untrained, whatever this worker's trials reached. A trial
+        whose worker has gone silent (no heartbeat for GRACE_S) is not waited for: the next
+        worker to start retries it."""
+        said = False
+        while self._default_trial() is None:
+            pending = next((t for t in self.study.get_trials(
+                deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
+                if t.user_attrs.get("default")), None)
+            if pending is None or pending._trial_id in self.storage._get_stale_trial_ids(
+                    self.study._study_id):
+                return
+            if not said:
+                log.info("study %r: waiting for trial %d, the default configuration, which "
+                         "another worker is training: the search is judged against it",
+                         self.study_name, pending.number)
+                said = True
+            time.sleep(HEARTBEAT_S)
 
     def _failed_default(self) -> str | None:
         """Why the default configuration's trial ended without a result (it diverged, ran out

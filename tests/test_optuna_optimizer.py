@@ -1366,3 +1366,32 @@ def test_a_database_locked_mid_search_is_one_line_and_the_search_resumes(index, 
     resumed = tuner(index, tmp_path, n_trials=3, resume=True)
     summary = resumed.run()
     assert summary["n_complete"] == 3 and resumed.study.trials[0].user_attrs["default"]
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed")
+def test_a_worker_waits_for_the_default_trial_another_is_training(index, tmp_path,
+                                                                   monkeypatch, caplog):
+    """On a shared study, a worker whose trials ended while another still trained the
+    default trial found no default to compare with: it kept the default, untrained, whatever
+    its own trials reached. It now waits for that trial, unless its worker went silent."""
+    t = tuner(index, tmp_path, storage=f"sqlite:///{tmp_path / 'shared.db'}", shared=True)
+    t.study = optuna.create_study(storage=t.storage, study_name="s", direction="maximize")
+    other = t.study.ask(t.distributions())  # another worker's, RUNNING
+    other.set_user_attr("default", True)
+    slept = []
+
+    def sleep(seconds):  # meanwhile the other worker ends its trial
+        slept.append(seconds)
+        t.study.tell(other, 0.5)
+    monkeypatch.setattr(optuna_optimizer.time, "sleep", sleep)
+    with caplog.at_level("INFO", logger="optuna_optimizer"):
+        t._await_default()
+    assert len(slept) == 1 and t._default_trial().number == other.number
+    assert f"waiting for trial {other.number}, the default configuration" in caplog.text
+    # a default trial whose worker went silent is not waited for
+    t.study = optuna.create_study(storage=t.storage, study_name="s2", direction="maximize")
+    silent = t.study.ask(t.distributions())
+    silent.set_user_attr("default", True)
+    monkeypatch.setattr(t.storage, "_get_stale_trial_ids", lambda study_id: [silent._trial_id])
+    t._await_default()
+    assert len(slept) == 1
