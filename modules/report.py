@@ -304,7 +304,7 @@ def autotune_lines(report: dict[str, Any] | None) -> list[str]:
 
 
 def earlier_runs_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """One line per earlier run in results.json: its id, dataset, scenarios and best test
+    """One line per other run in results.json: its id, dataset, scenarios and best test
     accuracy, newest first."""
     runs: dict[Any, list[dict[str, Any]]] = {}
     for row in rows:
@@ -314,7 +314,8 @@ def earlier_runs_lines(rows: list[dict[str, Any]]) -> list[str]:
     for run_id, members in sorted(runs.items(), key=lambda kv: (kv[0] is not None, str(kv[0])),
                                   reverse=True):
         best = best_row(members)
-        lines.append(f"- {run_id or 'before run ids'}: {members[0].get('dataset')}, "
+        dataset = members[0].get("dataset") or "data not recorded"
+        lines.append(f"- {run_id or 'before run ids'}: {dataset}, "
                      + ", ".join(r["scenario"] for r in members)
                      + (f"; best {best['scenario']}, test accuracy {100 * best['test_acc']:.1f}%"
                         if best and finite_number(best.get("test_acc")) is not None else ""))
@@ -364,7 +365,7 @@ def render_report(rows: list[dict[str, Any]], charts: list[str],
               "traces with `tensorboard --logdir profiler` (torch-tb-profiler plugin) or in "
               "Perfetto / chrome://tracing (`profiler/<run>/<scenario>/*.pt.trace.json`).", ""]
     if earlier:
-        lines += ["## Earlier runs in this folder", "",
+        lines += ["## Other runs in this folder", "",
                   "Their rows stay in results.json; their checkpoints, scalars and traces in "
                   "checkpoints/, runs/ and profiler/ under the run's id.", ""]
         lines += earlier_runs_lines(earlier) + [""]

@@ -40,7 +40,7 @@ def test_two_runs_on_two_datasets_keep_both_sets_of_rows_models_and_curves(tmp_p
         assert (out / "checkpoints" / run_id / "baseline.pt").exists()
         assert list((out / "runs" / run_id / "baseline").glob("events.out.tfevents.*"))
     report = (out / "report.md").read_text()
-    assert f"run {run_two}" in report and "## Earlier runs in this folder" in report
+    assert f"run {run_two}" in report and "## Other runs in this folder" in report
     assert f"- {run_one}: shapes, baseline" in report
 
 
