@@ -23,7 +23,6 @@ user's runs start from, which cannot be fetched offline.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -41,7 +40,7 @@ import pipeline  # noqa: E402
 import scenario  # noqa: E402
 from modules.results import latest_run  # noqa: E402
 from modules.selection import informative, tie_margin  # noqa: E402
-from throughput import at_least_1  # noqa: E402
+from throughput import OneLineParser, at_least_1  # noqa: E402
 
 log = logging.getLogger("scenarios")
 
@@ -73,7 +72,7 @@ def data_folder(name: str, root: Path) -> list[str]:
         return ["--data-dir", name]
     from real_data import REAL_SETS  # beside this file
     if name not in REAL_SETS:
-        raise SystemExit(f"unknown data set {name!r}: synthetic, intel, a folder, or one of "
+        raise SystemExit(f"error: unknown data set {name!r}: synthetic, intel, a folder, or one of "
                          f"{', '.join(REAL_SETS)}")
     folder = root / name
     if not folder.exists():
@@ -441,7 +440,7 @@ def compare_fidelity(data: list[str], args, out: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = OneLineParser(description=__doc__.splitlines()[0])
     p.add_argument("--dataset", default="synthetic",
                    help="synthetic, intel, a folder, or a real set of benchmarks/real_data.py")
     p.add_argument("--quick", action="store_true")

@@ -435,6 +435,13 @@ def time_to_accuracy(args, device: torch.device, cache_dir: Path) -> dict:
                                              "compile")}}
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser, whose mistakes are one line (no usage block), as pipeline.py's."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see python {self.prog} --help)\n")
+
+
 def at_least_1(text: str) -> int:
     """An argparse type: a whole number of 1 or more (0 rounds left no median to print)."""
     try:
@@ -450,7 +457,7 @@ ROWS = ("pure_compute", "pipeline", "baseline", "lightning")
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = OneLineParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--model", choices=MODELS, default="squeezenet1_1")

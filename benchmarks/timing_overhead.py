@@ -2,7 +2,6 @@
 record_function regions) measured alone, and a bare training step with and without it."""
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -17,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from modules.config import TrainConfig, UserError  # noqa: E402
 from modules.device import resolve_device  # noqa: E402
 from modules.models import build_model  # noqa: E402
-from throughput import at_least_1  # noqa: E402
+from throughput import OneLineParser, at_least_1  # noqa: E402
 from modules.trainer import REGIONS, region  # noqa: E402
 
 
@@ -45,7 +44,7 @@ def step(model, optimizer, x, y, timed: bool, timing: dict) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = OneLineParser(description=__doc__)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--image-size", type=at_least_1, default=64)
     p.add_argument("--batch-size", type=at_least_1, default=32)
