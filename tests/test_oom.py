@@ -250,10 +250,18 @@ def test_optimizer_impl_builds_on_cpu(optimizer, impl, flags):
     assert {k: built.defaults.get(k) for k in flags} == flags
 
 
-def test_optimizer_impls_train_alike():
+def test_optimizer_impls_train_alike(monkeypatch):
+    import modules.trainer
+    built = []
+    real = modules.trainer.make_optimizer
+    monkeypatch.setattr(modules.trainer, "make_optimizer", lambda *args: built.append(
+        real(*args)) or built[-1])
     config = dataclasses.replace(BASE, image_size=24, epochs=1, optimizer="adamw")
     runs = [run(dataclasses.replace(config, optimizer_impl=impl), make=lambda: TinyNet())
             for impl in ("forloop", "foreach", "fused")]
+    # each run trained with the kernels asked for: runs that all ignored them would match too
+    assert [(o.defaults.get("foreach"), o.defaults.get("fused")) for o in built] == \
+        [(False, None), (True, None), (None, True)]
     for other in runs[1:]:
         for got, want in zip(other.model.parameters(), runs[0].model.parameters()):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -706,7 +706,13 @@ def test_a_trial_cut_off_with_its_session_is_no_yardstick(index, tmp_path):
     study.add_trial(made(optuna.trial.TrialState.FAIL, 0.75))
     pruner = optuna_optimizer._BeyondNoise(optuna.pruners.NopPruner(), n_val=1000,
                                            num_classes=3, epochs=4, early=[1])
-    assert not pruner.prune(study, made(optuna.trial.TrialState.COMPLETE, 0.60, value=0.60))
+    retry = made(optuna.trial.TrialState.COMPLETE, 0.60, value=0.60)
+    assert not pruner.prune(study, retry)
+    # the same 75% completed by another configuration is a yardstick: the 60% is stopped
+    other = optuna.create_study(direction="maximize")
+    for trial in study.trials[:1] + [made(optuna.trial.TrialState.COMPLETE, 0.75, value=0.75)]:
+        other.add_trial(trial)
+    assert pruner.prune(other, retry)
 
 
 def test_the_default_stays_only_while_no_trial_has_left_chance(index, tmp_path, monkeypatch):

@@ -137,8 +137,8 @@ def test_sampler_readings_are_in_range_and_gpu_is_none_without_cuda():
         busy(1.5)
     s = sampler.summary()
     assert s["n_samples"] >= 2
-    assert 0 <= s["cpu_util_pct"] <= 100
-    assert s["process_cpu_pct"] >= 0
+    assert 0 < s["cpu_util_pct"] <= 100
+    assert s["process_cpu_pct"] > 10  # 1.5 s of a busy loop: not a reading that stayed 0
     assert s["ram_peak_mb"] > 0
     if not torch.cuda.is_available():
         assert s["gpu_util_pct"] is None and s["gpu_mem_peak_mb"] is None

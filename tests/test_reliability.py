@@ -115,11 +115,15 @@ NUMERIC = ["--epochs", "--image-size", "--batch-size", "--lr", "--grad-accum-ste
 @pytest.mark.parametrize("option", NUMERIC)
 @pytest.mark.parametrize("value", ["0", "-1", "99999999999", "1e400", "abc", ""])
 def test_every_numeric_option_is_used_or_refused_in_one_line(option, value, tmp_path):
+    """0 and a huge number may be used; a negative, infinite, empty or non-numeric value
+    never is (the try alone let a value the bounds check missed pass unseen)."""
     try:
         pipeline.parse_args([option, value, "--output-dir", str(tmp_path)])
     except UserError as err:
         assert "\n" not in str(err) and option.lstrip("-").replace("-", "_") in \
             str(err).replace("-", "_")
+    else:
+        assert value in ("0", "99999999999"), f"{option} {value!r} was accepted"
 
 
 def test_zero_and_negative_sizes_are_refused(tmp_path):
