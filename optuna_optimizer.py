@@ -563,15 +563,17 @@ class OptunaTuner:
 
     def curve_for(self, params: dict | None) -> list[tuple[float, float]]:
         """(time.time() at its end, validation accuracy) for each epoch of the trial the final
-        run of `params` continues from (start_for), when this process trained it or it is the
-        earlier trial this run reused as its default (whose seconds the scenario counts); none
-        for another worker's on a shared study, whose time was spent elsewhere."""
+        run of `params` continues from (start_for), when this run trained it (in this session
+        or an earlier one) or it is the earlier trial this run reused as its default (whose
+        seconds the scenario counts); none for another worker's on a shared study, whose time
+        was spent elsewhere."""
         _, _, source = self.start_for(params)
         trial = None if source not in ("the chosen trial", "the default trial") else \
             self._trial_for(params)
-        reused = trial is not None and trial.user_attrs.get("reused_from") and \
-            trial.user_attrs.get("run") == self.run_name
-        if trial is None or (trial.user_attrs.get("worker") != self.worker and not reused):
+        # This run's trial, trained in an earlier session of it (a resume after Stop) too, or
+        # reused as its default: its worker names only the session that trained it.
+        ours = trial is not None and trial.user_attrs.get("run") == self.run_name
+        if trial is None or (trial.user_attrs.get("worker") != self.worker and not ours):
             return []
         values = [trial.intermediate_values[e] for e in sorted(trial.intermediate_values)]
         return list(zip(trial.user_attrs.get("epoch_end_at") or [], values))

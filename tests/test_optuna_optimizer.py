@@ -577,7 +577,9 @@ def test_the_default_continues_from_a_longer_earlier_trial_of_the_same_settings(
                                                       "the default trial")
             assert [acc for _, acc in curve] == [0.2, 0.4]
             assert curve[0][0] <= curve[1][0] <= time.time()
-            t.worker = "another process"  # a shared study's trial trained elsewhere
+            t.worker = "a later session"  # this run resumed (after Stop): still its trial
+            assert [acc for _, acc in t.curve_for(None)] == [0.2, 0.4]
+            t.run_name = "another run"  # a shared study's trial trained elsewhere
             assert t.curve_for(None) == []
     other = dataclasses.replace(earlier, val_curve=[0.1, 0.3, 0.5],
                                 config=dataclasses.replace(earlier.config, lr=0.05))
