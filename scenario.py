@@ -646,6 +646,12 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
                      data_path_of(train_loader), carried,
                      raced=measured_speeds(extra.get("autotune")))
     row["prepare_s"] = prepare_s  # the hpo scenario counts it when it takes this final run
+    if result.resumed_from_epoch and not carried and row.get("energy_j") is not None:
+        # Measured in this session only, while wall_s counts every session's training: no
+        # total is better than a share read as one.
+        row["energy_j"] = None
+        log.info("%s: energy not recorded: this session measured only the epochs it trained",
+                 name)
     if carried:
         keep_timeline(row, carried, extra.get("warm_start"))
     tuning_s = row_tuning_s(tuning_s, reused_s, None if anew else carried,

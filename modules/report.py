@@ -213,7 +213,7 @@ def baseline_source_lines(rows: list[dict[str, Any]]) -> list[str]:
     table's "vs Baseline" columns say nothing of where their baseline came from."""
     others = sorted({r["baseline_run_id"] for r in rows if r["scenario"] != "baseline"
                      and r.get("baseline_run_id") not in (None, r.get("run_id"))})
-    return [f"Compared with the baseline of run {', '.join(others)}: an earlier run in this "
+    return [f"Compared with the baseline of run {', '.join(others)}: another run in this "
             "folder with the same data, model and baseline settings (its row is in "
             "results.json)."] if others else []
 
@@ -333,8 +333,10 @@ def render_report(rows: list[dict[str, Any]], charts: list[str],
         lines += [f"**Incomplete run:** {', '.join(unfinished)} did not finish (stopped or "
                   "failed); `--resume` continues it.", ""]
     lines += [table_markdown(results_table(rows)), "",
-              "Accuracies and data wait in percent; CPU Exec is the training process's own "
-              "CPU time per step (its loader workers' is not in it); Peak Mem on a CPU is the "
+              "Accuracies and data wait in percent; Step and CPU Exec are per batch (with "
+              "gradient accumulation an optimizer step takes several); CPU Exec is the "
+              "training process's own CPU time (its loader workers' is not in it); Peak Mem "
+              "(MiB: 2^20 bytes) on a CPU is the "
               "process's peak RSS, which holds what the run's earlier scenarios left; n/a = "
               "not measured on this hardware, or no baseline to compare with; never = its "
               "validation never reached the baseline's.", ""]
@@ -412,7 +414,7 @@ _COLUMNS = (
     ("cpu_exec_us", "CPU Exec (us/step)", "0f"),
     ("avg_step_ms", "Step (ms)", "2f"),
     ("samples_per_s", "Throughput (img/s)", "1f"),
-    ("peak_mem_mb", "Peak Mem (MB)", "0f"),
+    ("peak_mem_mb", "Peak Mem (MiB)", "0f"),
     ("data_wait_frac", "Data Wait (%)", "pct"),
     ("wall_s", "Train (s)", "1f"),
     ("prepare_s", "Setup (s)", "1f"),  # model and loaders (the cache's decode): in Total

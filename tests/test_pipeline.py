@@ -1087,7 +1087,7 @@ def test_each_row_is_compared_with_the_baseline():
     assert fast["baseline_run_id"] == "run-1"
     assert "points against the baseline of run run-1" in report.versus_baseline_lines([fast])[0]
     # ... in report.md and the printed table too, whose "vs Baseline" columns do not say
-    assert "Compared with the baseline of run run-1: an earlier run" in report.render_report(
+    assert "Compared with the baseline of run run-1: another run" in report.render_report(
         [fast], [])
     fast["run_id"] = "run-1"
     assert "baseline of run" not in report.versus_baseline_lines([fast])[0]
@@ -1965,3 +1965,30 @@ def test_ctrl_c_before_the_run_started_offers_no_resume(monkeypatch, capsys):
     assert pipeline.main(["--dataset", "synthetic", "--quick", "--resume"]) == 130
     assert capsys.readouterr().err.startswith("interrupted while reading the data: rerun the "
                                               "same command (with --resume)")
+
+
+def test_a_run_resumed_mid_training_records_no_energy_of_one_session(small, tmp_path,
+                                                                      monkeypatch):
+    """energy_j of a run resumed after its first epoch counted the second session only, while
+    wall_s counts both: 8.96 W read off a 10 W counter. A share is not recorded as a total."""
+    from modules import checkpoints
+    from modules.monitor import SystemSampler
+    summary = SystemSampler.summary
+    monkeypatch.setattr(SystemSampler, "summary", lambda self: {**summary(self),
+                                                                "energy_j": 50.0})
+    out = tmp_path / "out"
+    argv = ("--data-dir", str(small), "--scenarios", "baseline", "--image-size", "32",
+            "--epochs", "2", "--no-progress", "--weights", "none", "--output-dir", str(out))
+    real = checkpoints.CheckpointSaver.save
+
+    def save_then_stop(self, *a, **k):
+        real(self, *a, **k)
+        raise KeyboardInterrupt
+    with monkeypatch.context() as m:
+        m.setattr(checkpoints.CheckpointSaver, "save", save_then_stop)
+        assert run_main(*argv) != 0
+    assert run_main(*argv, "--resume") == 0
+    row = json.loads((out / "results.json").read_text())[-1]
+    assert row["resumed_from_epoch"] == 1 and row["energy_j"] is None
+    assert run_main(*argv) == 0  # uninterrupted: recorded
+    assert json.loads((out / "results.json").read_text())[-1]["energy_j"] == 50.0
