@@ -18,6 +18,7 @@ import errno
 import fnmatch
 import logging
 import math
+import re
 import shlex
 import time
 from pathlib import Path
@@ -267,8 +268,9 @@ def parse_args(argv: list[str] | None = None) -> RunOptions:
     for dest, needs in UNUSED_WITHOUT.items():  # a mistake worth a line, not a refusal
         if needs not in args.scenarios and getattr(args, dest) != parser.get_default(dest) \
                 and distributed.launched_main():  # once, not once per torchrun process
-            log.warning("--%s does nothing here: only the %s scenario uses it, and --scenarios "
-                        "is %s", dest.replace("_", "-"), needs, ",".join(args.scenarios))
+            log.warning("--%s does nothing here: only the %s scenario uses it, and this run's "
+                        "scenarios are %s", dest.replace("_", "-"), needs,
+                        ", ".join(args.scenarios))
     if args.worker_seed is not None and args.storage is None and "hpo" in args.scenarios \
             and distributed.launched_main():  # without hpo, the line above said it already
         log.warning("--worker-seed does nothing here: it seeds a worker of a shared --storage "
@@ -359,10 +361,14 @@ def _switch(key: str, value: Any) -> bool:
     return SWITCH_WORDS[word]
 
 
+LOG_FORMAT = "%(levelname)s: %(message)s"
+
+
 def setup_logging() -> None:
     """Library logs to stderr as 'info: ...' / 'warning: ...' lines."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    handler.ours = True
     logging.addLevelName(logging.WARNING, "warning")
     logging.addLevelName(logging.INFO, "info")
     logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
@@ -415,6 +421,39 @@ def interrupted_message(args: RunOptions | None, notebook: bool = False) -> str:
             "interrupted: rerun the same command with --resume to continue.")
 
 
+# The notebook's form fields where they are not the option's name in capitals.
+NOTEBOOK_FIELDS = {"--scenarios": "the RUN_* flags", "--profile": "PERFORM_DETAILED_PROFILING",
+                   "--no-progress": "SHOW_PROGRESS unticked", "--local-dir": "USE_DRIVE",
+                   "--no-match-time": "MATCH_TIME unticked", "--no-autotune": "AUTOTUNE unticked"}
+
+
+def notebook_words(message: str) -> str:
+    """A message's command-line options as the notebook's form names them: RESUME, not
+    --resume; "untick RESUME", not "drop --resume"."""
+    fields = {flag: NOTEBOOK_FIELDS.get(flag, flag[2:].replace("-", "_").upper())
+              for action in build_parser()._actions for flag in action.option_strings
+              if flag.startswith("--") and flag != "--help"} | NOTEBOOK_FIELDS
+    message = message.replace(" (see python pipeline.py --help)", "")
+    message = message.replace("with --resume", "with RESUME ticked")
+    for verb, done in (("drop", "untick"), ("add", "tick")):
+        for flag in ("--resume", "--quick"):
+            message = message.replace(f"{verb} {flag}", f"{done} {fields[flag]}")
+    message = re.sub(r"\bpass (--[a-z-]+) (?=[\d/'\"~.])", r"set \1 to ", message)
+    message = re.sub(r"\bpass (--[a-z-]+)", r"set \1", message)
+    message = re.sub(r"(?<![\w-])--[a-z][a-z-]*\b",
+                     lambda m: fields.get(m.group(0), m.group(0)), message)
+    return message
+
+
+class _NotebookWords(logging.Formatter):
+    """Warnings and errors in the notebook's words (notebook_words); info lines keep theirs,
+    among them the equivalent command line."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        return notebook_words(text) if record.levelno >= logging.WARNING else text
+
+
 def quiet_user_errors() -> None:
     """In IPython (the notebook): a UserError, or a folder the run cannot write, prints as the
     command line prints it, one line without a traceback, and the Stop button says how to
@@ -432,8 +471,11 @@ def quiet_user_errors() -> None:
         if said is None:
             shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
         else:
-            print(f"error: {said}", file=sys.stderr)
+            print(f"error: {notebook_words(said)}", file=sys.stderr)
     shell.set_custom_exc((UserError, OSError, KeyboardInterrupt), one_line)
+    for handler in logging.getLogger().handlers:
+        if getattr(handler, "ours", False):  # setup_logging's, not another library's
+            handler.setFormatter(_NotebookWords(LOG_FORMAT))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -176,8 +176,9 @@ def start_run(output_dir: Path, index: DatasetIndex, *, resume: bool, command: s
             raise UserError(
                 f"cannot resume: run {latest['run_id']} in {output_dir} finished with "
                 f"{', '.join(had)}; {', '.join(added)} would be trained into it: drop --resume "
-                "to train them as a new run beside it (they take its baseline and picked size "
-                "from this folder), or resume with its own --scenarios.")
+                f"and run only {', '.join(added)} (--scenarios {','.join(added)}), a new run "
+                "beside it that takes its baseline and picked size from this folder, or resume "
+                f"it without {', '.join(added)}.")
         if added and distributed.is_main():  # an unfinished run given more: it has them now
             latest = {**latest, "scenarios": had + added}
             write_json(_record_path(output_dir, latest["run_id"]), latest)

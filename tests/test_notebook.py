@@ -336,6 +336,37 @@ def test_the_stop_button_says_how_to_continue(monkeypatch, capsys):
     assert "(with RESUME ticked) to continue the run it was resuming" in capsys.readouterr().err
 
 
+def test_messages_in_the_notebook_name_its_form_fields(monkeypatch, capsys):
+    """The notebook has no --resume or --scenarios: a refusal said "drop --resume", and a
+    warning "--n-trials does nothing here", where the user unticks RESUME or sets N_TRIALS.
+    Info lines keep the command line (the equivalent command is one of them)."""
+    handlers = {}
+    shell = type("Shell", (), {"set_custom_exc": lambda self, kinds, handler:
+                               handlers.update(kinds=kinds, handler=handler)})()
+    monkeypatch.setattr(pipeline, "get_ipython", lambda: shell, raising=False)
+    pipeline.setup_logging()
+    pipeline.quiet_user_errors()
+    refused = pipeline.UserError(
+        "cannot resume: run r finished with baseline; hpo would be trained into it: drop "
+        "--resume and run only hpo (--scenarios hpo), a new run beside it; pass --seed 3 or "
+        "add --quick")
+    handlers["handler"](shell, pipeline.UserError, refused, None)
+    assert capsys.readouterr().err == (
+        "error: cannot resume: run r finished with baseline; hpo would be trained into it: "
+        "untick RESUME and run only hpo (the RUN_* flags hpo), a new run beside it; set SEED "
+        "to 3 or tick QUICK\n")
+    with pytest.raises(pipeline.UserError) as bad:
+        pipeline.parse_args(["--epochs", "-3"])
+    handlers["handler"](shell, pipeline.UserError, bad.value, None)
+    assert capsys.readouterr().err.startswith("error: argument EPOCHS: must be >= 1")
+    pipeline.parse_args(["--scenarios", "baseline", "--n-trials", "8"])
+    pipeline.log.info("python pipeline.py --n-trials 8")
+    assert capsys.readouterr().err == (
+        "warning: N_TRIALS does nothing here: only the hpo scenario uses it, and this run's "
+        "scenarios are baseline\ninfo: python pipeline.py --n-trials 8\n")
+    pipeline.setup_logging()  # the command line's words again, for the tests after this one
+
+
 # ----------------------------------------------------------------------------- simulated Colab
 
 FAKE_COLAB = {

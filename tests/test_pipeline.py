@@ -262,8 +262,8 @@ def test_options_no_scenario_reads_are_named(caplog):
         pipeline.parse_args(["--scenarios", "baseline", "--n-trials", "8", "--pruner", "none",
                              "--resolutions", "32,48"])
     said = [r.getMessage() for r in caplog.records]
-    assert "--n-trials does nothing here: only the hpo scenario uses it, and --scenarios is " \
-        "baseline" in said
+    assert "--n-trials does nothing here: only the hpo scenario uses it, and this run's " \
+        "scenarios are baseline" in said
     assert any(m.startswith("--pruner does nothing") for m in said)
     assert any(m.startswith("--resolutions does nothing") for m in said) and len(said) == 3
     caplog.clear()

@@ -839,7 +839,7 @@ def test_a_finished_run_is_not_resumed_into_scenarios_it_did_not_have(tmp_path):
     mark_finished(out, run)
     with pytest.raises(UserError, match=rf"^cannot resume: run {run} in .* finished with "
                                         r"baseline, resolution; hpo would be trained into it: "
-                                        "drop --resume"):
+                                        r"drop --resume and run only hpo \(--scenarios hpo\)"):
         start_run(out, index, resume=True, command="",
                   scenarios=["baseline", "resolution", "hpo"])
     for scenarios in (["baseline", "resolution"], ["resolution"]):  # nothing to train
