@@ -1522,7 +1522,9 @@ def run(args: RunOptions, index: DatasetIndex | None = None) -> list[dict[str, A
             else args.weights, model=args.model, scenarios=list(args.scenarios),
             command=args.command or shlex.join(launcher() + shown_argv(sys.argv))))
         runs = run_folder(output_dir, "runs", args.run_id)
-        with (run_log(runs / "run.log", data_record(index, runs)) if distributed.is_main()
+        with (run_log(runs / "run.log", data_record(index, runs) + [
+                f"start weights: {start_weights(args.model, args.weights)}"])
+              if distributed.is_main()
               else contextlib.nullcontext()):
             log.info("run %s: outputs in %s (earlier runs stay in results.json)", args.run_id,
                      output_dir)

@@ -2,6 +2,7 @@
 transforms and DataLoaders."""
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import logging
@@ -247,6 +248,22 @@ def download_intel() -> Path:
                 "Token (in Colab as a secret), or the legacy KAGGLE_USERNAME and KAGGLE_KEY, or "
                 "run kagglehub.login().") from None
         said = first_line(exc, 100)
+        cause = f"{reason}{': ' + said if said and said != reason else ''}"
+        # Causes the network is not: "download it once with network access" would not help.
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise UserError(f"no room to download the Intel dataset ({cause}): free some space "
+                            "in kagglehub's cache (KAGGLEHUB_CACHE, else ~/.cache/kagglehub), "
+                            "or pass --data-dir PATH to a local copy.") from None
+        if "kaggle.json" in said or "credentials file" in said.lower():
+            raise UserError(f"Kaggle's credentials file cannot be read ({cause}): fix or "
+                            "remove ~/.kaggle/kaggle.json (KAGGLE_CONFIG_DIR), or set "
+                            "KAGGLE_API_TOKEN instead.") from None
+        if "Invalid header value" in said:
+            raise UserError("the Kaggle token holds a line break or a space: set KAGGLE_API_TOKEN "
+                            "(or KAGGLE_KEY) again without one.") from None
+        if reason in ("BadZipFile", "DataCorruptionError"):
+            raise UserError(f"the Intel dataset arrived damaged ({cause}): run again to "
+                            "download it once more.") from None
         raise UserError(f"the Intel dataset cannot be reached on Kaggle ({reason}"
                         f"{': ' + said if said and said != reason else ''}); download it once "
                         "with network access, or pass --data-dir PATH to a local copy, or use "
@@ -262,7 +279,12 @@ def resolve_source(dataset: str, data_dir: str | os.PathLike | None, cache_dir: 
             raise UserError(f"data folder {str(root)!r} does not exist.")
         if not root.is_dir():
             raise UserError(f"--data-dir {str(root)!r} is a file, not a folder.")
-        name = re.sub(r"[^A-Za-z0-9_.-]+", "_", root.resolve().name).strip("._") or "dataset"
+        # A version folder (kagglehub's .../intel-image-classification/versions/2) names the
+        # data set above it, not "2": the model file and the study are named after it.
+        named = root.resolve()
+        if named.name.isdigit() and named.parent.name == "versions":
+            named = named.parent.parent
+        name = re.sub(r"[^A-Za-z0-9_.-]+", "_", named.name).strip("._") or "dataset"
         return root, name
     if dataset == "intel":
         return download_intel(), "intel"

@@ -6,6 +6,7 @@ import functools
 import io
 import os
 import logging
+import socket
 from pathlib import Path
 
 import torch
@@ -153,6 +154,7 @@ _UNREACHABLE: set[str] = set()  # models whose weights failed to download in thi
 _TRIED: set[str] = set()  # models whose weights this process has tried to load
 _KEPT_RANDOM: set[str] = set()  # in _UNREACHABLE for the resumed run alone (keep_random_start)
 UNREACHABLE_START = "random (ImageNet weights unreachable)"
+FETCH_TIMEOUT_S = 60.0  # seconds a download may wait for the server before it counts as failed
 
 
 def start_weights(name: str, weights: str) -> str:
@@ -184,11 +186,12 @@ def resolved_start(name: str, weights: str) -> str:
 def keep_random_start(name: str | None) -> None:
     """The run being resumed started its `name` models at random (the ImageNet weights were
     unreachable in its first session): this one's start there too, reachable or not, as if
-    unreachable in this process. None: a new run (in the notebook's process, after such a
-    resume), whose start is its own: the weights are tried again."""
+    unreachable in this process. None: a run starting, whose start is its own: the weights are
+    tried again, also where an earlier run of this process could not fetch them (a network
+    blip before a second Run all in the notebook; it said so once, and this run would not)."""
     if name is None:
-        _UNREACHABLE.difference_update(_KEPT_RANDOM)
-        _TRIED.difference_update(_KEPT_RANDOM)
+        _UNREACHABLE.clear()
+        _TRIED.clear()
         _KEPT_RANDOM.clear()
     elif name not in _UNREACHABLE:  # else unreachable here too, and said so already
         _KEPT_RANDOM.add(name)
@@ -251,8 +254,15 @@ def _fetch(weights) -> dict[str, torch.Tensor]:
     a "Downloading ..." line even with progress off; the console keeps to _load_imagenet's one
     line when it fails. The file name carries the start of its SHA-256, which check_hash
     verifies on download; weights_only reads it without running code."""
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        return weights.get_state_dict(progress=False, check_hash=True, weights_only=True)
+    # A connection that opens and then stalls (a proxy) would block the run for ever, with
+    # nothing said: a stall of FETCH_TIMEOUT_S fails like being offline.
+    timeout = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(FETCH_TIMEOUT_S)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            return weights.get_state_dict(progress=False, check_hash=True, weights_only=True)
+    finally:
+        socket.setdefaulttimeout(timeout)
 
 
 def strip_prefixes(key: str) -> str:

@@ -297,9 +297,39 @@ def test_a_refused_kaggle_login_is_one_line_that_says_so(tmp_path, monkeypatch, 
     assert (f"HTTP {status}" if status else "UnauthenticatedError") in text
 
 
+@pytest.mark.parametrize("error, said", [
+    (OSError(28, "No space left on device"), "no room to download the Intel dataset"),
+    (ValueError("Invalid Kaggle credentials file at /root/.kaggle/kaggle.json"),
+     "Kaggle's credentials file cannot be read"),
+    (ValueError("Invalid header value b'Bearer KGAT_secret\\n'"),
+     "the Kaggle token holds a line break or a space"),
+    (type("BadZipFile", (Exception,), {})("File is not a zip file"),
+     "the Intel dataset arrived damaged"),
+])
+def test_a_kaggle_failure_that_is_not_the_network_says_what_to_do(tmp_path, monkeypatch,
+                                                                  error, said):
+    """Each said "download it once with network access", which does not help with a full
+    disk, a broken kaggle.json (read even before a complete cached copy), a token pasted with
+    a line break (whose message also held the token) or a damaged archive."""
+    import kagglehub
+    monkeypatch.setattr(kagglehub, "dataset_download",
+                        lambda *a, **k: (_ for _ in ()).throw(error))
+    with pytest.raises(UserError) as err:
+        resolve_source("intel", None, tmp_path)
+    text = str(err.value)
+    assert text.startswith(said) and "cannot be reached" not in text and "\n" not in text
+    assert "KGAT_secret" not in text
+
+
 def test_data_dir_overrides_dataset_and_names_it(folder, tmp_path):
     root, name = resolve_source("intel", folder, tmp_path)
     assert root == folder and name == "data"
+    # kagglehub's copy, as the log names it: the data set above its version folder, not "2"
+    copy = tmp_path / "datasets" / "puneet6060" / "intel-image-classification" / "versions" / "2"
+    copy.mkdir(parents=True)
+    assert resolve_source("intel", copy, tmp_path) == (copy, "intel-image-classification")
+    (tmp_path / "photos" / "2024").mkdir(parents=True)  # a year is a name
+    assert resolve_source("intel", tmp_path / "photos" / "2024", tmp_path)[1] == "2024"
 
 
 def test_loaders_batch_at_the_requested_size(folder):

@@ -254,3 +254,30 @@ def test_imagenet_weights_saved_before_batchnorm_counted_its_steps_load(tmp_path
     model = build_model("resnet18", 6, "imagenet")
     torch.testing.assert_close(model.conv1.weight, reference.conv1.weight)
     assert cached.exists()
+
+
+def test_a_new_run_tries_the_weights_again_and_a_stalled_fetch_times_out(tmp_path,
+                                                                          monkeypatch, caplog):
+    """A failed download was remembered for the whole process: after a network blip, every
+    later run in the notebook's kernel started at random without a word. And a connection
+    that stalled blocked the run for ever: the fetch runs under a socket timeout."""
+    import socket
+    monkeypatch.setattr(models, "_UNREACHABLE", set())
+    monkeypatch.setattr(models, "_TRIED", set())
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    reference = torchvision.models.squeezenet1_1(weights=None).state_dict()
+    timeouts = []
+
+    def fetch(**kwargs):
+        timeouts.append(socket.getdefaulttimeout())
+        if len(timeouts) == 1:
+            raise OSError("temporary failure in name resolution")
+        return reference
+    monkeypatch.setattr(torchvision.models.SqueezeNet1_1_Weights.IMAGENET1K_V1,
+                        "get_state_dict", fetch, raising=False)
+    with caplog.at_level(logging.WARNING):
+        assert models.resolved_start("squeezenet1_1", "imagenet") == models.UNREACHABLE_START
+    assert "could not be fetched" in caplog.text
+    models.keep_random_start(None)  # the next run starts
+    assert models.resolved_start("squeezenet1_1", "imagenet") == "imagenet"
+    assert timeouts == [models.FETCH_TIMEOUT_S] * 2 and socket.getdefaulttimeout() is None

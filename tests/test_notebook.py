@@ -309,6 +309,11 @@ def test_kaggle_secrets_reach_kagglehub_a_token_or_the_legacy_pair(monkeypatch, 
         out = capsys.readouterr().out
         assert out.startswith(said) and "secret" not in out.replace("secrets", "")
         assert {k: os.environ[k] for k in given} == given
+    # a secret fixed after a refused login (the cell run again in the same session) is read
+    # again, and a pasted line break is dropped, as kagglehub drops it from one it reads
+    secrets.update({"KAGGLE_API_TOKEN": "KGAT_fixed\n"})
+    exec(cell, {"DATASET": "intel", "DATA_DIR": "", "IN_COLAB": True})
+    assert os.environ["KAGGLE_API_TOKEN"] == "KGAT_fixed"
 
 
 def test_the_stop_button_says_how_to_continue(monkeypatch, capsys):

@@ -77,7 +77,9 @@ def test_baseline_end_to_end_on_a_folder(small, tmp_path, capsys):
     assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} info modules.dataset: data: "
                     r"colours: 3 classes, .*, 1 skipped, 1 other files ignored in ", logged[0])
     assert logged[1].endswith("skipped 1 undecodable image file(s): listed in skipped_files.txt")
-    assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} info scenario: run ", logged[2])
+    # and where the weights started: a random start was said before the log was opened
+    assert logged[2].endswith("start weights: none")
+    assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} info scenario: run ", logged[3])
     (listed,) = (run_path(out, "runs") / "skipped_files.txt").read_text().splitlines()
     assert listed.startswith(f"train{os.sep}") and "\t" in listed  # inside the data folder
     assert any("epoch 3/3" in line for line in logged)
