@@ -46,6 +46,8 @@ class SystemSampler:
 
     def _reset(self) -> None:
         self._cpu_times: dict[tuple[int, float], float] = {}  # (pid, create_time) -> CPU seconds
+        self._reaped_s = 0.0   # CPU seconds of this process's children that were waited for
+        self._pending_s = 0.0  # last readings of children gone, not yet in _reaped_s
         self._before: set[tuple[int, float | None]] = set()  # children running at start()
         # each child's own pages (USS) as a share of its RSS, and when it was read
         self._child_own: dict[tuple[int, float | None], tuple[float, float]] = {}
@@ -85,6 +87,7 @@ class SystemSampler:
         self._before = {(p.pid, _created(p)) for p in self._tree()[1:]}
         for key, cpu_s in self._tree_cpu_times().items():  # baseline: count only CPU from now on
             self._cpu_times[key] = cpu_s
+        self._reaped_s = self._reaped()
         self._open_energy()
         self._t_last = time.perf_counter()
         self._thread = threading.Thread(target=self._run, name="SystemSampler", daemon=True)
@@ -154,14 +157,30 @@ class SystemSampler:
                 pass
         return out
 
+    def _reaped(self) -> float:
+        """CPU seconds of this process's children that have exited and been waited for (the
+        DataLoader's workers, joined at each epoch's end)."""
+        try:
+            t = self._proc.cpu_times()
+            return t.children_user + t.children_system
+        except (psutil.Error, AttributeError):  # a platform without children's times
+            return self._reaped_s
+
     def _cpu_delta(self) -> float:
         """CPU seconds the process tree used since the last reading. A child first seen now was
         born after start() (all earlier ones are in the baseline), so all its CPU time counts.
-        A child that exits between readings loses its last interval (at most interval_s)."""
+        A child that exits between readings (the loaders start workers every epoch) is counted
+        whole once waited for, through the children's times, less what its readings counted."""
         now = self._tree_cpu_times()
         delta = sum(cpu_s - self._cpu_times.get(key, 0.0) for key, cpu_s in now.items())
+        gone = [key for key in self._cpu_times if key not in now and key[0] != self._proc.pid]
+        self._pending_s += sum(self._cpu_times.pop(key) for key in gone)
+        reaped = self._reaped()
+        grown, self._reaped_s = max(0.0, reaped - self._reaped_s), reaped
+        counted = min(grown, self._pending_s)
+        self._pending_s -= counted
         self._cpu_times.update(now)
-        return max(delta, 0.0)
+        return max(delta + grown - counted, 0.0)
 
     def _tree_rss(self) -> int:
         """This process's resident memory and what its children hold of their own. A forked
