@@ -48,6 +48,7 @@ class SystemSampler:
         self._cpu_times: dict[tuple[int, float], float] = {}  # (pid, create_time) -> CPU seconds
         self._reaped_s = 0.0   # CPU seconds of this process's children that were waited for
         self._pending_s = 0.0  # last readings of children gone, not yet in _reaped_s
+        self._elders: dict[tuple[int, float], float] = {}  # CPU of children running at start
         self._before: set[tuple[int, float | None]] = set()  # children running at start()
         # each child's own pages (USS) as a share of its RSS, and when it was read
         self._child_own: dict[tuple[int, float | None], tuple[float, float]] = {}
@@ -88,6 +89,7 @@ class SystemSampler:
         for key, cpu_s in self._tree_cpu_times().items():  # baseline: count only CPU from now on
             self._cpu_times[key] = cpu_s
         self._reaped_s = self._reaped()
+        self._elders = self._tree_cpu_times(elders=True)
         self._open_energy()
         self._t_last = time.perf_counter()
         self._thread = threading.Thread(target=self._run, name="SystemSampler", daemon=True)
@@ -147,9 +149,19 @@ class SystemSampler:
             return [self._proc]
         return [self._proc, *(p for p in children if (p.pid, _created(p)) not in self._before)]
 
-    def _tree_cpu_times(self) -> dict[tuple[int, float], float]:
+    def _tree_cpu_times(self, elders: bool = False) -> dict[tuple[int, float], float]:
+        """CPU seconds of the process tree (start()'s children left out); with `elders`, of
+        those children alone."""
+        if elders:
+            try:
+                tree = [p for p in self._proc.children(recursive=True)
+                        if (p.pid, _created(p)) in self._before]
+            except psutil.Error:
+                tree = []
+        else:
+            tree = self._tree()
         out = {}
-        for p in self._tree():
+        for p in tree:
             try:  # workers may exit between listing and reading
                 t = p.cpu_times()
                 out[(p.pid, p.create_time())] = t.user + t.system
@@ -171,11 +183,19 @@ class SystemSampler:
         born after start() (all earlier ones are in the baseline), so all its CPU time counts.
         A child that exits between readings (the loaders start workers every epoch) is counted
         whole once waited for, through the children's times, less what its readings counted."""
+        # Read first: a child waited for after it would be in neither reading, and counted
+        # whole through the next one's growth, less its last reading.
+        reaped = self._reaped()
         now = self._tree_cpu_times()
         delta = sum(cpu_s - self._cpu_times.get(key, 0.0) for key, cpu_s in now.items())
         gone = [key for key in self._cpu_times if key not in now and key[0] != self._proc.pid]
         self._pending_s += sum(self._cpu_times.pop(key) for key in gone)
-        reaped = self._reaped()
+        # Children running at start() are not this scenario's: when one is waited for, what
+        # it used before its last reading is not counted either.
+        elders = self._tree_cpu_times(elders=True) if self._elders else {}
+        self._pending_s += sum(self._elders.pop(key) for key in list(self._elders)
+                               if key not in elders)
+        self._elders.update(elders)
         grown, self._reaped_s = max(0.0, reaped - self._reaped_s), reaped
         counted = min(grown, self._pending_s)
         self._pending_s -= counted

@@ -152,6 +152,13 @@ def test_sampler_counts_a_child_that_came_and_went_between_readings():
     with SystemSampler(interval_s=30) as sampler:  # no reading while the child lives
         subprocess.run([sys.executable, "-c", burn], check=True)
     assert 0.4 <= sampler.summary()["process_cpu_s"] < 5
+    # one running before start() (an earlier scenario's worker) is not counted when it ends
+    elder = subprocess.Popen([sys.executable, "-c", burn + "import sys\nsys.stdin.read()\n"],
+                             stdin=subprocess.PIPE)
+    time.sleep(1.0)  # its 0.4 s burnt
+    with SystemSampler(interval_s=30) as sampler:
+        elder.communicate(b"")  # it ends, and is waited for
+    assert sampler.summary()["process_cpu_s"] < 0.3
 
 
 def test_sampler_counts_cpu_time_of_child_processes():
