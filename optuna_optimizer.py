@@ -301,7 +301,8 @@ class OptunaTuner:
         # set the bar at equal epochs that prunes the others.
         judged = tuple(b for b in self.batch_sizes
                        if int(epochs * b / base.batch_size + 1e-9) >= 1)
-        if judged and judged != self.batch_sizes:
+        self.unjudged = frozenset(self.batch_sizes) - frozenset(judged) if judged else frozenset()
+        if self.unjudged:
             log.info("batch sizes %s left out of the search: over %d-epoch trials, their first "
                      "epoch alone takes more optimizer steps than the default's (batch %d) "
                      "whole trial, so they could not be judged against it",
@@ -432,6 +433,14 @@ class OptunaTuner:
         config = dataclasses.replace(self.suggest(trial), progress=False)
         distributed.from_main(config)  # under torchrun: the other ranks train it too
         trial.set_user_attr("run", self.run_name)  # whose trial, over its sessions
+        batch = trial.params.get("batch_size")
+        if batch in self.unjudged and not trial.user_attrs.get("default"):
+            # drawn from a study that still has it (Optuna keeps a study's choices): stopped
+            # before it trains, as it could never be judged against the default trial
+            reason = (f"batch {batch} not trained: its first epoch alone takes more optimizer "
+                      "steps than the default trial's epochs")
+            trial.set_user_attr("pruned_reason", reason)
+            raise optuna.TrialPruned(reason)
         # With --local-dir the output dir's copy of the study is refreshed only between trials:
         # a session lost mid-trial (a new Colab VM) left no RUNNING trial there to retry.
         self._copy_to_mirror()
@@ -918,7 +927,7 @@ class OptunaTuner:
             raise UserError(f"cannot resume study {self.study_name!r}: its batch sizes were "
                             f"{tuple(old.choices)}, now {self.batch_sizes} (keep batch_sizes, or "
                             "run without resume to start over).")
-        log.info("study %r searched batch sizes %s: kept (this GPU's memory bound allows %s)",
+        log.info("study %r searched batch sizes %s: kept (this search's own would be %s)",
                  self.study_name, tuple(old.choices), self.batch_sizes)
         self.batch_sizes = tuple(old.choices)
 

@@ -897,6 +897,11 @@ def test_the_chosen_trial_keeps_its_weights(index, tmp_path, monkeypatch):
                               resume=True))
     summary = t.run()
     assert summary["chosen_params"]["batch_size"] == 16, summary["choice"]
+    # the study keeps batch 2 among its choices (Optuna's rule), but a trial drawn at it is
+    # stopped before it trains: it could never be judged against the default
+    drawn = t.study.trials[2]
+    assert drawn.state == optuna.trial.TrialState.PRUNED and not drawn.intermediate_values
+    assert drawn.user_attrs["pruned_reason"].startswith("batch 2 not trained")
     assert sorted(p.name for p in (tmp_path / "w").iterdir()) == \
         ["hpo-trial-0.weights.pt", "hpo-trial-1.weights.pt"]
     assert t.weights_for(summary["chosen_params"])[0].name == "hpo-trial-1.weights.pt"
