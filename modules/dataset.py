@@ -279,12 +279,7 @@ def resolve_source(dataset: str, data_dir: str | os.PathLike | None, cache_dir: 
             raise UserError(f"data folder {str(root)!r} does not exist.")
         if not root.is_dir():
             raise UserError(f"--data-dir {str(root)!r} is a file, not a folder.")
-        # A version folder (kagglehub's .../intel-image-classification/versions/2) names the
-        # data set above it, not "2": the model file and the study are named after it.
-        named = root.resolve()
-        if named.name.isdigit() and named.parent.name == "versions":
-            named = named.parent.parent
-        name = re.sub(r"[^A-Za-z0-9_.-]+", "_", named.name).strip("._") or "dataset"
+        name = re.sub(r"[^A-Za-z0-9_.-]+", "_", root.resolve().name).strip("._") or "dataset"
         return root, name
     if dataset == "intel":
         return download_intel(), "intel"
