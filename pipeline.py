@@ -423,15 +423,17 @@ def interrupted_message(args: RunOptions | None, notebook: bool = False) -> str:
 
 # The notebook's form fields where they are not the option's name in capitals.
 NOTEBOOK_FIELDS = {"--scenarios": "the RUN_* flags", "--profile": "PERFORM_DETAILED_PROFILING",
-                   "--no-progress": "SHOW_PROGRESS unticked", "--local-dir": "USE_DRIVE",
-                   "--no-match-time": "MATCH_TIME unticked", "--no-autotune": "AUTOTUNE unticked"}
+                   "--no-progress": "SHOW_PROGRESS unticked", "--local-dir": "USE_DRIVE"}
 
 
 def notebook_words(message: str) -> str:
     """A message's command-line options as the notebook's form names them: RESUME, not
     --resume; "untick RESUME", not "drop --resume"."""
-    fields = {flag: NOTEBOOK_FIELDS.get(flag, flag[2:].replace("-", "_").upper())
-              for action in build_parser()._actions for flag in action.option_strings
+    def field(flag: str) -> str:  # --no-compile: COMPILE unticked
+        name = flag.removeprefix("--no-").removeprefix("--").replace("-", "_").upper()
+        return f"{name} unticked" if flag.startswith("--no-") else name
+    fields = {flag: field(flag) for action in build_parser()._actions
+              for flag in action.option_strings
               if flag.startswith("--") and flag != "--help"} | NOTEBOOK_FIELDS
     message = message.replace(" (see python pipeline.py --help)", "")
     message = message.replace("with --resume", "with RESUME ticked")

@@ -369,6 +369,8 @@ def test_messages_in_the_notebook_name_its_form_fields(monkeypatch, capsys):
     assert capsys.readouterr().err == (
         "warning: N_TRIALS does nothing here: only the hpo scenario uses it, and this run's "
         "scenarios are baseline\ninfo: python pipeline.py --n-trials 8\n")
+    assert pipeline.notebook_words("use --no-compile, or --epochs N with --no-match-time") == \
+        "use COMPILE unticked, or EPOCHS N with MATCH_TIME unticked"
     pipeline.setup_logging()  # the command line's words again, for the tests after this one
 
 
