@@ -411,7 +411,7 @@ _COLUMNS = (
     ("epochs", "Epochs", "int"),
     ("gpu_util_pct", "GPU Util (%)", "1f"),
     ("cpu_util_pct", "CPU Util (%)", "1f"),
-    ("cpu_exec_us", "CPU Exec (us/step)", "0f"),
+    ("cpu_exec_us", "CPU Exec (us/batch)", "0f"),
     ("avg_step_ms", "Step (ms)", "2f"),
     ("samples_per_s", "Throughput (img/s)", "1f"),
     ("peak_mem_mb", "Peak Mem (MiB)", "0f"),

@@ -209,7 +209,7 @@ def test_results_table_formats_percentages_and_na():
     assert df.loc["fast", "Test Acc vs Baseline (pts)"] == "-37.7"  # signed points
     assert df.loc["fast", "Time vs Baseline (x)"] == "0.50"
     assert df.loc["baseline", "To Baseline Val Acc (s)"] == "n/a"
-    for header in ("Best Resolution", "CPU Exec (us/step)", "Step (ms)", "Throughput (img/s)",
+    for header in ("Best Resolution", "CPU Exec (us/batch)", "Step (ms)", "Throughput (img/s)",
                    "Peak Mem (MiB)", "Data Wait (%)"):
         assert header in df.columns
 
