@@ -45,10 +45,10 @@ class SystemSampler:
         self._reset()
 
     def _reset(self) -> None:
-        self._cpu_times: dict[tuple[int, float], float] = {}  # (pid, create_time) -> CPU seconds
-        self._reaped_s = 0.0   # CPU seconds of this process's children that were waited for
-        self._pending_s = 0.0  # last readings of children gone, not yet in _reaped_s
-        self._elders: dict[tuple[int, float], float] = {}  # CPU of children running at start
+        # (pid, create_time) -> (its own CPU seconds, its waited-for children's), each process
+        # of the tree and the children running at start()
+        self._cpu_times: dict[tuple[int, float | None], tuple[float, float]] = {}
+        self._pending_s = 0.0  # last readings of processes gone, not yet in a waiter's
         self._before: set[tuple[int, float | None]] = set()  # children running at start()
         # each child's own pages (USS) as a share of its RSS, and when it was read
         self._child_own: dict[tuple[int, float | None], tuple[float, float]] = {}
@@ -86,10 +86,7 @@ class SystemSampler:
         # Children already running (the notebook's TensorBoard, an earlier scenario's loader
         # workers) are not this scenario's: their memory and CPU time are left out.
         self._before = {(p.pid, _created(p)) for p in self._tree()[1:]}
-        for key, cpu_s in self._tree_cpu_times().items():  # baseline: count only CPU from now on
-            self._cpu_times[key] = cpu_s
-        self._reaped_s = self._reaped()
-        self._elders = self._tree_cpu_times(elders=True)
+        self._cpu_times = self._cpu_readings()  # baseline: count only CPU from now on
         self._open_energy()
         self._t_last = time.perf_counter()
         self._thread = threading.Thread(target=self._run, name="SystemSampler", daemon=True)
@@ -149,58 +146,44 @@ class SystemSampler:
             return [self._proc]
         return [self._proc, *(p for p in children if (p.pid, _created(p)) not in self._before)]
 
-    def _tree_cpu_times(self, elders: bool = False) -> dict[tuple[int, float], float]:
-        """CPU seconds of the process tree (start()'s children left out); with `elders`, of
-        those children alone."""
-        if elders:
-            try:
-                tree = [p for p in self._proc.children(recursive=True)
-                        if (p.pid, _created(p)) in self._before]
-            except psutil.Error:
-                tree = []
-        else:
-            tree = self._tree()
+    def _cpu_readings(self) -> dict[tuple[int, float | None], tuple[float, float]]:
+        """(own CPU seconds, waited-for children's) of this process and all its children, those
+        running at start() among them."""
+        try:
+            tree = [self._proc, *self._proc.children(recursive=True)]
+        except psutil.Error:
+            tree = [self._proc]
         out = {}
         for p in tree:
             try:  # workers may exit between listing and reading
                 t = p.cpu_times()
-                out[(p.pid, p.create_time())] = t.user + t.system
-            except psutil.Error:
+                out[(p.pid, _created(p))] = (t.user + t.system, t.children_user + t.children_system)
+            except (psutil.Error, AttributeError):  # AttributeError: no children's times here
                 pass
         return out
 
-    def _reaped(self) -> float:
-        """CPU seconds of this process's children that have exited and been waited for (the
-        DataLoader's workers, joined at each epoch's end)."""
-        try:
-            t = self._proc.cpu_times()
-            return t.children_user + t.children_system
-        except (psutil.Error, AttributeError):  # a platform without children's times
-            return self._reaped_s
-
     def _cpu_delta(self) -> float:
-        """CPU seconds the process tree used since the last reading. A child first seen now was
-        born after start() (all earlier ones are in the baseline), so all its CPU time counts.
-        A child that exits between readings (the loaders start workers every epoch) is counted
-        whole once waited for, through the children's times, less what its readings counted."""
-        # Read first: a child waited for after it would be in neither reading, and counted
-        # whole through the next one's growth, less its last reading.
-        reaped = self._reaped()
-        now = self._tree_cpu_times()
-        delta = sum(cpu_s - self._cpu_times.get(key, 0.0) for key, cpu_s in now.items())
-        gone = [key for key in self._cpu_times if key not in now and key[0] != self._proc.pid]
-        self._pending_s += sum(self._cpu_times.pop(key) for key in gone)
-        # Children running at start() are not this scenario's: when one is waited for, what
-        # it used before its last reading is not counted either.
-        elders = self._tree_cpu_times(elders=True) if self._elders else {}
-        self._pending_s += sum(self._elders.pop(key) for key in list(self._elders)
-                               if key not in elders)
-        self._elders.update(elders)
-        grown, self._reaped_s = max(0.0, reaped - self._reaped_s), reaped
-        counted = min(grown, self._pending_s)
+        """CPU seconds the process tree used since the last reading: the own CPU of this
+        process and of the children it started since start(), and what processes waited for
+        (the loaders' workers, joined every epoch) used after their last reading. A process
+        that exits between readings shows its whole time, once waited for, in its waiter's
+        children's times; the last reading it had (counted already) is taken off that growth.
+        A child first seen now was born after start(), so all its CPU time counts. Children
+        running at start() are not this scenario's, but the tail they use after their last
+        reading, up to interval_s, is counted when they end."""
+        now = self._cpu_readings()
+        own = reaped = 0.0
+        for key, (own_s, reaped_s) in now.items():
+            last_own, last_reaped = self._cpu_times.get(key, (0.0, 0.0))
+            if key not in self._before:
+                own += own_s - last_own
+            reaped += reaped_s - last_reaped
+        for key in [k for k in self._cpu_times if k not in now]:
+            self._pending_s += sum(self._cpu_times.pop(key))
+        counted = min(max(reaped, 0.0), self._pending_s)
         self._pending_s -= counted
         self._cpu_times.update(now)
-        return max(delta + grown - counted, 0.0)
+        return max(own + reaped - counted, 0.0)
 
     def _tree_rss(self) -> int:
         """This process's resident memory and what its children hold of their own. A forked

@@ -161,6 +161,29 @@ def test_sampler_counts_a_child_that_came_and_went_between_readings():
     assert sampler.summary()["process_cpu_s"] < 0.3
 
 
+def test_a_grandchild_waited_for_by_its_parent_takes_nothing_off_the_others():
+    """A grandchild that ended was taken off the growth of this process's own children's
+    times, where its time never arrives (its parent waited for it): four later children of
+    0.25 s each were erased (1.21 s read of about 2 in the review's case)."""
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < {}: pass\n"
+    helper = ("import subprocess, sys, time\nsubprocess.run([sys.executable, '-c', %r])\n"
+              "time.sleep(30)\n" % burn.format(1.5))
+    sampler = SystemSampler(interval_s=1000).start()
+    parent = subprocess.Popen([sys.executable, "-c", helper])
+    time.sleep(1.3)
+    sampler._sample()  # the grandchild running
+    time.sleep(1.0)
+    sampler._sample()  # the grandchild ended, waited for by its parent
+    try:
+        for _ in range(4):
+            subprocess.run([sys.executable, "-c", burn.format(0.25)], check=True)
+        counted = sampler.stop()["process_cpu_s"]  # its parent still running
+    finally:
+        parent.kill()
+        parent.wait()
+    assert counted >= 2.4  # 1.5 + 4 x 0.25, and start-ups
+
+
 def test_sampler_counts_cpu_time_of_child_processes():
     # The child burns a fixed amount of CPU time (not wall time), so the bound holds on a busy
     # machine; it then sleeps so the sampler's last reading still sees it alive.
