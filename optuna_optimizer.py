@@ -431,16 +431,18 @@ class OptunaTuner:
     def objective(self, trial) -> float:
         """Train one candidate; return its best validation accuracy."""
         config = dataclasses.replace(self.suggest(trial), progress=False)
-        distributed.from_main(config)  # under torchrun: the other ranks train it too
         trial.set_user_attr("run", self.run_name)  # whose trial, over its sessions
         batch = trial.params.get("batch_size")
         if batch in self.unjudged and not trial.user_attrs.get("default"):
             # drawn from a study that still has it (Optuna keeps a study's choices): stopped
-            # before it trains, as it could never be judged against the default trial
+            # before it trains (and before the other ranks under torchrun are told of it), as
+            # it could never be judged against the default trial; it is not counted as a trial
             reason = (f"batch {batch} not trained: its first epoch alone takes more optimizer "
                       "steps than the default trial's epochs")
             trial.set_user_attr("pruned_reason", reason)
+            trial.set_user_attr("untrained", True)
             raise optuna.TrialPruned(reason)
+        distributed.from_main(config)  # under torchrun: the other ranks train it too
         # With --local-dir the output dir's copy of the study is refreshed only between trials:
         # a session lost mid-trial (a new Colab VM) left no RUNNING trial there to retry.
         self._copy_to_mirror()
@@ -728,7 +730,8 @@ class OptunaTuner:
             return not shared or trial.user_attrs.get("run") == self.run_name
 
         def done() -> int:
-            return sum(t.state in finished_states and mine(t) for t in self.study.trials)
+            return sum(t.state in finished_states and mine(t) and not t.user_attrs.get("untrained")
+                       for t in self.study.trials)
         # Resumed without a count of its own: the count it was asked for, not a preset.
         n_trials = self.study.user_attrs[count_key] if self.resume and self.study_count and \
             count_key in self.study.user_attrs else self.n_trials
@@ -789,7 +792,8 @@ class OptunaTuner:
         if self.resume and have > reused:
             log.info("study %r: %d of %s %d trials done, %d to run", self.study_name, have,
                      "this run's" if shared else "its", n_trials, max(0, to_run))
-        finished = lambda: sum(t.state.is_finished() for t in self.study.trials)  # noqa: E731
+        finished = lambda: sum(t.state.is_finished() and not t.user_attrs.get(  # noqa: E731
+            "untrained") for t in self.study.trials)
         finished_before = finished()
         left = self.time_left()
         if to_run > 0 and left is not None and left <= 0:
@@ -801,11 +805,21 @@ class OptunaTuner:
                 # session does: Optuna's timeout counted the gaps between trials too, and a
                 # search it ended found time left when resumed, and ran more trials.
                 own = not self.shared and left is not None
-                self.study.optimize(self.objective, n_trials=to_run,
-                                    timeout=None if own else left,
-                                    callbacks=[self._log_trial, self._copy_to_mirror,
-                                               *([self._stop_when_spent] if own else [])],
-                                    gc_after_trial=True)
+                asked, draws = to_run, 0
+                ends = None if left is None else time.monotonic() + left  # Optuna's timeout
+                while asked > 0 and draws < 3 * to_run:  # bounded: a sampler drawing on
+                    untrained = self._untrained()
+                    self.study.optimize(self.objective, n_trials=asked, timeout=None if own or
+                                        ends is None else max(0.0, ends - time.monotonic()),
+                                        callbacks=[self._log_trial, self._copy_to_mirror,
+                                                   *([self._stop_when_spent] if own else [])],
+                                        gc_after_trial=True)
+                    draws += asked
+                    # the trials not trained (a batch the search leaves out) are drawn again
+                    asked = self._untrained() - untrained
+                    if (own and self.time_left() <= 0) or \
+                            (not own and ends is not None and time.monotonic() >= ends):
+                        break
             except KeyboardInterrupt:  # the stopped trial FAIL, its retry queued: in the copy
                 self._copy_to_mirror()
                 raise
@@ -876,6 +890,9 @@ class OptunaTuner:
             return self.timeout_s
         return self.timeout_s - self.search_seconds()
 
+    def _untrained(self) -> int:
+        return sum(bool(t.user_attrs.get("untrained")) for t in self.study.trials)
+
     def _stop_when_spent(self, study, trial) -> None:
         if self.time_left() <= 0:
             study.stop()
@@ -886,7 +903,8 @@ class OptunaTuner:
 
     def summary(self) -> dict:
         study = self._require_study()
-        states = [t.state for t in study.trials]
+        # a trial drawn at a batch the search leaves out is not trained, and not a trial
+        states = [t.state for t in study.trials if not t.user_attrs.get("untrained")]
         complete = states.count(optuna.trial.TrialState.COMPLETE)
         default = self._default_trial()
         best_value = study.best_value if complete else None

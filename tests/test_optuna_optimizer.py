@@ -902,6 +902,9 @@ def test_the_chosen_trial_keeps_its_weights(index, tmp_path, monkeypatch):
     drawn = t.study.trials[2]
     assert drawn.state == optuna.trial.TrialState.PRUNED and not drawn.intermediate_values
     assert drawn.user_attrs["pruned_reason"].startswith("batch 2 not trained")
+    # ... and not counted: another trial is drawn in its place, and trained
+    trained = [x for x in t.study.trials if not x.user_attrs.get("untrained")]
+    assert len(trained) == 3 and summary["n_trials"] == 3
     assert sorted(p.name for p in (tmp_path / "w").iterdir()) == \
         ["hpo-trial-0.weights.pt", "hpo-trial-1.weights.pt"]
     assert t.weights_for(summary["chosen_params"])[0].name == "hpo-trial-1.weights.pt"
