@@ -45,9 +45,8 @@ class SystemSampler:
         self._reset()
 
     def _reset(self) -> None:
-        # (pid, create_time) -> (its own CPU seconds, its waited-for children's), each process
-        # of the tree and the children running at start()
-        self._cpu_times: dict[tuple[int, float | None], tuple[float, float]] = {}
+        # (pid, create_time) -> _cpu_readings' tuple, for each process of the tree
+        self._cpu_times: dict[tuple[int, float | None], tuple[float, float, bool, bool]] = {}
         self._pending_s = 0.0  # last readings of processes gone, not yet in a waiter's
         self._before: set[tuple[int, float | None]] = set()  # children running at start()
         # each child's own pages (USS) as a share of its RSS, and when it was read
@@ -146,40 +145,56 @@ class SystemSampler:
             return [self._proc]
         return [self._proc, *(p for p in children if (p.pid, _created(p)) not in self._before)]
 
-    def _cpu_readings(self) -> dict[tuple[int, float | None], tuple[float, float]]:
-        """(own CPU seconds, waited-for children's) of this process and all its children, those
-        running at start() among them."""
+    def _cpu_readings(self) -> dict[tuple[int, float | None], tuple[float, float, bool, bool]]:
+        """(own CPU seconds, waited-for children's, foreign, a child of this process) of this
+        process and all its children. Foreign: running at start() (not this scenario's), or
+        started since by one that was."""
         try:
             tree = [self._proc, *self._proc.children(recursive=True)]
         except psutil.Error:
             tree = [self._proc]
+        keys = {p.pid: (p.pid, _created(p)) for p in tree}
         out = {}
         for p in tree:
             try:  # workers may exit between listing and reading
                 t = p.cpu_times()
-                out[(p.pid, _created(p))] = (t.user + t.system, t.children_user + t.children_system)
+                parent = p.ppid()
             except (psutil.Error, AttributeError):  # AttributeError: no children's times here
-                pass
+                continue
+            key, foreign = keys[p.pid], keys[p.pid] in self._before
+            while not foreign and parent in keys and parent != self._proc.pid:
+                foreign = keys[parent] in self._before
+                try:
+                    parent = psutil.Process(parent).ppid()
+                except psutil.Error:
+                    break
+            out[key] = (t.user + t.system, t.children_user + t.children_system, foreign,
+                        p.ppid() == self._proc.pid if p is not self._proc else False)
         return out
 
     def _cpu_delta(self) -> float:
         """CPU seconds the process tree used since the last reading: the own CPU of this
-        process and of the children it started since start(), and what processes waited for
-        (the loaders' workers, joined every epoch) used after their last reading. A process
-        that exits between readings shows its whole time, once waited for, in its waiter's
+        process and of the children it started since start(), and what those waited for (the
+        loaders' workers, joined every epoch) used after their last reading. A process that
+        exits between readings shows its whole time, once waited for, in its waiter's
         children's times; the last reading it had (counted already) is taken off that growth.
         A child first seen now was born after start(), so all its CPU time counts. Children
-        running at start() are not this scenario's, but the tail they use after their last
-        reading, up to interval_s, is counted when they end."""
+        running at start(), and what they start, are not this scenario's; one of them that
+        ends adds the tail it used after its last reading, up to interval_s."""
         now = self._cpu_readings()
         own = reaped = 0.0
-        for key, (own_s, reaped_s) in now.items():
-            last_own, last_reaped = self._cpu_times.get(key, (0.0, 0.0))
-            if key not in self._before:
-                own += own_s - last_own
+        for key, (own_s, reaped_s, foreign, _) in now.items():
+            if foreign:
+                continue
+            last_own, last_reaped = self._cpu_times.get(key, (0.0, 0.0, False, False))[:2]
+            own += own_s - last_own
             reaped += reaped_s - last_reaped
         for key in [k for k in self._cpu_times if k not in now]:
-            self._pending_s += sum(self._cpu_times.pop(key))
+            own_s, reaped_s, foreign, ours = self._cpu_times.pop(key)
+            # Its whole time arrives in its waiter's reading: counted there, less this, when
+            # the waiter is this scenario's; an orphan still alive elsewhere never arrives.
+            if (ours or not foreign) and not _alive(key):
+                self._pending_s += own_s + reaped_s
         counted = min(max(reaped, 0.0), self._pending_s)
         self._pending_s -= counted
         self._cpu_times.update(now)
@@ -312,6 +327,14 @@ def _busy_pct(per_cpu: list[float]) -> float:
         mine = []
     mine = mine or per_cpu
     return sum(mine) / len(mine) if mine else 0.0
+
+
+def _alive(key: tuple[int, float | None]) -> bool:
+    """Whether the process of `key` (pid, create_time) still runs (re-parented elsewhere)."""
+    try:
+        return psutil.Process(key[0]).create_time() == key[1]
+    except psutil.Error:
+        return False
 
 
 def _created(process: psutil.Process) -> float | None:

@@ -159,6 +159,18 @@ def test_sampler_counts_a_child_that_came_and_went_between_readings():
     with SystemSampler(interval_s=30) as sampler:
         elder.communicate(b"")  # it ends, and is waited for
     assert sampler.summary()["process_cpu_s"] < 0.3
+    # nor are the children such a one starts meanwhile, seen running or not
+    spawner = ("import subprocess, sys\nsys.stdin.readline()\n"
+               + "subprocess.run([sys.executable, '-c', %r])\n" % burn * 2
+               + "sys.stdin.read()\n")
+    elder = subprocess.Popen([sys.executable, "-c", spawner], stdin=subprocess.PIPE)
+    time.sleep(0.5)
+    with SystemSampler(interval_s=0.2) as sampler:
+        elder.stdin.write(b"go\n")
+        elder.stdin.flush()
+        time.sleep(1.5)  # its two children's 0.8 s burnt
+    elder.communicate(b"")
+    assert sampler.summary()["process_cpu_s"] < 0.3
 
 
 def test_a_grandchild_waited_for_by_its_parent_takes_nothing_off_the_others():
