@@ -782,7 +782,9 @@ class OptunaTuner:
         def waiting() -> int:  # queued: the default, a stopped trial's retry
             return len(self.study.get_trials(deepcopy=False,
                                              states=(optuna.trial.TrialState.WAITING,)))
-        before, waiting_before = len(self.study.trials), waiting()
+        before, waiting_before, untrained_before = len(self.study.trials), waiting(), \
+            self._untrained()
+        drawn_out = False  # the redraws of trials not trained ran out
         have = done()  # a reused default trial among them
         to_run = n_trials - have
         self.study.set_user_attr(count_key, n_trials)
@@ -820,14 +822,21 @@ class OptunaTuner:
                     if (own and self.time_left() <= 0) or \
                             (not own and ends is not None and time.monotonic() >= ends):
                         break
+                drawn_out = asked > 0 and draws >= 3 * to_run
             except KeyboardInterrupt:  # the stopped trial FAIL, its retry queued: in the copy
                 self._copy_to_mirror()
                 raise
         if shared:
             self._await_default()
-        self.new_trials = len(self.study.trials) - before + waiting_before - waiting()
+        # trained ones: one drawn at a batch the search leaves out is not
+        self.new_trials = len(self.study.trials) - before + waiting_before - waiting() \
+            - (self._untrained() - untrained_before)
         ran = finished() - finished_before
-        if self.timeout_s is not None and 0 < ran < to_run:
+        if drawn_out:
+            log.info("study %r: %d of the %d trials asked for trained; the others were drawn "
+                     "at batch sizes this search leaves out, %d times in all", self.study_name,
+                     ran, to_run, self._untrained() - untrained_before)
+        elif self.timeout_s is not None and 0 < ran < to_run:
             log.info("study %r: the time budget (%.0f s) ended the search after %d of the %d "
                      "trials asked for", self.study_name, self.timeout_s, ran, to_run)
         return self.summary()
@@ -891,7 +900,9 @@ class OptunaTuner:
         return self.timeout_s - self.search_seconds()
 
     def _untrained(self) -> int:
-        return sum(bool(t.user_attrs.get("untrained")) for t in self.study.trials)
+        """This worker's trials drawn at a batch the search leaves out, not trained."""
+        return sum(bool(t.user_attrs.get("untrained")) and t.user_attrs.get("run") in (
+            None, self.run_name) for t in self.study.trials)
 
     def _stop_when_spent(self, study, trial) -> None:
         if self.time_left() <= 0:
