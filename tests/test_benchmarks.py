@@ -398,6 +398,15 @@ def test_benchmark_mistakes_are_one_line_before_any_run(tmp_path, capsys):
     throughput = _benchmark_module("throughput")
     assert throughput.main(["--device", "cpu", "--skip", "pure-compute"]) == 2
     assert "no row named pure-compute" in capsys.readouterr().err
+    every = "pure_compute,pipeline,baseline,lightning"
+    assert throughput.main(["--device", "cpu", "--skip", every]) == 2
+    assert "every row left out" in capsys.readouterr().err
+    # ... which time to accuracy alone does not need: past the check (to the data, here)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(throughput, "dataset", lambda *a: (_ for _ in ()).throw(
+            throughput.UserError("the data, reached")))
+        assert throughput.main(["--device", "cpu", "--skip", every, "--time-to-accuracy"]) == 2
+    assert "the data, reached" in capsys.readouterr().err
     (tmp_path / "a file").write_text("")
     assert throughput.main(["--device", "cpu", "--skip", "lightning", "--json",
                             str(tmp_path / "a file" / "x.json")]) == 2

@@ -2,6 +2,7 @@
 really measured bottlenecks (CPU, seconds). No assertion depends on this machine's speed."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -10,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from torch import nn
@@ -194,6 +196,31 @@ def test_a_grandchild_waited_for_by_its_parent_takes_nothing_off_the_others():
         parent.kill()
         parent.wait()
     assert counted >= 2.4  # 1.5 + 4 x 0.25, and start-ups
+
+
+def test_a_grandchild_orphaned_by_its_parent_takes_nothing_off_the_others():
+    """A grandchild left running when its parent died is re-parented outside the tree: its
+    time never arrives in a waiter's, and its last reading erased a later child's 0.6 s."""
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < {}: pass\n"
+    orphan = burn.format(0.8) + "time.sleep(20)\n"
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time\n"
+                               f"subprocess.Popen([sys.executable, '-c', {orphan!r}])\n"
+                               "time.sleep(30)\n"])
+    sampler = SystemSampler(interval_s=1000).start()
+    try:
+        time.sleep(1.5)
+        sampler._sample()  # the grandchild seen, its 0.8 s burnt
+        grandchild = psutil.Process(parent.pid).children()[0]
+        parent.kill()
+        parent.wait()
+        sampler._sample()  # gone from the tree, alive elsewhere
+        before = sampler._process_cpu_s
+        subprocess.run([sys.executable, "-c", burn.format(0.6)], check=True)
+        after = sampler.stop()["process_cpu_s"]
+    finally:
+        with contextlib.suppress(psutil.Error):
+            grandchild.kill()
+    assert after - before >= 0.55
 
 
 def test_sampler_counts_cpu_time_of_child_processes():
