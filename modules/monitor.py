@@ -154,22 +154,24 @@ class SystemSampler:
         except psutil.Error:
             tree = [self._proc]
         keys = {p.pid: (p.pid, _created(p)) for p in tree}
+        parents = {}
+        for p in tree:
+            try:
+                parents[p.pid] = p.ppid()
+            except psutil.Error:  # gone meanwhile
+                pass
         out = {}
         for p in tree:
             try:  # workers may exit between listing and reading
                 t = p.cpu_times()
-                parent = p.ppid()
             except (psutil.Error, AttributeError):  # AttributeError: no children's times here
                 continue
-            key, foreign = keys[p.pid], keys[p.pid] in self._before
+            key, parent = keys[p.pid], parents.get(p.pid)
+            foreign = key in self._before
             while not foreign and parent in keys and parent != self._proc.pid:
-                foreign = keys[parent] in self._before
-                try:
-                    parent = psutil.Process(parent).ppid()
-                except psutil.Error:
-                    break
+                foreign, parent = keys[parent] in self._before, parents.get(parent)
             out[key] = (t.user + t.system, t.children_user + t.children_system, foreign,
-                        p.ppid() == self._proc.pid if p is not self._proc else False)
+                        parents.get(p.pid) == self._proc.pid)
         return out
 
     def _cpu_delta(self) -> float:
