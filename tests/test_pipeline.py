@@ -36,6 +36,19 @@ def run_main(*argv: str) -> int:
     return pipeline.main(list(argv))
 
 
+def run_stopped_after_a_checkpoint(monkeypatch, *argv: str) -> int:
+    """run_main(*argv), stopped (Ctrl-C) right after it writes its first checkpoint."""
+    from modules import checkpoints
+    real = checkpoints.CheckpointSaver.save
+
+    def save_then_stop(self, *a, **k):
+        real(self, *a, **k)
+        raise KeyboardInterrupt
+    with monkeypatch.context() as m:
+        m.setattr(checkpoints.CheckpointSaver, "save", save_then_stop)
+        return run_main(*argv)
+
+
 def small_hpo(data: Path, out: Path, *more: str) -> tuple[str, ...]:
     """The hpo scenario alone on the `small` folder, quickly: 32 px, 2 epochs, no autotune."""
     return ("--data-dir", str(data), "--scenarios", "hpo", "--image-size", "32", "--epochs",
@@ -1788,21 +1801,13 @@ def test_a_resume_from_other_weights_is_refused_in_one_line(small, tmp_path, mon
                                                             capsys):
     """The baseline's checkpoint went on from the earlier start without a word, and its row
     said it started from the new one."""
-    from modules import checkpoints
     from modules.models import build_model
     start = tmp_path / "start.pt"
     torch.save(build_model("squeezenet1_1", 3, "none").state_dict(), start)
     out = tmp_path / "out"
     argv = ("--data-dir", str(small), "--scenarios", "baseline", "--image-size", "32",
             "--epochs", "2", "--no-progress", "--output-dir", str(out))
-    real = checkpoints.CheckpointSaver.save
-
-    def save_then_stop(self, *a, **k):
-        real(self, *a, **k)
-        raise KeyboardInterrupt
-    with monkeypatch.context() as m:
-        m.setattr(checkpoints.CheckpointSaver, "save", save_then_stop)
-        assert run_main(*argv, "--weights", str(start)) != 0
+    assert run_stopped_after_a_checkpoint(monkeypatch, *argv, "--weights", str(start)) != 0
     capsys.readouterr()
     assert run_main(*argv, "--weights", "none", "--resume") == 2
     err = capsys.readouterr().err
@@ -1823,7 +1828,7 @@ def test_a_resumed_run_keeps_the_start_it_had_when_imagenet_was_unreachable(
 
     import torchvision
 
-    from modules import checkpoints, models
+    from modules import models
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
     url = torchvision.models.SqueezeNet1_1_Weights.IMAGENET1K_V1.url
     cached = tmp_path / "torch" / "hub" / "checkpoints" / url.rsplit("/", 1)[-1]
@@ -1847,18 +1852,11 @@ def test_a_resumed_run_keeps_the_start_it_had_when_imagenet_was_unreachable(
     out = tmp_path / "out"
     argv = ("--data-dir", str(small), "--scenarios", "baseline", "--image-size", "32",
             "--epochs", "2", "--weights", "imagenet", "--no-progress", "--output-dir", str(out))
-    real = checkpoints.CheckpointSaver.save
-
-    def save_then_stop(self, *a, **k):
-        real(self, *a, **k)
-        raise KeyboardInterrupt
     for first in (False, True):
         shutil.rmtree(out, ignore_errors=True)
         new_process()
         reachable(first)
-        with monkeypatch.context() as m:
-            m.setattr(checkpoints.CheckpointSaver, "save", save_then_stop)
-            assert run_main(*argv) != 0
+        assert run_stopped_after_a_checkpoint(monkeypatch, *argv) != 0
         new_process()
         reachable(not first)
         capsys.readouterr()
@@ -1973,7 +1971,6 @@ def test_a_run_resumed_mid_training_records_no_energy_of_one_session(small, tmp_
                                                                       monkeypatch):
     """energy_j of a run resumed after its first epoch counted the second session only, while
     wall_s counts both: 8.96 W read off a 10 W counter. A share is not recorded as a total."""
-    from modules import checkpoints
     from modules.monitor import SystemSampler
     summary = SystemSampler.summary
     monkeypatch.setattr(SystemSampler, "summary", lambda self: {**summary(self),
@@ -1981,14 +1978,7 @@ def test_a_run_resumed_mid_training_records_no_energy_of_one_session(small, tmp_
     out = tmp_path / "out"
     argv = ("--data-dir", str(small), "--scenarios", "baseline", "--image-size", "32",
             "--epochs", "2", "--no-progress", "--weights", "none", "--output-dir", str(out))
-    real = checkpoints.CheckpointSaver.save
-
-    def save_then_stop(self, *a, **k):
-        real(self, *a, **k)
-        raise KeyboardInterrupt
-    with monkeypatch.context() as m:
-        m.setattr(checkpoints.CheckpointSaver, "save", save_then_stop)
-        assert run_main(*argv) != 0
+    assert run_stopped_after_a_checkpoint(monkeypatch, *argv) != 0
     assert run_main(*argv, "--resume") == 0
     row = json.loads((out / "results.json").read_text())[-1]
     assert row["resumed_from_epoch"] == 1 and row["energy_j"] is None
