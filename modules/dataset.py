@@ -66,13 +66,15 @@ def upright(img: Image.Image) -> Image.Image:
 
 
 def to_rgb(img: Image.Image) -> Image.Image:
-    """Any PIL mode (L, P, RGBA, CMYK, I;16, F, 1 ...) as 8-bit RGB; transparency over white."""
+    """Any PIL mode (L, P, RGBA, CMYK, I;16, F, 1 ...) as 8-bit RGB; transparency over white,
+    whether an alpha channel or one colour keyed transparent (PNG's tRNS in an L, RGB or 1
+    image: left as stored, the same logo would train on white as RGBA and on black as RGB)."""
+    if img.mode in ("1", "L", "P", "RGB") and "transparency" in img.info:
+        img = img.convert("RGBA")
     if img.mode == "RGB":
         return img
     if img.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I", "F"):
-        return _stretch_to_8bit(img).convert("RGB")
-    if img.mode == "P" and "transparency" in img.info:
-        img = img.convert("RGBA")
+        return _to_8bit(img).convert("RGB")
     if img.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
         rgba = img.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
@@ -83,10 +85,12 @@ def to_rgb(img: Image.Image) -> Image.Image:
 STRETCH_CHUNK_PX = 2**20  # pixels converted to float64 at a time (8 MB)
 
 
-def _stretch_to_8bit(img: Image.Image) -> Image.Image:
-    """A 16- or 32-bit image as 8-bit L, its min..max stretched to 0..255 (truncating). Done in
-    bands of rows: the whole image as float64 costs 8 bytes a pixel, several times over in
-    temporaries, before any resize could shrink it."""
+def _to_8bit(img: Image.Image) -> Image.Image:
+    """A 16- or 32-bit image as 8-bit L. 16-bit values (I;16, or I within 0..65535, as older
+    Pillows open 16-bit PNGs) scale by the format's range, as 8 bits of the same scene would
+    read; other I and F images have their min..max stretched to 0..255, a flat one clipped to
+    its level. Done in bands of rows: the whole image as float64 costs 8 bytes a pixel, several
+    times over in temporaries, before any resize could shrink it."""
     width, height = img.size
     rows = max(1, STRETCH_CHUNK_PX // max(1, width))
     bands = [(top, min(height, top + rows)) for top in range(0, height, rows)]
@@ -96,15 +100,21 @@ def _stretch_to_8bit(img: Image.Image) -> Image.Image:
 
     extremes = np.array([(values.min(), values.max())
                          for values in (band(top, bottom) for top, bottom in bands)])
-    lo, hi = float(extremes[:, 0].min()), float(extremes[:, 1].max())  # a NaN stays NaN: flat
-    out = np.zeros((height, width), dtype=np.uint8)
-    if hi > lo:
-        scale = 255.0 / (hi - lo)
-        for top, bottom in bands:
-            values = band(top, bottom)
-            values -= lo
-            values *= scale
-            out[top:bottom] = values.astype(np.uint8)
+    lo, hi = float(extremes[:, 0].min()), float(extremes[:, 1].max())  # a NaN stays NaN
+    if img.mode.startswith("I;16") or (img.mode == "I" and lo >= 0 and hi <= 65535):
+        lo, scale, rounding = 0.0, 255.0 / 65535.0, 0.5  # 155 * 257 scales to 154.99999999999997
+    elif hi > lo:
+        scale, rounding = 255.0 / (hi - lo), 0.0
+    else:
+        level = np.clip(np.nan_to_num(lo), 0, 255)
+        return Image.fromarray(np.full((height, width), level, dtype=np.uint8))
+    out = np.empty((height, width), dtype=np.uint8)
+    for top, bottom in bands:
+        values = band(top, bottom)
+        values -= lo
+        values *= scale
+        values += rounding
+        out[top:bottom] = values.astype(np.uint8)
     return Image.fromarray(out)
 
 
@@ -466,8 +476,9 @@ def _image_files(folder: Path, seen: dict[str, Path], ignored: dict[str, int]
 
     Links are followed (data folders are often linked in), but a real directory is entered
     once and a link back to the folder or above it not at all: a loop would list images
-    without end, into every split. A file reached twice, here or through `seen` (real path ->
-    the path first listed, shared across a dataset's folders), is listed once."""
+    without end, into every split. A file reached twice, here or through `seen` (real path or
+    hard-linked inode -> the path first listed, shared across a dataset's folders), is listed
+    once."""
     root = os.path.realpath(folder)
     entered, found, repeats = {root}, [], 0
     stack = [(str(folder), root)]
@@ -498,6 +509,7 @@ def _image_files(folder: Path, seen: dict[str, Path], ignored: dict[str, int]
                     entered.add(target)
                     subdirs.append((entry.path, target))
             elif Path(entry.name).suffix.lower() in IMAGE_EXTS:
+                target = _file_identity(entry, target)
                 if target in seen:
                     repeats += 1
                 else:
@@ -508,6 +520,18 @@ def _image_files(folder: Path, seen: dict[str, Path], ignored: dict[str, int]
                 ignored[kind] = ignored.get(kind, 0) + 1
         stack.extend(reversed(subdirs))  # depth first, in name order, as os.walk lists them
     return found, repeats
+
+
+def _file_identity(entry: os.DirEntry, real: str) -> str:
+    """A file's key among those listed: its real path, or for a file with several hard links
+    (DVC's hardlink cache, `cp -al`, `rsync --link-dest`) its device and inode, which each of
+    its names shares. Keyed by inode only then: a one-link file cannot be another's second
+    name, and file systems whose inode numbers are not unique stay read file by file."""
+    try:
+        info = entry.stat()
+    except OSError:
+        return real  # check_image says why it cannot be read
+    return f"inode:{info.st_dev}:{info.st_ino}" if info.st_nlink > 1 else real
 
 
 def check_image(path: Path, sizes: dict[str, int] | None = None) -> str | None:

@@ -173,6 +173,24 @@ def test_rgba_transparency_becomes_white(tmp_path):
     assert np.asarray(load_rgb(path)).min() == 255
 
 
+@pytest.mark.parametrize("mode,key", [("RGB", (0, 0, 0)), ("L", 0), ("1", 0), ("P", 0)])
+def test_a_colour_keyed_transparent_becomes_white(tmp_path, mode, key):
+    """PNG's tRNS marks one colour transparent in an RGB, grey or 1-bit image, as PNG
+    optimisers write logos whose alpha is all on or off: white, as alpha transparency is."""
+    img = Image.new(mode, (4, 4), key)
+    img.putpixel((0, 0), (255, 0, 0) if mode == "RGB" else 1 if mode in ("1", "P") else 200)
+    if mode == "P":
+        img.putpalette([0, 0, 0, 255, 0, 0])
+    path = tmp_path / "keyed.png"
+    img.save(path, transparency=key)
+    with Image.open(path) as opened:
+        assert opened.mode == mode and "transparency" in opened.info
+    rgb = load_rgb(path)
+    assert rgb.getpixel((1, 1)) == (255, 255, 255)
+    if mode != "1":  # its other colour is white
+        assert rgb.getpixel((0, 0)) != (255, 255, 255)
+
+
 def test_bad_files_are_skipped_counted_and_named(folder, caplog):
     red = folder / "train" / "red"
     (red / "empty.jpg").write_bytes(b"")

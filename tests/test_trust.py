@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import email.message
 import io
+import logging
 import os
 import pickle
+import shutil
 import signal
 import sys
 import time
@@ -24,7 +26,7 @@ from PIL import Image
 from conftest import make_folder
 from modules import models
 from modules.config import TrainConfig, UserError
-from modules.dataset import index_dataset, to_rgb
+from modules.dataset import index_dataset, load_rgb, to_rgb
 from modules.files import atomic_torch_save, atomic_write_text, share_file
 from modules.models import build_model
 from modules.profiler import SystemSampler
@@ -243,6 +245,24 @@ def test_symlink_loops_in_a_data_folder_list_each_image_once(tmp_path):
 
 
 @pytest.mark.skipif(os.name == "nt", reason="POSIX links")
+def test_a_hard_linked_image_is_listed_once_where_first_found(tmp_path, caplog):
+    """A hard link is a second name of the same file (DVC's hardlink cache, `cp -al`): listed
+    again, one image trained on was tested on as well. A plain copy is another file."""
+    root = make_folder(tmp_path / "d", n_train=4, n_test=2)
+    first = sorted((root / "train" / "red").iterdir())[0]
+    os.link(first, root / "test" / "red" / "hardlink.jpg")
+    (root / "test" / "blue" / "symlink.jpg").symlink_to(sorted((root / "train" / "blue").iterdir())[0])
+    shutil.copy(first, root / "test" / "green" / "copy.jpg")
+    with caplog.at_level(logging.WARNING, logger="modules.dataset"):
+        index = index_dataset(root, seed=0)
+    listed = [str(p) for p, _ in index.train + index.val + index.test]
+    assert len(listed) == 3 * 6 + 1 and str(first) in listed
+    names = {Path(p).name for p, _ in index.test}
+    assert "hardlink.jpg" not in names and "symlink.jpg" not in names and "copy.jpg" in names
+    assert "reaches 2 image file(s) a second time through links" in caplog.text
+
+
+@pytest.mark.skipif(os.name == "nt", reason="POSIX links")
 def test_a_test_split_linked_to_train_is_refused_not_leaked(tmp_path):
     root = make_folder(tmp_path / "d", n_train=4, n_test=2)
     for colour in ("blue", "green", "red"):
@@ -263,17 +283,41 @@ def _old_to_8bit(arr: np.ndarray) -> np.ndarray:
     return ((arr - lo) * (255.0 / (hi - lo))).astype(np.uint8)
 
 
-@pytest.mark.parametrize("dtype", [np.uint16, np.int32, np.float32])
+@pytest.mark.parametrize("dtype", [np.int32, np.float32])
 def test_deep_colour_images_scale_as_before(dtype):
     gradient = (np.arange(37 * 53).reshape(37, 53) * 7 - 300).astype(dtype)
-    if dtype == np.uint16:
-        gradient = gradient - gradient.min()
     img = Image.fromarray(gradient)
-    assert img.mode in ("I;16", "I", "F")
+    assert img.mode in ("I", "F")
     rgb = np.asarray(to_rgb(img))
     assert rgb.shape == (37, 53, 3)
     for channel in range(3):
         np.testing.assert_array_equal(rgb[..., channel], _old_to_8bit(gradient))
+
+
+@pytest.mark.parametrize("mode", ["I;16", "I"])
+def test_16_bit_images_read_as_8_bits_of_the_same_scene(tmp_path, mode):
+    """16-bit values scale by the format's range, not the image's own: a flat grey stays that
+    grey (it read black), a faint one is not stretched to full contrast. Older Pillows open a
+    16-bit PNG as I."""
+    levels = np.array([[155, 156], [0, 255]], dtype=np.uint16)
+    img = Image.fromarray(levels * 257)
+    if mode == "I":
+        img = img.convert("I")
+    assert img.mode == mode
+    np.testing.assert_array_equal(np.asarray(to_rgb(img))[..., 0], levels)
+    flat = Image.fromarray(np.full((3, 3), 155 * 257, dtype=np.uint16))
+    path = tmp_path / "flat16.png"
+    flat.save(path)
+    Image.new("L", (3, 3), 155).save(tmp_path / "flat8.png")
+    assert load_rgb(path).getpixel((1, 1)) == load_rgb(tmp_path / "flat8.png").getpixel((1, 1)) \
+        == (155, 155, 155)
+
+
+def test_a_flat_deep_colour_image_keeps_its_level():
+    assert to_rgb(Image.fromarray(np.full((2, 2), 77.0, dtype=np.float32))).getpixel((0, 0)) \
+        == (77, 77, 77)
+    assert to_rgb(Image.fromarray(np.full((2, 2), 7e5, dtype=np.int32))).getpixel((0, 0)) \
+        == (255, 255, 255)
 
 
 def test_a_large_16_bit_image_converts_in_bounded_memory():
