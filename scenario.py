@@ -249,7 +249,8 @@ def _measure_settings(config: TrainConfig, args: RunOptions, index: DatasetIndex
                              fixed=fixed, loader_factory=factory, budget_share=MEASURE_SHARE,
                              cache_path=Path(args.output_dir).expanduser() / AUTOTUNE_CACHE,
                              time_capped=time_capped, unbudgeted_steps=unbudgeted_steps,
-                             data_key=index.fingerprint() if factory is not None else None)
+                             data_key=index.fingerprint() if factory is not None else None,
+                             run_id=args.run_id)
     if launcher_threads:
         findings["knobs"]["cpu_threads"]["reason"] = ("one share of the cores per process, as "
                                                      "torchrun set it (OMP_NUM_THREADS)")

@@ -24,7 +24,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import psutil
 import torch
@@ -77,9 +77,17 @@ COMPILE_BEST_GAIN = 0.5
 # A DataLoader keeps up when it delivers this much more than the model consumes.
 LOADER_HEADROOM = 1.1
 
+
+class _Choice(NamedTuple):
+    config: TrainConfig
+    findings: dict[str, Any]
+    run_id: str | None  # the run that measured it (or took it from its cache file)
+    origin: str  # where and when, for a later run in the same process (a notebook's kernel)
+
+
 # Choices made in this process, by speed_key: a later scenario at the same size and batch
 # reuses them instead of measuring again.
-_RESULTS: dict[str, tuple[TrainConfig, dict[str, Any]]] = {}
+_RESULTS: dict[str, _Choice] = {}
 # Fields that change what a run learns but not how fast a step runs.
 _NOT_SPEED = ("weights", "epochs", "lr", "weight_decay", "momentum", "scheduler",
               "warmup_epochs", "early_stopping_patience", "max_nonfinite_steps", "seed", "progress")
@@ -697,7 +705,8 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
              loader_factory: Callable[[TrainConfig], Callable[[int], Any]] | None = None,
              budget_share: float | None = None, cache_path: str | Path | None = None,
              time_capped: tuple[int, float] | None = None, data_key: str | None = None,
-             unbudgeted_steps: int = 0) -> tuple[TrainConfig, dict[str, Any]]:
+             unbudgeted_steps: int = 0, run_id: str | None = None
+             ) -> tuple[TrainConfig, dict[str, Any]]:
     """The fastest measured settings for `config` on its device, and why.
 
     planned_steps: optimizer steps the run will take (compile must pay back within them).
@@ -718,21 +727,23 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
     than this one's, has those measured now, the others kept (a --quick run, then a full one).
     data_key: the data's fingerprint, part of the key on the streaming path, where the worker
     count measured depends on the images' decoding.
+    run_id: the run measuring; a choice reused from another run in this process names it.
     Returns (config with the chosen knobs, {"knobs": {name: {choice, reason, img_s}}, ...})."""
     key = speed_key(config, num_classes, fixed, tune_batch, loader_factory is None, data_key)
     # Knobs measured before, kept while the rest are measured now; None: nothing to reuse.
     known: dict[str, dict[str, Any]] | None = None
     if key in _RESULTS:
-        tuned, findings = _RESULTS[key]
-        known = _measure_rest(findings, planned_steps, time_capped, tuned, "in this run",
+        tuned, findings, _, _ = _RESULTS[key]
+        source = _source(_RESULTS[key], run_id)
+        known = _measure_rest(findings, planned_steps, time_capped, tuned, f"in {source}",
                               budget_share)
         if known is None:
-            log.info("autotune: reusing the choice measured earlier in this run at %d px, "
-                     "batch %d", config.image_size, config.batch_size)
+            log.info("autotune: reusing the choice measured earlier in %s at %d px, batch %d",
+                     source, config.image_size, config.batch_size)
             if cache_path and _cache_entry(cache_path, key) is None:  # another output dir's
                 _to_cache(cache_path, key, tuned, findings)
             tuned, findings = _compile_pays_back(tuned, findings, planned_steps, time_capped)
-            return _with_run_fields(tuned, config), {**findings, "reused_from": "this run",
+            return _with_run_fields(tuned, config), {**findings, "reused_from": source,
                                                      "seconds": 0.0}
     cached = _from_cache(cache_path, key) if cache_path and known is None else None
     if cached is not None:
@@ -740,7 +751,7 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
         known = _measure_rest(findings, planned_steps, time_capped, tuned,
                               f"on this machine ({cache_path})", budget_share)
         if known is None:
-            _RESULTS[key] = (tuned, findings)
+            _RESULTS[key] = _Choice(tuned, findings, run_id, findings["reused_from"])
             apply_process_settings(tuned, resolve_device(tuned.device))
             tuned, findings = _compile_pays_back(tuned, findings, planned_steps, time_capped)
             return _with_run_fields(tuned, config), {**findings, "seconds": 0.0}
@@ -782,12 +793,13 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
     # A knob measured for these settings at another size in this run starts at that choice:
     # it is the one to beat, and the one kept when the budget runs out before its races (a
     # short run at a smaller size often cannot afford them).
-    carried_px, carried = _measured_at_other_size(key, plan)
+    carried_px, carried, carried_from = _measured_at_other_size(key, plan, run_id)
     if carried:
         plan = [(k, [carried[k]] + [c for c in cands if c != carried[k]]) if k in carried
                 else (k, cands) for k, cands in plan]
-        log.info("autotune: starting from the choices measured at %d px in this run (%s)",
-                 carried_px, ", ".join(f"{k} {_label(v)}" for k, v in carried.items()))
+        log.info("autotune: starting from the choices measured at %d px in %s (%s)",
+                 carried_px, carried_from, ", ".join(f"{k} {_label(v)}"
+                                                     for k, v in carried.items()))
     # Every measured knob starts at its first candidate (the thread count in use; "auto" names
     # the same amp and kernels differently), so the probe a knob's choice leaves is its
     # successor's first candidate, raced again rather than built again. compile is decided
@@ -894,7 +906,8 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
             knobs[knob] = {"choice": getattr(config, knob), "img_s": {}, "reason": (
                 f"not measured: {max(0.0, left):.1f} s left of the measuring budget "
                 f"({budget_s:.1f} s), too little for its races"
-                + (f"; as measured at {carried_px} px in this run" if knob in carried else ""))}
+                + (f"; as measured at {carried_px} px in {carried_from}" if knob in carried
+                   else ""))}
             log.info("autotune: %s = %s (%s)", knob, _label(knobs[knob]["choice"]),
                      knobs[knob]["reason"])
             continue
@@ -986,7 +999,8 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
     log.info("autotune: %.1f img/s pure compute after %.1f s of measuring (%s)", compute_img_s,
              findings["seconds"], ", ".join(f"{k.replace('_', ' ')} {v:.1f} s"
                                             for k, v in phases.items()))
-    _RESULTS[key] = (config, findings)
+    _RESULTS[key] = _Choice(config, findings, run_id,
+                            f"{cache_path or 'no cache file'}, {time.strftime('%Y-%m-%d %H:%M')}")
     if cache_path:
         _to_cache(cache_path, key, config, findings)
     return config, findings
@@ -1055,17 +1069,18 @@ def _measure_rest(findings: dict[str, Any], planned_steps: int | None,
             if k not in skipped and isinstance(v, dict) and v.get("reason") != "set by the user"}
 
 
-def _measured_at_other_size(key: str, plan: list[tuple[str, list[Any]]]
-                            ) -> tuple[int | None, dict[str, Any]]:
-    """The knobs of `plan` raced in this run for the settings of `key` at the nearest other
-    input size where any was: (that size, {knob: choice}); (None, {}) when none were. Only
-    raced choices among the plan's candidates count, not those kept unmeasured, so no guess
-    is passed on."""
+def _measured_at_other_size(key: str, plan: list[tuple[str, list[Any]]], run_id: str | None
+                            ) -> tuple[int | None, dict[str, Any], str]:
+    """The knobs of `plan` raced in this process for the settings of `key` at the nearest
+    other input size where any was: (that size, {knob: choice}, the run that raced them);
+    (None, {}, "") when none were. Only raced choices among the plan's candidates count, not
+    those kept unmeasured, so no guess is passed on."""
     candidates = dict(plan)
     want = json.loads(key)
     size = want["config"].pop("image_size")
-    best: tuple[int, int, dict[str, Any]] | None = None
-    for other, (_, findings) in _RESULTS.items():
+    best: tuple[int, int, dict[str, Any], str] | None = None
+    for other, choice in _RESULTS.items():
+        findings = choice.findings
         have = json.loads(other)
         other_size = have["config"].pop("image_size")
         if have != want or other_size == size:
@@ -1074,8 +1089,16 @@ def _measured_at_other_size(key: str, plan: list[tuple[str, list[Any]]]
                  if v.get("img_s") and not _budget_skipped(v)
                  and v["choice"] in candidates.get(k, ())}
         if raced and (best is None or abs(other_size - size) < best[0]):
-            best = (abs(other_size - size), other_size, raced)
-    return (best[1], best[2]) if best else (None, {})
+            best = (abs(other_size - size), other_size, raced, _source(choice, run_id))
+    return (best[1], best[2], best[3]) if best else (None, {}, "")
+
+
+def _source(choice: _Choice, run_id: str | None) -> str:
+    """Where a choice made in this process came from, as a reuse names it: a notebook's
+    kernel runs one run after another, each reusing the last one's."""
+    if choice.run_id == run_id:
+        return "this run"
+    return f"run {choice.run_id}, earlier in this process ({choice.origin})"
 
 
 def _with_run_fields(tuned: TrainConfig, start: TrainConfig) -> TrainConfig:

@@ -608,21 +608,22 @@ def test_a_cache_entry_of_another_shape_is_measured_again_not_a_traceback(tmp_pa
 
 def test_a_choice_is_reused_by_a_later_scenario_and_from_the_machine_cache(tmp_path, monkeypatch):
     cache = tmp_path / "autotune_cache.json"
-    first, report = at.autotune(_config(), 3, planned_steps=10, cache_path=cache)
+    first, report = at.autotune(_config(), 3, planned_steps=10, cache_path=cache, run_id="r1")
     assert "reused_from" not in report and cache.exists()
     # a later scenario: other lr and epochs, same speed settings: reused, not measured
     def measure_again(*a, **k):
         raise AssertionError("measured again")
     monkeypatch.setattr(at, "_first_probe", measure_again)
-    later, again = at.autotune(_config(lr=0.05, epochs=7), 3, planned_steps=99, cache_path=cache)
+    later, again = at.autotune(_config(lr=0.05, epochs=7), 3, planned_steps=99, cache_path=cache,
+                               run_id="r1")
     assert again["reused_from"] == "this run" and again["seconds"] == 0.0
     assert (later.lr, later.epochs) == (0.05, 7) and later.amp == first.amp
     # a second run in the same process (a notebook kernel) into another output dir: reused,
-    # and written to that dir's cache for its later runs
+    # named as the run that measured it, and written to that dir's cache for its later runs
     other_dir = tmp_path / "other" / "autotune_cache.json"
     other_dir.parent.mkdir()
-    _, second = at.autotune(_config(), 3, planned_steps=10, cache_path=other_dir)
-    assert second["reused_from"] == "this run"
+    _, second = at.autotune(_config(), 3, planned_steps=10, cache_path=other_dir, run_id="r2")
+    assert second["reused_from"].startswith(f"run r1, earlier in this process ({cache}, 20")
     entries = [{k: e[k] for k in ("config", "report")} for path in (cache, other_dir)
                for machine in json.loads(path.read_text()).values() for e in machine.values()]
     assert len(entries) == 2 and entries[0] == entries[1]
@@ -894,7 +895,7 @@ def test_a_choice_left_unmeasured_by_a_short_run_is_measured_by_a_longer_one(tmp
                                       cache_path=cache)
         assert "reused_from" not in report2 and longer.amp == "bf16"
         assert report2["knobs"]["amp"]["img_s"]  # raced this time
-        at._RESULTS[at.speed_key(_config(), 3)] = (short, report)  # back to the short run's
+        at._RESULTS[at.speed_key(_config(), 3)] = at._Choice(short, report, None, "")  # back
 
 
 def test_knobs_measured_before_are_kept_while_the_rest_are_measured(monkeypatch):
@@ -905,7 +906,8 @@ def test_knobs_measured_before_are_kept_while_the_rest_are_measured(monkeypatch)
     earlier = at.dataclasses.replace(_config(), amp="bf16")
     knobs = {"amp": {"choice": "bf16", "reason": "bf16 measured 900 img/s", "img_s": {"bf16": 900}},
              "channels_last": {"choice": False, "img_s": {}, "reason": "not measured: 0.1 s left"}}
-    at._RESULTS[key] = (earlier, {"knobs": knobs, "planned_steps": 10, "compute_img_s": 900.0})
+    at._RESULTS[key] = at._Choice(earlier, {"knobs": knobs, "planned_steps": 10,
+                                            "compute_img_s": 900.0}, None, "")
     config, report = at.autotune(_config(), 3, planned_steps=100_000, budget_share=0.1)
     assert config.amp == "bf16" and report["knobs"]["amp"]["reason"] == \
         "bf16 measured 900 img/s (measured earlier)"
@@ -995,8 +997,9 @@ def test_a_compile_choice_measured_before_is_kept_and_the_rest_measured_eager(mo
     key = at.speed_key(_config(), 3)
     knobs = {"compile": {"choice": True, "reason": "compiled 2000 vs eager 1000", "img_s": {}},
              "amp": {"choice": "off", "img_s": {}, "reason": "not measured: 0.1 s left"}}
-    at._RESULTS[key] = (dataclasses.replace(_config(), compile=True),
-                        {"knobs": knobs, "planned_steps": 10, "compute_img_s": 1000.0})
+    at._RESULTS[key] = at._Choice(dataclasses.replace(_config(), compile=True),
+                                  {"knobs": knobs, "planned_steps": 10, "compute_img_s": 1000.0},
+                                  None, "")
     config, report = at.autotune(_config(), 3, planned_steps=100_000, budget_share=0.1)
     assert built and not any(built) and config.compile is True
     assert report["knobs"]["compile"]["reason"].endswith("(measured earlier)")
