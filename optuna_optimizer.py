@@ -1181,15 +1181,24 @@ class OptunaTuner:
 
         # Importances fit a model to (params -> value): it needs two results and some variation.
         varying = len({json.dumps(t.params, sort_keys=True) for t in complete}) >= 2
+        drawn = False
         if varying:
             path = self.output_dir / "optuna_importance.html"
-            with warnings.catch_warnings():  # "importances will be equal" on few trials: the
-                warnings.simplefilter("ignore", UserWarning)  # chart shows it, no need to warn
-                write_html(vis.plot_param_importances(study), path)
-                written += [path, self._importance_png(study)]
+            # A chart must not fail a finished search: the evaluator can refuse its trials
+            # (Optuna 4's fANOVA raised on trials of one value, all at chance, and needed
+            # scikit-learn).
+            try:
+                with warnings.catch_warnings():  # "importances will be equal" on few trials:
+                    warnings.simplefilter("ignore", UserWarning)  # the chart shows it
+                    write_html(vis.plot_param_importances(study), path)
+                    written += [path, self._importance_png(study)]
+                drawn = True
+            except (ImportError, RuntimeError, ValueError) as exc:
+                log.warning("parameter importances not drawn: %s", first_line(exc))
         else:
             log.info("skipping parameter importances: need >= 2 complete trials with different "
                      "params, have %d complete", len(complete))
+        if not drawn:
             for stale in ("optuna_importance.html", "optuna_importance.png"):  # an earlier run's
                 (self.output_dir / stale).unlink(missing_ok=True)
 

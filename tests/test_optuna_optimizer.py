@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import sqlite3
 import sys
 import time
@@ -356,11 +357,30 @@ def test_save_plots_writes_html_png_json(index, tmp_path, monkeypatch):
     assert (tmp_path / "hpo" / "optuna_history.png").read_bytes()[:4] == b"\x89PNG"
     saved = json.loads((tmp_path / "hpo" / "best_params.json").read_text())
     assert saved["best_params"] == summary["best_params"] and saved["n_trials"] == 3
-    # what the final run trains: the winner, or the default when the winner did not beat it
     # what the final run trains: the winner's, or the default configuration's own values
     assert saved["trained_params"] == (summary["chosen_params"] or {
         k: getattr(t.default_config(), k) for k in t.SEARCHED})
     assert saved["keeps_default"] == summary["keeps_default"] and saved["choice"]
+
+
+def test_importances_that_cannot_be_computed_do_not_fail_the_search(index, tmp_path, monkeypatch,
+                                                                    caplog):
+    """Optuna 4's fANOVA raised on trials of one value (all at chance) and without
+    scikit-learn: the search's other outputs are written, the chart named in one line."""
+    monkeypatch.setattr(optuna_optimizer, "fit", fake_fit)
+    t = tuner(index, tmp_path, n_trials=3)
+    t.run()
+    (tmp_path / "hpo" / "optuna_importance.png").write_bytes(b"an earlier run's")
+
+    def refuse(*_, **__):
+        raise RuntimeError("Encountered zero total variance in all trees.")
+    monkeypatch.setattr(optuna.importance, "get_param_importances", refuse)
+    monkeypatch.setattr(optuna.visualization, "plot_param_importances", refuse)
+    with caplog.at_level(logging.WARNING):
+        names = {p.name for p in t.save_plots()}
+    assert names == {"optuna_history.html", "optuna_history.png", "best_params.json"}
+    assert "parameter importances not drawn: Encountered zero total variance" in caplog.text
+    assert not (tmp_path / "hpo" / "optuna_importance.png").exists()
 
 
 def test_save_plots_skips_importances_with_one_trial(index, tmp_path, monkeypatch):

@@ -128,6 +128,8 @@ def _requirements() -> dict[str, Requirement]:
     ("kagglehub", ["0.2.5", "0.3.13"], ["0.4.0", "1.0.2"]),  # KAGGLE_API_TOKEN from 0.4.0
     ("ipywidgets", ["7.5.0"], ["7.7.1", "8.1.5"]),  # Colab's 7.7.1 is kept
     ("nvidia-ml-py", ["11.525.0"], ["12.535.77", "13.610.43"]),
+    # importances failed on trials of one value and without scikit-learn before 5.0 (fANOVA)
+    ("optuna", ["3.5.0", "4.9.0"], ["5.0.0", "5.1.0"]),
 ])
 def test_requirement_floors_refuse_vulnerable_versions_and_keep_colabs(name, refused, accepted):
     spec = _requirements()[name].specifier
