@@ -1040,18 +1040,20 @@ def test_the_time_budget_is_the_searchs_in_all_over_resumed_sessions(index, tmp_
 
 
 def test_the_time_budget_counts_trial_seconds_in_every_session(index, tmp_path, monkeypatch):
-    """Trials of 0.5 s, 0.6 s apart (the gap: saving, logging), and a budget of 1.75 s: by the
-    trials' own seconds, the measure a resumed session reads, the fourth trial is the last.
+    """Trials of 0.8 s, 0.9 s apart (the gap: saving, logging), and a budget of 3 s: by the
+    trials' own seconds, the measure a resumed session reads, the fourth trial is the last
+    (three trials leave 0.6 s for their overhead: under load it took over the 0.25 s that 1.75 s
+    left of 0.5 s trials).
     Optuna's wall-clock timeout stopped after two, and a resumed search then found time left
     and ran two more: an interrupted run searched more than an uninterrupted one."""
     def slow_fit(*args, **kwargs):
-        time.sleep(0.5)
+        time.sleep(0.8)
         return fake_fit(*args, **kwargs)
     monkeypatch.setattr(optuna_optimizer, "fit", slow_fit)
-    monkeypatch.setattr(OptunaTuner, "_log_trial", lambda self, study, trial: time.sleep(0.6))
-    first = tuner(index, tmp_path, n_trials=10, timeout_s=1.75).run()
+    monkeypatch.setattr(OptunaTuner, "_log_trial", lambda self, study, trial: time.sleep(0.9))
+    first = tuner(index, tmp_path, n_trials=10, timeout_s=3.0).run()
     assert first["n_trials"] == 4
-    again = tuner(index, tmp_path, n_trials=10, timeout_s=1.75, resume=True, study_count=True)
+    again = tuner(index, tmp_path, n_trials=10, timeout_s=3.0, resume=True, study_count=True)
     assert again.run()["n_trials"] == 4
 
 
