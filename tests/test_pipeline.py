@@ -1085,17 +1085,20 @@ def test_the_search_trains_trials_a_third_of_the_final_runs_compute():
 def test_each_row_is_compared_with_the_baseline():
     hist = lambda *accs: [{"epoch": i + 1, "val_acc": a, "elapsed_s": 10.0 * (i + 1)}  # noqa: E731
                           for i, a in enumerate(accs)]
+    # total_s, preparing and decoding the data included, against wall_s, training alone
     base = {"scenario": "baseline", "val_acc": 0.6, "test_acc": 0.55, "total_s": 100.0,
-            "tuning_s": 0.0, "history": hist(0.3, 0.6)}
-    fast = {"scenario": "resolution", "test_acc": 0.6, "total_s": 50.0, "tuning_s": 5.0,
-            "history": hist(0.5, 0.65, 0.7)}
-    slow = {"scenario": "hpo", "test_acc": 0.5, "total_s": 150.0, "tuning_s": 30.0,
-            "history": hist(0.4, 0.5)}
+            "wall_s": 80.0, "tuning_s": 0.0, "history": hist(0.3, 0.6)}
+    fast = {"scenario": "resolution", "test_acc": 0.6, "total_s": 50.0, "wall_s": 30.0,
+            "tuning_s": 5.0, "history": hist(0.5, 0.65, 0.7)}
+    slow = {"scenario": "hpo", "test_acc": 0.5, "total_s": 150.0, "wall_s": 90.0,
+            "tuning_s": 30.0, "history": hist(0.4, 0.5)}
     scenario.compare_to_baseline([base, fast, slow], base)
     assert base["time_to_baseline_acc_s"] == 20.0 and base["test_acc_vs_baseline"] == 0.0
     assert fast["time_to_baseline_acc_s"] == 25.0  # tuning included: 5 + 20
     assert fast["test_acc_vs_baseline"] == pytest.approx(5.0) and fast["total_vs_baseline"] == 0.5
     assert slow["time_to_baseline_acc_s"] is None and slow["total_vs_baseline"] == 1.5
+    assert "+5.0 points against the baseline, 50 s in all (0.50x the baseline's)" in \
+        report.versus_baseline_lines([fast])[0]
     # the baseline compared with is named when it is another run's
     base["run_id"], fast["run_id"] = "run-1", "run-2"
     scenario.compare_to_baseline([fast], base)

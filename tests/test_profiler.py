@@ -314,6 +314,11 @@ def test_overhead_bound_from_a_tiny_step_or_an_idle_gpu():
     assert any("1.20 ms" in r for r in d["recommendations"])
     d = diagnose({"data_wait_frac": 0.02, "avg_step_ms": 30, "device": "cuda", "gpu_util_pct": 20})
     assert d["bottleneck"] == "overhead-bound" and "20%" in d["summary"]
+    # the threshold is the device's: 3 ms is a launch-bound CUDA step, a CPU one that computes
+    for device, verdict in (("cuda", "overhead-bound"), ("cpu", "compute-bound")):
+        d = diagnose({"data_wait_frac": 0.02, "avg_step_ms": 3.0, "device": device,
+                      "batch_size": 8, **({"gpu_util_pct": 90.0} if device == "cuda" else {})})
+        assert d["bottleneck"] == verdict, device
 
 
 def test_a_gpu_idle_most_of_the_time_is_never_called_compute_bound():

@@ -1,6 +1,7 @@
 """Faults tried on purpose: kill -9 mid-run then --resume, bad option values, bad input files."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -15,7 +16,8 @@ from PIL import Image
 
 import pipeline
 from conftest import COLOURS, make_folder, run_path, write_image
-from modules.config import UserError
+from modules.checkpoints import CHECKPOINT_FORMAT, check_resumable
+from modules.config import TrainConfig, UserError
 from modules.dataset import index_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,6 +107,23 @@ def test_kill_9_then_resume_ends_like_an_uninterrupted_run(data, uninterrupted, 
     assert [r["train_loss"] for r in resumed["history"]] == \
         pytest.approx([r["train_loss"] for r in uninterrupted["history"]], rel=1e-6)
     assert resumed["test_acc"] == uninterrupted["test_acc"]
+
+
+CHANGED = {"model": "resnet18", "image_size": 160, "batch_size": 64, "grad_accum_steps": 2,
+           "optimizer": "sgd", "scheduler": "onecycle", "warmup_epochs": 1.0, "epochs": 11,
+           "lr": 0.002, "seed": 7, "momentum": 0.5, "weight_decay": 1e-4, "max_grad_norm": 1.0}
+
+
+@pytest.mark.parametrize("key", CHANGED)
+def test_a_resume_refuses_each_changed_learning_setting(key, tmp_path):
+    """Resumed with another --lr or --epochs, the checkpoint's scheduler state would override
+    the new rate, or a cosine laid out for the old epochs run over the new ones, silently."""
+    saved = TrainConfig()
+    assert getattr(saved, key) != CHANGED[key]
+    ckpt = {"format": CHECKPOINT_FORMAT, "config": saved.to_dict()}
+    check_resumable(ckpt, saved, tmp_path / "c.pt")
+    with pytest.raises(UserError, match=f"settings changed \\({key} "):
+        check_resumable(ckpt, dataclasses.replace(saved, **{key: CHANGED[key]}), tmp_path / "c.pt")
 
 
 NUMERIC = ["--epochs", "--image-size", "--batch-size", "--lr", "--grad-accum-steps",

@@ -320,6 +320,25 @@ def test_a_size_clearly_behind_at_half_its_compute_is_stopped_there(tmp_path, mo
     assert all(t.stopped_after is None for t in tuner.trials)
 
 
+def test_a_one_epoch_trial_behind_is_finished_not_stopped(tmp_path, monkeypatch):
+    """A large size's one-epoch trial has its rung at its last epoch, where stopping saves
+    nothing: recorded as stopped, it would lose its weights and its trade-off row, and be left
+    out of the pick, for no compute saved."""
+    import resolution_tuner
+    index = index_dataset(make_folder(tmp_path / "d", n_train=4, n_test=2))
+    base = BASE.__class__(**{**BASE.to_dict(), "image_size": 64})
+    calls = []
+    monkeypatch.setattr(resolution_tuner, "fit", replay(
+        {64: [0.33, 0.60, 0.70, 0.75], 128: [0.40]}, calls))
+    tuner = ResolutionTuner(index, base, [128], epochs=4)
+    tuner.n_val = 360
+    assert tuner.epochs_for(128) == tuner.rung(128) == 1
+    assert tuner.run() == 64
+    big = next(t for t in tuner.trials if t.image_size == 128)
+    assert big.stopped_after is None and big.val_curve == [0.40]
+    assert next(r for r in tuner.tradeoff() if r["image_size"] == 128)["stopped_after"] is None
+
+
 def test_the_least_the_trials_train_counts_each_size_to_its_rung(tmp_path):
     """What the measuring budget is a share of: the default size's trial in full, every other
     size to where it can first be stopped, in epochs at the default size."""
