@@ -12,6 +12,7 @@ from PIL import Image
 from conftest import COLOURS, make_folder, write_image
 from modules.config import TrainConfig, UserError
 from modules.dataset import EpochSampler, index_dataset, load_rgb, resolve_source, subset
+from modules.fastdata import CachedLoader
 from modules.loaders import make_loaders
 
 
@@ -115,6 +116,44 @@ def test_a_folder_beside_train_and_test_is_named_not_silently_dropped(folder, ca
     assert len(index.train) + len(index.val) == 36
     assert any("extra/ beside train/ and test/ is not used" in r.getMessage()
                for r in caplog.records)
+
+
+def test_class_folders_split_a_fifth_of_each_class_for_test_and_a_share_for_validation(
+        tmp_path, caplog):
+    """The README's split of a folder of class folders: a seeded 20% of each class tested (one
+    image of a class of two: its accuracy is measured), then 25% of the rest for validation (a
+    small set's share, toward 500 images), no image in two splits."""
+    sizes = {"red": 15, "green": 10, "blue": 2}
+    for c, n in sizes.items():
+        for i in range(n):
+            write_image(tmp_path / "d" / c / f"{i}.png", COLOURS[c], size=8, seed=i)
+    with caplog.at_level(logging.WARNING):
+        index = index_dataset(tmp_path / "d", seed=2)
+    assert index.layout == "class folders"
+
+    def per_class(split):
+        return {c: sum(index.classes[label] == c for _, label in split) for c in sizes}
+    assert per_class(index.test) == {"red": 3, "green": 2, "blue": 1}
+    assert per_class(index.val) == {"red": 3, "green": 2, "blue": 0}  # 25% of 12, 8 and 1
+    assert per_class(index.train) == {"red": 9, "green": 6, "blue": 1}
+    train, val, test = ({p for p, _ in split} for split in (index.train, index.val, index.test))
+    assert not test & train and not test & val and not train & val
+    assert len(train | val | test) == sum(sizes.values())
+    assert "no validation images" in caplog.text and "blue" in caplog.text
+
+
+def test_validation_takes_the_share_of_train_that_makes_500_images(tmp_path):
+    """Between a small set's 25% and a large set's 10%, the validation share of train is the
+    one that makes about MIN_VAL_IMAGES (500) images in all: fewer cannot separate the tuners'
+    candidates, more would be taken from training for nothing."""
+    for split, n in (("train", 1600), ("test", 2)):
+        for c in ("cats", "dogs"):
+            (tmp_path / "d" / split / c).mkdir(parents=True)
+            for i in range(n):
+                (tmp_path / "d" / split / c / f"{i}.jpg").touch()
+    index = index_dataset(tmp_path / "d", check=False)
+    assert len(index.val) == 500 and len(index.train) == 3200 - 500
+    assert {label for _, label in index.val} == {0, 1}
 
 
 def test_seeded_split_is_reproducible_and_differs_by_seed(folder):
@@ -351,6 +390,22 @@ def test_loaders_batch_at_the_requested_size(folder):
     assert x.shape == (8, 3, 24, 24) and x.dtype == torch.float32 and y.dtype == torch.int64
     assert abs(float(x.mean())) < 3  # normalised, not 0..255
     assert len(train.dataset) + len(val.dataset) + len(test.dataset) == 48
+
+
+@pytest.mark.parametrize("cache_decoded", [False, True])
+def test_a_training_split_no_larger_than_the_batch_is_one_short_batch(tmp_path, cache_decoded):
+    """Only a short last batch beside full ones is dropped: three training images at
+    --batch-size 8 are one batch of three, on the streaming and the cached path alike, not
+    an empty loader ("the training split is empty")."""
+    root = make_folder(tmp_path / "d", n_train=1, n_test=1)
+    for c in COLOURS:
+        write_image(root / "val" / c / "v.png", COLOURS[c])
+    index = index_dataset(root)
+    assert len(index.train) == 3
+    config = TrainConfig(image_size=24, batch_size=8, num_workers=0, cache_decoded=cache_decoded)
+    train, _, _ = make_loaders(index, config)
+    assert isinstance(train, CachedLoader) == cache_decoded
+    assert len(train) == 1 and [len(y) for _, y in train] == [3]
 
 
 def test_loader_exposes_worker_knobs(folder):

@@ -57,12 +57,43 @@ def test_augment_without_jitter_or_crop_is_normalise_or_its_mirror(monkeypatch):
     assert any(same) and any(mirrored)  # both flip outcomes occur in 32 draws
 
 
+def test_the_random_crop_varies_in_size_and_position(monkeypatch):
+    """RandomResizedCrop's point is to show the model other framings of each image: crops of
+    CROP_SCALE of the area, anywhere in the image, not the whole image or always its centre.
+    Channel 0 rises 10 levels a column and channel 1 a row, so a crop's spread of levels is
+    its width (height) and its mean level its centre."""
+    monkeypatch.setattr(fastdata, "JITTER", 0.0)
+    n, size = 32, 24
+    ramp = torch.arange(size) * 10
+    x = torch.full((n, 3, size, size), 100, dtype=torch.uint8)
+    x[:, 0] = ramp.view(1, size)
+    x[:, 1] = ramp.view(size, 1)
+    out = augment(x, torch.Generator().manual_seed(0))
+    plain = normalise(x)
+    reframed = [not torch.allclose(o, p, atol=1e-4) and not torch.allclose(o, p.flip(-1), atol=1e-4)
+                for o, p in zip(out, plain)]
+    assert sum(reframed) > n // 2
+    pixels, full = in_pixels(out), 10 * (size - 1)
+    smallest = (fastdata.CROP_SCALE[0] * fastdata.CROP_RATIO[0]) ** 0.5
+    for channel in (0, 1):  # width, then height
+        levels = pixels[:, channel].flatten(1)
+        sides = (levels.amax(1) - levels.amin(1)) / full
+        assert sides.min() >= smallest - 1e-3 and sides.max() <= 1 + 1e-3
+        assert (sides < 0.9).sum() > n // 4
+        centres = levels.mean(1) / 10  # in pixels; the image's own centre is 11.5
+        assert centres.max() - centres.min() > 2
+
+
 def jittered_flat(level: int, monkeypatch) -> torch.Tensor:
     """64 flat images of one grey `level`, colour-jittered without a crop, back in 0..255."""
     monkeypatch.setattr(fastdata, "CROP_SCALE", (1.0, 1.0))
     monkeypatch.setattr(fastdata, "CROP_RATIO", (1.0, 1.0))
     flat = torch.full((64, 3, 8, 8), level, dtype=torch.uint8)
-    out = augment(flat, torch.Generator().manual_seed(0))
+    return in_pixels(augment(flat, torch.Generator().manual_seed(0)))
+
+
+def in_pixels(out: torch.Tensor) -> torch.Tensor:
+    """A normalised batch back in 0..255."""
     std = torch.tensor(fastdata.IMAGENET_STD).view(1, 3, 1, 1)
     mean = torch.tensor(fastdata.IMAGENET_MEAN).view(1, 3, 1, 1)
     return (out * std + mean) * 255
@@ -85,6 +116,27 @@ def test_a_brightened_pixel_stays_a_pixel(monkeypatch):
     pixels = jittered_flat(240, monkeypatch)
     assert pixels.max() <= 255 + 1e-3 and pixels.min() >= -1e-3
     assert (pixels > 254.99).any()  # brightened past white: clamped there
+
+
+def test_saturation_jitter_moves_each_pixels_colour_toward_or_away_from_its_grey(monkeypatch):
+    """ColorJitter's saturation, which flat grey images cannot show: a red top half over a grey
+    bottom half. Brightness and contrast scale a pixel's colour (R - G) and the grey step
+    between the halves alike; saturation scales the colour alone, by 1 +- JITTER per draw."""
+    monkeypatch.setattr(fastdata, "CROP_SCALE", (1.0, 1.0))
+    monkeypatch.setattr(fastdata, "CROP_RATIO", (1.0, 1.0))
+    x = torch.full((64, 3, 8, 8), 80, dtype=torch.uint8)
+    x[:, :, :4] = torch.tensor([150, 100, 100], dtype=torch.uint8).view(1, 3, 1, 1)
+    luma = torch.tensor(fastdata._LUMA).view(1, 3)
+
+    def colour_over_grey_step(pixels):
+        top, bottom = pixels[:, :, 0, 0], pixels[:, :, -1, 0]
+        return (top[:, 0] - top[:, 1]) / ((top - bottom) * luma).sum(1)
+    before = colour_over_grey_step(x.float())
+    saturation = colour_over_grey_step(in_pixels(augment(x, torch.Generator().manual_seed(0))))
+    saturation = saturation / before
+    assert saturation.min() >= 1 - fastdata.JITTER - 1e-3
+    assert saturation.max() <= 1 + fastdata.JITTER + 1e-3
+    assert saturation.std() > 0.05
 
 
 def _config(**kw):

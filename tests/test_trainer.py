@@ -13,9 +13,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from modules.config import TrainConfig, UserError
 from modules.dataset import EpochSampler
-from modules.trainer import (METRIC_BATCHES, TIMING_WARMUP_STEPS, DivergedError, autocast_dtype,
-                             load_checkpoint, make_optimizer, make_scheduler, set_seed,
-                             train)
+from modules.trainer import (METRIC_BATCHES, TIMING_WARMUP_STEPS, DivergedError, Progress,
+                             autocast_dtype, load_checkpoint, make_optimizer, make_scheduler,
+                             set_seed, train)
 
 BASE = TrainConfig(model="resnet18", weights="none", image_size=16, epochs=3, batch_size=8,
                    lr=0.05, optimizer="sgd", scheduler="none", device="cpu", progress=False,
@@ -167,12 +167,41 @@ def test_early_stopping_restores_the_best_weights():
         torch.testing.assert_close(v, snapshots[result.best_epoch][k])
 
 
+def test_early_stopping_stops_exactly_patience_epochs_after_the_best():
+    """--early-stopping 2 means two epochs without a better validation accuracy, then
+    stop: a third would spend an epoch of a tuning trial for nothing."""
+    config = dataclasses.replace(BASE, epochs=12, early_stopping_patience=2)
+    result = fit(config, val_data=colour_data(24, seed=1, shift=1))
+    assert result.stopped_early
+    assert result.epochs_run == result.best_epoch + config.early_stopping_patience
+
+
+def test_a_tied_validation_accuracy_is_not_a_new_best():
+    """A plateau must run out the patience: a tie that counted as better would restart it
+    every epoch (the run never stops) and move the best epoch to a later, no better one."""
+    progress, model = Progress(), TinyNet()
+    stops = [progress.record({"epoch": e, "val_acc": 0.5, "elapsed_s": 0.0}, model, patience=2)
+             for e in (1, 2, 3)]
+    assert stops == [False, False, True]
+    assert progress.best["epoch"] == 1 and progress.best["acc"] == 0.5
+
+
 def test_a_planted_nan_loss_is_skipped_and_counted():
     data = colour_data()
     data.tensors[0][5] = float("nan")  # poisons exactly one batch per epoch
     result = fit(dataclasses.replace(BASE, epochs=2), data)
     assert result.nonfinite_steps == 2
     assert all(torch.isfinite(p).all() for p in result.model.parameters())
+    assert math.isfinite(result.history[-1]["train_loss"]) and result.best_val_acc > 0.6
+
+
+def test_occasional_nan_batches_separated_by_updates_never_add_up_to_a_divergence():
+    """An applied update ends a run of bad batches: one NaN batch an epoch, over more epochs
+    than max_nonfinite_steps, is a few skipped steps in a healthy run, not a divergence."""
+    data = colour_data()
+    data.tensors[0][5] = float("nan")  # one batch an epoch, each time between finite ones
+    result = fit(dataclasses.replace(BASE, epochs=4, max_nonfinite_steps=3), data)
+    assert result.epochs_run == 4 and result.nonfinite_steps == 4
     assert math.isfinite(result.history[-1]["train_loss"]) and result.best_val_acc > 0.6
 
 
@@ -760,5 +789,29 @@ def test_a_window_with_a_short_batch_updates_as_one_large_batch_of_its_samples()
         return train(TinyNet(), keeps_last, loader(colour_data(12, seed=1), cfg, False),
                      cfg).model
     one, four = trained(26, 1), trained(8, 4)
+    for a, b in zip(one.parameters(), four.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_the_last_short_window_of_an_epoch_is_stepped_within_it():
+    """Six batches with grad_accum_steps 4: the last two make a window of their own, stepped
+    before the epoch ends (two steps an epoch, as the schedule counts them), as one batch of
+    their 16 samples would be; else they drift into the next epoch's first window."""
+    data = colour_data(48)
+    steps = []
+
+    def trained(batch_size, accum, epochs):
+        cfg = dataclasses.replace(BASE, epochs=epochs, batch_size=batch_size,
+                                  grad_accum_steps=accum)
+        set_seed(0)
+        in_order = DataLoader(data, batch_size=batch_size, shuffle=False)
+        return train(TinyNet(), in_order, loader(colour_data(12, seed=1), cfg, False), cfg)
+    handle = register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: steps.append(1))
+    try:
+        accumulated = trained(8, 4, epochs=2)
+    finally:
+        handle.remove()
+    assert len(steps) == 2 * math.ceil(6 / 4) and accumulated.settings["steps_per_epoch"] == 2
+    one, four = trained(32, 1, epochs=1).model, trained(8, 4, epochs=1).model
     for a, b in zip(one.parameters(), four.parameters()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
