@@ -165,6 +165,9 @@ def test_early_stopping_restores_the_best_weights():
     assert result.best_epoch == 1 + accs.index(max(accs)) < result.epochs_run
     for k, v in result.model.state_dict().items():
         torch.testing.assert_close(v, snapshots[result.best_epoch][k])
+    # the time to the kept model is to its epoch, not to the run's end
+    assert result.time_to_best_s == result.history[result.best_epoch - 1]["elapsed_s"] \
+        < result.history[-1]["elapsed_s"]
 
 
 def test_early_stopping_stops_exactly_patience_epochs_after_the_best():
