@@ -579,6 +579,8 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
         if before is not None and (before.get("final_from") != same["scenario"] or
                                    before.get("history") != same["row"].get("history")):
             before = None  # a row of another final run
+        if before is not None:
+            keep_start_curve(extra.get("warm_start"), before)
         tuning_s = row_tuning_s(tuning_s, reused_s, before, clock)
         forget_replaced(output_dir, args.run_id)  # no trained final run to compare
         if args.profile and distributed.is_main():
@@ -729,9 +731,15 @@ def keep_timeline(row: dict[str, Any], carried: dict[str, Any],
     row.update({k: carried[k] for k in ("final_from", "prepare_s", "wall_s", "time_to_best_s",
                                         "replaced_final", "grown_final")
                 if carried.get(k) is not None})
-    before = carried.get("warm_start") or {}
-    if warm is not None and before.get("weights") == warm.get("weights"):
-        warm["curve"] = before.get("curve") or []
+    keep_start_curve(warm, carried)
+
+
+def keep_start_curve(warm: dict[str, Any] | None, before: dict[str, Any]) -> None:
+    """The start trial's curve as the row `before` placed it, in place, when the final run
+    continues from the same trial: trained in an earlier session, lineage cannot place it."""
+    earlier = before.get("warm_start") or {}
+    if warm is not None and earlier.get("weights") == warm.get("weights"):
+        warm["curve"] = earlier.get("curve") or []
 
 
 def final_run_s(row: dict[str, Any]) -> float:
