@@ -77,20 +77,27 @@ def _atomic_write(path: Path, write, mode: str) -> None:
     except BaseException as exc:
         # torch.save's RuntimeError ("unexpected pos") carries the OSError it met in its
         # chain; else the free space says, looked at before the partial file frees it.
-        cause = _os_error(exc)
-        full = cause is None and isinstance(exc, RuntimeError) and disk_full(path.parent)
+        # Ctrl-C (the notebook's Stop) in torch.save's writer arrives as such a RuntimeError
+        # too: it stays an interrupt, which ends the run with the resume hint.
+        cause = _in_chain(exc, OSError)
+        interrupted = _in_chain(exc, KeyboardInterrupt) is not None
+        full = cause is None and not interrupted and isinstance(exc, RuntimeError) and \
+            disk_full(path.parent)
         Path(tmp).unlink(missing_ok=True)  # the previous file, if any, is untouched
+        if interrupted and not isinstance(exc, KeyboardInterrupt):
+            raise KeyboardInterrupt from None
         if cause is not None or full:
             raise write_error(path, cause or exc) from None
         raise
     _fsync_dir(path.parent)
 
 
-def _os_error(exc: BaseException) -> OSError | None:
-    """The OSError `exc` is or was raised from (torch.save wraps it in a RuntimeError)."""
+def _in_chain(exc: BaseException | None, kind: type[BaseException]) -> BaseException | None:
+    """The exception of `kind` that `exc` is or was raised from (torch.save wraps an OSError,
+    or a KeyboardInterrupt, in a RuntimeError)."""
     seen = set()
     while exc is not None and id(exc) not in seen:
-        if isinstance(exc, OSError):
+        if isinstance(exc, kind):
             return exc
         seen.add(id(exc))
         exc = exc.__cause__ or exc.__context__

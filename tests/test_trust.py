@@ -206,6 +206,38 @@ def test_atomic_writes_give_the_mode_open_gives(tmp_path, umask, mode):
     assert not list(tmp_path.glob(".*.tmp"))
 
 
+def test_ctrl_c_inside_torch_save_is_an_interrupt_not_a_corrupt_file(tmp_path, monkeypatch):
+    """The notebook's Stop during a checkpoint's save: torch.save's writer turns the
+    KeyboardInterrupt into RuntimeError("unexpected pos"), which read as a broken file in a
+    traceback. It stays an interrupt (the run's resume hint), the checkpoint before it whole."""
+    from modules import files
+    path = tmp_path / "baseline.pt"
+    atomic_torch_save({"epoch": 1}, path)
+    before = path.read_bytes()
+    real_fdopen = os.fdopen
+
+    class Interrupted(io.RawIOBase):
+        def __init__(self, f):
+            self.f, self.calls = f, 0
+
+        def writable(self):
+            return True
+
+        def write(self, data):
+            self.calls += 1
+            if self.calls == 3:
+                raise KeyboardInterrupt
+            return self.f.write(data)
+
+        def close(self):
+            self.f.close()
+            super().close()
+    monkeypatch.setattr(files.os, "fdopen", lambda fd, mode: Interrupted(real_fdopen(fd, mode)))
+    with pytest.raises(KeyboardInterrupt):
+        atomic_torch_save({"epoch": 2, "w": torch.zeros(10_000)}, path)
+    assert path.read_bytes() == before and not list(tmp_path.glob(".*.tmp"))
+
+
 def test_a_shared_file_is_a_hard_link_or_else_a_whole_copy(tmp_path, monkeypatch):
     source = tmp_path / "resolution.pt"
     atomic_torch_save({"x": torch.arange(4)}, source)
