@@ -457,9 +457,11 @@ TOOL_FOLDERS = {"__macosx", "__pycache__"}
 
 
 def _class_dirs(folder: Path) -> list[Path]:
-    """Class folders: all but hidden ones and tools' own (TOOL_FOLDERS)."""
-    return sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")
-                  and p.name.lower() not in TOOL_FOLDERS)
+    """Class folders: all but hidden ones and tools' own (TOOL_FOLDERS), by name, upper case
+    first on every system (Windows sorts paths ignoring case: a copy of the data there would
+    draw other splits from the same seed)."""
+    return sorted((p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")
+                   and p.name.lower() not in TOOL_FOLDERS), key=lambda p: p.name)
 
 
 def _loose_images(folder: Path) -> int:
@@ -621,9 +623,14 @@ def _seeded_split(per_class: dict[str, list[Path]], fraction: float, seed: int
     for name, files in per_class.items():
         order = rng.permutation(len(files))
         n_held = min(len(files) - 1, max(1, round(fraction * len(files))))
-        held[name] = sorted(files[i] for i in order[:n_held])
-        kept[name] = sorted(files[i] for i in order[n_held:])
+        held[name] = sorted((files[i] for i in order[:n_held]), key=_path_order)
+        kept[name] = sorted((files[i] for i in order[n_held:]), key=_path_order)
     return kept, held
+
+
+def _path_order(path: Path) -> tuple[str, ...]:
+    """Paths in POSIX's order on every system (Windows' ignores case)."""
+    return path.parts
 
 
 def _val_share(per_class: dict[str, list[Path]], fraction: float) -> float:

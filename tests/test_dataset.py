@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import pathlib
 from pathlib import Path
 
 import numpy as np
@@ -154,6 +155,23 @@ def test_validation_takes_the_share_of_train_that_makes_500_images(tmp_path):
     index = index_dataset(tmp_path / "d", check=False)
     assert len(index.val) == 500 and len(index.train) == 3200 - 500
     assert {label for _, label in index.val} == {0, 1}
+
+
+def test_a_copy_on_windows_draws_the_same_splits(tmp_path, monkeypatch):
+    """Windows sorts paths ignoring case: folders and files whose names mix cases, indexed
+    there, drew other splits from the same seed (another fingerprint: a resume or a comparison
+    with a Colab run refused). Names are ordered as POSIX orders them, on every system."""
+    for c in ("Zebra", "apple", "Mango"):
+        for name in ("B", "a", "C", "d", "E", "f"):
+            write_image(tmp_path / "d" / c / f"{name}.png", COLOURS["red"], size=8, seed=len(name))
+    here = index_dataset(tmp_path / "d", seed=42, check=False)
+    monkeypatch.setattr(pathlib.PurePath, "__lt__", lambda a, b: str(a).lower() < str(b).lower())
+    assert sorted([Path("b"), Path("A")]) == [Path("A"), Path("b")]  # patched: Windows' order
+    assert sorted([Path("B"), Path("a")]) == [Path("a"), Path("B")]
+    there = index_dataset(tmp_path / "d", seed=42, check=False)
+    assert there.classes == here.classes == ["Mango", "Zebra", "apple"]
+    assert (there.train, there.val, there.test) == (here.train, here.val, here.test)
+    assert there.fingerprint() == here.fingerprint()
 
 
 def test_seeded_split_is_reproducible_and_differs_by_seed(folder):
