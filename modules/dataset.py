@@ -280,6 +280,22 @@ def download_intel() -> Path:
                         "--dataset synthetic.") from None
 
 
+MAX_NAME_CHARS = 100
+
+
+def folder_dataset_name(root: Path) -> str:
+    """A data folder's name as the outputs' names use it (`<name>_model.pt`, the study's):
+    safe characters, and at most MAX_NAME_CHARS, a longer one cut and told apart by a hash of
+    the whole (whole, a 240-character folder name made the model file's temporary name longer
+    than file systems allow, and every run failed after its first scenario)."""
+    whole = root.resolve().name
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", whole).strip("._") or "dataset"
+    if len(name) > MAX_NAME_CHARS:
+        digest = hashlib.sha1(whole.encode("utf-8", "surrogateescape")).hexdigest()[:8]
+        name = f"{name[:MAX_NAME_CHARS - 9]}-{digest}"
+    return name
+
+
 def resolve_source(dataset: str, data_dir: str | os.PathLike | None, cache_dir: Path,
                    synthetic_per_class: tuple[int, int] = (400, 100)) -> tuple[Path, str]:
     """(root folder, dataset name) for --dataset / --data-dir; --data-dir wins."""
@@ -289,8 +305,7 @@ def resolve_source(dataset: str, data_dir: str | os.PathLike | None, cache_dir: 
             raise UserError(f"data folder {str(root)!r} does not exist.")
         if not root.is_dir():
             raise UserError(f"--data-dir {str(root)!r} is a file, not a folder.")
-        name = re.sub(r"[^A-Za-z0-9_.-]+", "_", root.resolve().name).strip("._") or "dataset"
-        return root, name
+        return root, folder_dataset_name(root)
     if dataset == "intel":
         return download_intel(), "intel"
     if dataset == "synthetic":

@@ -14,6 +14,7 @@ from conftest import COLOURS, make_folder, write_image
 from modules.config import TrainConfig, UserError
 from modules.dataset import EpochSampler, index_dataset, load_rgb, resolve_source, subset
 from modules.fastdata import CachedLoader
+from modules.files import atomic_write_text
 from modules.loaders import make_loaders
 
 
@@ -155,6 +156,22 @@ def test_validation_takes_the_share_of_train_that_makes_500_images(tmp_path):
     index = index_dataset(tmp_path / "d", check=False)
     assert len(index.val) == 500 and len(index.train) == 3200 - 500
     assert {label for _, label in index.val} == {0, 1}
+
+
+def test_a_long_folder_name_is_cut_to_a_name_files_can_carry(tmp_path):
+    """A 240-character folder name (legal on Linux and NTFS) made `.<name>_model.pt.<hex>.tmp`
+    longer than 255 bytes: every run failed after its first scenario. Two such folders that
+    differ only past the cut keep apart."""
+    a, b = ("d" * 230 + tail for tail in ("-a", "-b"))
+    for name in (a, b):
+        (tmp_path / name).mkdir()
+    name_a, name_b = (resolve_source("synthetic", tmp_path / n, tmp_path)[1] for n in (a, b))
+    assert len(name_a) == len(name_b) == 100 and name_a != name_b
+    assert name_a.startswith("d" * 91 + "-")
+    (tmp_path / "out").mkdir()
+    atomic_write_text("x", tmp_path / "out" / f"{name_a}_model.other-data-0123abcd.pt")
+    (tmp_path / "short name").mkdir()
+    assert resolve_source("synthetic", tmp_path / "short name", tmp_path)[1] == "short_name"
 
 
 def test_a_copy_on_windows_draws_the_same_splits(tmp_path, monkeypatch):
