@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from modules import distributed
+from modules import distributed, hostmem
 from modules.config import (CPU_ALLOCATORS, DROPOUT_IMPLS, MAX_IMAGE_SIZE, MAX_SEED, MIN_IMAGE_SIZE,
                             MODELS, SCHEDULERS, TrainConfig, UserError)
 from modules.device import autocast_dtype
@@ -275,6 +275,9 @@ def parse_args(argv: list[str] | None = None) -> RunOptions:
             and distributed.launched_main():  # without hpo, the line above said it already
         log.warning("--worker-seed does nothing here: it seeds a worker of a shared --storage "
                     "study; without one the search is seeded by --seed")
+    if args.cpu_allocator not in (None, *hostmem.candidates()):
+        raise UserError(f"--cpu-allocator {args.cpu_allocator} needs glibc (Linux); this "
+                        f"machine offers {', '.join(hostmem.candidates())}.")
     device = resolve_device(args.device)  # --device cuda without a GPU fails here
     for name in args.scenarios:  # so does any value TrainConfig refuses, before any work
         config = scenario_config(name, args, device)

@@ -73,6 +73,17 @@ def test_a_bad_setting_is_a_one_line_error():
         TrainConfig(cpu_allocator="jemalloc")
 
 
+def test_retain_without_glibc_is_refused_before_any_work(monkeypatch, tmp_path):
+    """macOS and Windows have no glibc: the option is refused with the others' checks, not
+    after the data was indexed and a run folder made."""
+    import pipeline
+    monkeypatch.setattr(hostmem, "_libc", False)
+    with pytest.raises(UserError, match="--cpu-allocator retain needs glibc.*offers system"):
+        pipeline.parse_args(["--cpu-allocator", "retain", "--output-dir", str(tmp_path)])
+    assert not list(tmp_path.iterdir())
+    pipeline.parse_args(["--cpu-allocator", "system", "--output-dir", str(tmp_path)])
+
+
 def test_retain_without_glibc_is_a_one_line_error(monkeypatch):
     monkeypatch.setattr(hostmem, "_libc", False)
     assert hostmem.candidates() == ["system"]
