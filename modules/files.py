@@ -18,6 +18,15 @@ import torch
 
 from modules.config import UserError, first_line
 
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
+try:
+    import msvcrt
+except ImportError:  # POSIX
+    msvcrt = None
+
 log = logging.getLogger(__name__)
 
 
@@ -279,35 +288,69 @@ def folder_lock(folder: Path):
     # The run is yielded to outside every except block: inside one, any error of the run
     # would carry the lock's as its context ("No locks available ... During handling").
     try:
-        import fcntl
         handle = open(Path(folder) / ".lock", "a+")
-    except (ImportError, OSError):  # Windows; an unwritable folder is reported elsewhere
+    except OSError:  # an unwritable folder is reported elsewhere
         handle = None
     if handle is None:
         yield
         return
     with handle:
-        locked = True
+        locked = _lock(handle)
+        if locked is False:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            raise UserError(f"another run is writing to {str(folder)!r} ({holder}): wait "
+                            "for it to end, or give this one another --output-dir.")
         try:
-            # A POSIX record lock belongs to this process: DataLoader workers forked during the
-            # run do not inherit it (a flock would outlive a failed notebook cell in them).
+            if locked:
+                handle.truncate(0)
+                handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+                handle.flush()
+            # Killed writes' leftovers go either way: a lost Colab VM's are on Drive, where
+            # there may be no locks (sweep_unfinished_writes takes only those older than a
+            # run's write could be).
+            sweep_unfinished_writes(Path(folder))
+            yield
+        finally:
+            if locked:
+                _unlock(handle)
+
+
+# Windows' locks are mandatory: the byte locked lies past the holder's line, which a second
+# run reads to name it.
+WINDOWS_LOCK_OFFSET = 2**30
+
+
+def _lock(handle) -> bool | None:
+    """True: this process now holds the lock of `handle`'s file; False: another process
+    holds it; None: this filesystem has no locks."""
+    if fcntl is not None:
+        try:
+            # A POSIX record lock belongs to this process: DataLoader workers forked during
+            # the run do not inherit it (a flock would outlive a failed notebook cell in them).
             fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
         except OSError as exc:
-            if exc.errno in (errno.EACCES, errno.EAGAIN):
-                handle.seek(0)
-                holder = handle.read().strip() or "another process"
-                raise UserError(f"another run is writing to {str(folder)!r} ({holder}): wait "
-                                "for it to end, or give this one another --output-dir.") from None
-            locked = False  # no locks on this filesystem: run unguarded
-        if locked:
-            handle.truncate(0)
-            handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-            handle.flush()
-        # Killed writes' leftovers go either way: a lost Colab VM's are on Drive, where
-        # there may be no locks (sweep_unfinished_writes takes only those older than a run's
-        # write could be).
-        sweep_unfinished_writes(Path(folder))
-        yield
+            return False if exc.errno in (errno.EACCES, errno.EAGAIN) else None
+    if msvcrt is not None:
+        os.lseek(handle.fileno(), WINDOWS_LOCK_OFFSET, os.SEEK_SET)
+        try:
+            msvcrt.locking(handle.fileno(), msvcrt.LK_NBLCK, 1)
+            return True
+        except OSError as exc:
+            return False if exc.errno in (errno.EACCES, errno.EDEADLOCK) else None
+        finally:
+            handle.seek(0)
+    return None
+
+
+def _unlock(handle) -> None:
+    """Windows asks for its locks to be released before the file is closed (POSIX's go with
+    the close)."""
+    if fcntl is None and msvcrt is not None:
+        os.lseek(handle.fileno(), WINDOWS_LOCK_OFFSET, os.SEEK_SET)
+        with contextlib.suppress(OSError):
+            msvcrt.locking(handle.fileno(), msvcrt.LK_UNLCK, 1)
 
 
 UNFINISHED = re.compile(r"^\..+\.[0-9a-f]{8}\.(tmp|link)$")  # _create_temp's, share_file's

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import signal
@@ -540,7 +541,6 @@ def test_a_typo_after_an_interrupted_run_does_not_take_over_resume(tmp_path, cap
 def test_a_folder_the_run_cannot_write_is_one_line(tmp_path, monkeypatch, capsys):
     """A read-only checkpoints/ inside a writable output dir (root ignores modes, so the
     refusal is played); any other OSError is a bug and keeps its traceback."""
-    import errno
 
     import scenario
     data = make_folder(tmp_path / "d", n_train=4, n_test=2)
@@ -577,7 +577,6 @@ def test_a_folder_the_run_cannot_write_is_one_line(tmp_path, monkeypatch, capsys
 def test_a_disk_filled_by_a_large_checkpoint_is_one_line(tmp_path, monkeypatch):
     """torch.save wraps the full disk's OSError in a RuntimeError ("unexpected pos"); once its
     partial file is removed the disk has room again, so the free space alone would not say."""
-    import errno
 
     from modules import files
     from modules.config import UserError
@@ -603,7 +602,6 @@ def test_a_disk_filled_by_a_large_checkpoint_is_one_line(tmp_path, monkeypatch):
 def test_a_failed_write_names_the_option_of_the_folder_it_was_in(tmp_path):
     """A full --local-dir is not fixed by another --output-dir; a file outside both (a
     download cache) names neither."""
-    import errno
 
     import scenario
     from modules import files
@@ -651,6 +649,40 @@ def test_a_second_run_into_a_folder_in_use_stops_in_one_line(tmp_path):
         assert again.returncode == 0, again.stderr
     finally:
         worker.kill()
+
+
+def test_windows_locks_the_folder_with_msvcrt(tmp_path, monkeypatch):
+    """Without fcntl (Windows) the folder went unlocked: a second run trained beside the
+    first, and killed writes' leftovers were never swept. msvcrt's locks, emulated here as
+    Windows keeps them (per open file, a byte range, refused to any other holder), guard it;
+    the locked byte lies past the holder's line, which the refusal reads."""
+    from modules import files
+    held: dict[tuple[int, int], int] = {}  # (file, offset) -> the descriptor holding it
+
+    class FakeMsvcrt:
+        LK_NBLCK, LK_UNLCK = 2, 0
+
+        @staticmethod
+        def locking(fd, mode, nbytes):
+            key = (os.fstat(fd).st_ino, os.lseek(fd, 0, os.SEEK_CUR))
+            if mode == FakeMsvcrt.LK_UNLCK:
+                assert held.pop(key) == fd
+            elif held.setdefault(key, fd) != fd:
+                raise PermissionError(errno.EACCES, "Permission denied")
+    monkeypatch.setattr(files, "fcntl", None)
+    monkeypatch.setattr(files, "msvcrt", FakeMsvcrt)
+    leftover = tmp_path / ".results.json.deadbeef.tmp"
+    leftover.write_bytes(b"a killed write's")
+    os.utime(leftover, (time.time() - 3600,) * 2)
+    with files.folder_lock(tmp_path):
+        assert list(held) == [((tmp_path / ".lock").stat().st_ino, files.WINDOWS_LOCK_OFFSET)]
+        assert not leftover.exists()
+        with pytest.raises(UserError, match=f"another run is writing to .*pid {os.getpid()}"):
+            with files.folder_lock(tmp_path):
+                pass
+    assert not held
+    with files.folder_lock(tmp_path):  # released: the next run goes ahead
+        pass
 
 
 def test_writes_a_kill_cut_short_are_swept_when_the_folder_is_next_locked(tmp_path):
@@ -764,7 +796,6 @@ def test_a_folder_without_locks_runs_unguarded_with_no_lock_error_in_its_traceba
     """On a filesystem without record locks (some network drives) the run went on inside the
     lock's except block: every error of the run then read "No locks available ... During
     handling of the above exception", and killed writes' leftovers were never swept."""
-    import errno
     import fcntl
 
     from modules.files import folder_lock
@@ -786,7 +817,6 @@ def test_a_folder_without_locks_runs_unguarded_with_no_lock_error_in_its_traceba
 def test_a_chart_or_report_that_fills_the_disk_leaves_the_earlier_one(tmp_path, monkeypatch):
     """Charts, report.md and the plotly pages were written in place: a full disk left a
     truncated PNG where the previous run's was, under a message saying it stayed intact."""
-    import errno
 
     from modules import files
     from modules.config import UserError
@@ -822,7 +852,6 @@ def test_a_clock_or_refusal_record_that_cannot_be_written_is_no_traceback(data, 
     """The tuning clock's thread caught OSError only; writers raise UserError for a full or
     read-only disk, so the thread died with a traceback on stderr. And a refused run whose
     record could not be undone said that instead of why it was refused."""
-    import errno
 
     import scenario
     from modules import files
