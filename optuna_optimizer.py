@@ -208,13 +208,8 @@ def retry_callback():
     """Optuna's callback that queues a trial cut off by a kill again, without the successive
     halving rungs the cut-off trial had passed: copied, they told the pruner the retry had
     passed them too, and it was not judged at its first rung however far behind (and the pool
-    there held the cut-off run's value twice). Optuna 4.9 renamed the callback; requirements
-    still allow 3.5."""
-    storages = optuna.storages
-    base = getattr(storages, "RetryHeartbeatStaleTrialCallback", None) or \
-        storages.RetryFailedTrialCallback
-
-    class Retry(base):
+    there held the cut-off run's value twice)."""
+    class Retry(optuna.storages.RetryHeartbeatStaleTrialCallback):
         def __call__(self, study, trial):
             trial = copy.deepcopy(trial)
             trial.system_attrs = {k: v for k, v in trial.system_attrs.items()

@@ -69,7 +69,7 @@ def to_rgb(img: Image.Image) -> Image.Image:
     """Any PIL mode (L, P, RGBA, CMYK, I;16, F, 1 ...) as 8-bit RGB; transparency over white,
     whether an alpha channel or one colour keyed transparent (PNG's tRNS in an L, RGB or 1
     image: left as stored, the same logo would train on white as RGBA and on black as RGB)."""
-    if img.mode in ("1", "L", "P", "RGB") and "transparency" in img.info:
+    if img.mode in ("1", "L", "P", "RGB") and _keyed_8bit(img):
         img = img.convert("RGBA")
     if img.mode == "RGB":
         return img
@@ -82,15 +82,31 @@ def to_rgb(img: Image.Image) -> Image.Image:
     return img.convert("RGB")
 
 
+def _keyed_8bit(img: Image.Image) -> bool:
+    """Whether `img` has a transparent colour Pillow can apply: a palette's, or an 8-bit
+    key. A 16-bit PNG opens as 8-bit RGB but keeps its 16-bit key, which Pillow would match
+    by its low byte, whitening other pixels than the transparent ones: left as stored."""
+    key = img.info.get("transparency")
+    if key is None:
+        return False
+    if img.mode == "P":
+        return True
+    values = key if isinstance(key, tuple) else (key,)
+    return all(isinstance(v, int) and 0 <= v <= 255 for v in values)
+
+
 STRETCH_CHUNK_PX = 2**20  # pixels converted to float64 at a time (8 MB)
 
 
 def _to_8bit(img: Image.Image) -> Image.Image:
     """A 16- or 32-bit image as 8-bit L. 16-bit values (I;16, or I within 0..65535, as older
-    Pillows open 16-bit PNGs) scale by the format's range, as 8 bits of the same scene would
-    read; other I and F images have their min..max stretched to 0..255, a flat one clipped to
-    its level. Done in bands of rows: the whole image as float64 costs 8 bytes a pixel, several
-    times over in temporaries, before any resize could shrink it."""
+    Pillows open 16-bit PNGs) scale by their bit depth's range, as 8 bits of the same scene
+    would read: 16 bits, or 12 (values up to 4095: a 12-bit sensor's, stored in 16) or 8
+    (values up to 255: 8-bit data stored wide), which the full 16-bit range would leave at
+    1/16 of their brightness or black. Other I and F images have their min..max stretched to
+    0..255, a flat one clipped to its level. Done in bands of rows: the whole image as float64
+    costs 8 bytes a pixel, several times over in temporaries, before any resize could shrink
+    it."""
     width, height = img.size
     rows = max(1, STRETCH_CHUNK_PX // max(1, width))
     bands = [(top, min(height, top + rows)) for top in range(0, height, rows)]
@@ -102,7 +118,8 @@ def _to_8bit(img: Image.Image) -> Image.Image:
                          for values in (band(top, bottom) for top, bottom in bands)])
     lo, hi = float(extremes[:, 0].min()), float(extremes[:, 1].max())  # a NaN stays NaN
     if img.mode.startswith("I;16") or (img.mode == "I" and lo >= 0 and hi <= 65535):
-        lo, scale, rounding = 0.0, 255.0 / 65535.0, 0.5  # 155 * 257 scales to 154.99999999999997
+        top = 255.0 if hi <= 255 else 4095.0 if hi <= 4095 else 65535.0
+        lo, scale, rounding = 0.0, 255.0 / top, 0.5  # 155 * 257 scales to 154.99999999999997
     elif hi > lo:
         scale, rounding = 255.0 / (hi - lo), 0.0
     else:
@@ -280,7 +297,7 @@ def download_intel() -> Path:
                         "--dataset synthetic.") from None
 
 
-MAX_NAME_CHARS = 100
+MAX_NAME_CHARS = 200  # the longest file name made of it adds 45 characters, within 255
 
 
 def folder_dataset_name(root: Path) -> str:
@@ -546,6 +563,8 @@ def _file_identity(entry: os.DirEntry, real: str) -> str:
     name, and file systems whose inode numbers are not unique stay read file by file."""
     try:
         info = entry.stat()
+        if info.st_nlink == 0:  # Windows' DirEntry leaves links and inodes out
+            info = os.stat(entry.path)
     except OSError:
         return real  # check_image says why it cannot be read
     return f"inode:{info.st_dev}:{info.st_ino}" if info.st_nlink > 1 else real

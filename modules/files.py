@@ -88,8 +88,9 @@ def _atomic_write(path: Path, write, mode: str) -> None:
         # chain; else the free space says, looked at before the partial file frees it.
         # Ctrl-C (the notebook's Stop) in torch.save's writer arrives as such a RuntimeError
         # too: it stays an interrupt, which ends the run with the resume hint.
-        cause = _in_chain(exc, OSError)
-        interrupted = _in_chain(exc, KeyboardInterrupt) is not None
+        interrupted = isinstance(exc, KeyboardInterrupt) or (
+            isinstance(exc, RuntimeError) and _in_chain(exc, KeyboardInterrupt) is not None)
+        cause = None if interrupted else _in_chain(exc, OSError)
         full = cause is None and not interrupted and isinstance(exc, RuntimeError) and \
             disk_full(path.parent)
         Path(tmp).unlink(missing_ok=True)  # the previous file, if any, is untouched

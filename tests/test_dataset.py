@@ -166,12 +166,13 @@ def test_a_long_folder_name_is_cut_to_a_name_files_can_carry(tmp_path):
     for name in (a, b):
         (tmp_path / name).mkdir()
     name_a, name_b = (resolve_source("synthetic", tmp_path / n, tmp_path)[1] for n in (a, b))
-    assert len(name_a) == len(name_b) == 100 and name_a != name_b
-    assert name_a.startswith("d" * 91 + "-")
+    assert len(name_a) == len(name_b) == 200 and name_a != name_b
+    assert name_a.startswith("d" * 191 + "-")
     (tmp_path / "out").mkdir()
     atomic_write_text("x", tmp_path / "out" / f"{name_a}_model.other-data-0123abcd.pt")
-    (tmp_path / "short name").mkdir()
-    assert resolve_source("synthetic", tmp_path / "short name", tmp_path)[1] == "short_name"
+    for kept in ("short name", "e" * 200):  # names that worked stay as they were
+        (tmp_path / kept).mkdir()
+        assert resolve_source("synthetic", tmp_path / kept, tmp_path)[1] == kept.replace(" ", "_")
 
 
 def test_a_copy_on_windows_draws_the_same_splits(tmp_path, monkeypatch):
@@ -263,6 +264,25 @@ def test_a_colour_keyed_transparent_becomes_white(tmp_path, mode, key):
     assert rgb.getpixel((1, 1)) == (255, 255, 255)
     if mode != "1":  # its other colour is white
         assert rgb.getpixel((0, 0)) != (255, 255, 255)
+
+
+def test_a_16_bit_colour_key_is_left_as_stored(tmp_path):
+    """A 16-bit RGB PNG opens as 8-bit RGB with its 16-bit key, which Pillow's conversion
+    would match by its low byte: other pixels than the transparent ones turned white."""
+    import struct
+    import zlib
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(
+            ">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+    key = (0x1234, 0x5678, 0x9ABC)
+    lookalike = (0x34, 0x78, 0xBC)  # 8-bit pixels equal to the key's low bytes
+    row = b"\0" + struct.pack(">3H", *key) + struct.pack(">3H", *(v << 8 for v in lookalike))
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 2, 1, 16, 2, 0, 0, 0)) \
+        + chunk(b"tRNS", struct.pack(">3H", *key)) + chunk(b"IDAT", zlib.compress(row)) \
+        + chunk(b"IEND", b"")
+    (tmp_path / "deep.png").write_bytes(png)
+    assert load_rgb(tmp_path / "deep.png").getpixel((1, 0)) == lookalike
 
 
 def test_bad_files_are_skipped_counted_and_named(folder, caplog):

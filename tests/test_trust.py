@@ -4,6 +4,7 @@ folders, deep-colour images and model files that claim too much."""
 from __future__ import annotations
 
 import email.message
+import errno
 import io
 import logging
 import os
@@ -236,6 +237,22 @@ def test_ctrl_c_inside_torch_save_is_an_interrupt_not_a_corrupt_file(tmp_path, m
     with pytest.raises(KeyboardInterrupt):
         atomic_torch_save({"epoch": 2, "w": torch.zeros(10_000)}, path)
     assert path.read_bytes() == before and not list(tmp_path.glob(".*.tmp"))
+    monkeypatch.undo()
+    # an interrupt met while a write error was handled is the interrupt; an error met while
+    # an interrupt was handled is that error, as it was
+    def failing(first, then):
+        def write(f):
+            try:
+                raise first
+            except BaseException:
+                raise then  # noqa: B904 (the context is the point)
+        return write
+    with pytest.raises(KeyboardInterrupt):
+        files._atomic_write(path, failing(OSError(errno.EIO, "Input/output error"),
+                                          KeyboardInterrupt()), "wb")
+    with pytest.raises(TypeError, match="a bug"):
+        files._atomic_write(path, failing(KeyboardInterrupt(), TypeError("a bug")), "wb")
+    assert path.read_bytes() == before and not list(tmp_path.glob(".*.tmp"))
 
 
 def test_a_shared_file_is_a_hard_link_or_else_a_whole_copy(tmp_path, monkeypatch):
@@ -345,6 +362,16 @@ def test_16_bit_images_read_as_8_bits_of_the_same_scene(tmp_path, mode):
     Image.new("L", (3, 3), 155).save(tmp_path / "flat8.png")
     assert load_rgb(path).getpixel((1, 1)) == load_rgb(tmp_path / "flat8.png").getpixel((1, 1)) \
         == (155, 155, 155)
+
+
+@pytest.mark.parametrize("depth_max, levels", [(4095, [0, 2047, 4095]), (255, [0, 100, 255])])
+def test_12_and_8_bit_data_stored_in_16_bits_keep_their_brightness(depth_max, levels):
+    """A 12-bit sensor's values (up to 4095), or 8-bit data stored wide, scaled by the 16-bit
+    range would train at 1/16 of their brightness, or black: each scales by its own depth."""
+    img = Image.fromarray(np.array([levels], dtype=np.uint16))
+    assert img.mode == "I;16"
+    expected = [round(255 * v / depth_max) for v in levels]
+    assert list(np.asarray(to_rgb(img))[0, :, 0]) == expected
 
 
 def test_a_flat_deep_colour_image_keeps_its_level():
