@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from modules import distributed
+from modules import distributed, hostmem
 from modules.config import IMAGENET_MEAN, IMAGENET_STD, TrainConfig, UserError
 from modules.dataset import Sample, drops_last, eval_sampler, load_rgb, train_sampler
 from modules.device import resolve_device, usable_cpus
@@ -138,13 +138,17 @@ def keep_sizes(sizes: set[int]) -> None:
     """Drop the decoded caches at every other size: what a run no longer trains at would
     otherwise stay in memory through its final run (4.8 GB for Intel's train split at the four
     GPU candidate sizes), and count in that run's peak memory."""
-    for key in [k for k in _MEMO if k[1] not in sizes]:
+    dropped = [k for k in _MEMO if k[1] not in sizes]
+    for key in dropped:
         del _MEMO[key]
+    if dropped:
+        hostmem.release_free()
 
 
 def clear_cache() -> None:
     _MEMO.clear()
     _STAMPS.clear()
+    hostmem.release_free()
 
 
 # ----------------------------------------------------------------------------- augmentation
@@ -416,24 +420,43 @@ def _budget(index, size: int) -> tuple[int, int, int]:
     return needed, held, int(CACHE_RAM_FRACTION * (available_ram() + held))
 
 
-# (limit, usage) of a container's memory: cgroup v2, then v1 (whose "no limit" is a huge number)
-CGROUP_MEMORY_FILES = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+# (limit, usage, statistics) of a container's memory: cgroup v2, then v1 (whose "no limit" is
+# a huge number)
+CGROUP_MEMORY_FILES = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current",
+                        "/sys/fs/cgroup/memory.stat"),
                        ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                        "/sys/fs/cgroup/memory/memory.usage_in_bytes"))
+                        "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+                        "/sys/fs/cgroup/memory/memory.stat"))
+# Page cache the kernel reclaims before it would refuse the container memory: v1's over the
+# hierarchy its usage counts (v1's inactive_file is the group's own), else v2's.
+RECLAIMABLE_KEYS = ("total_inactive_file", "inactive_file")
 
 
 def cgroup_memory() -> tuple[int, int] | None:
     """(limit, usage) in bytes of the container's memory (cgroup v2, else v1), or None where
-    no limit is set or readable."""
-    for limit_file, usage_file in CGROUP_MEMORY_FILES:
+    no limit is set or readable. Usage leaves out the inactive page cache, as Docker's and
+    the kubelet's working set do: the container's files read once (pip's wheels, an unzipped
+    data set) count in its usage, and left in, they shrank the decoded cache's budget to a
+    fraction and sent the tuned scenarios to stream from disk."""
+    for limit_file, usage_file, stat_file in CGROUP_MEMORY_FILES:
         try:
             limit = Path(limit_file).read_text().strip()
             if limit == "max":
                 continue
-            return int(limit), int(Path(usage_file).read_text().strip())
+            usage = int(Path(usage_file).read_text().strip())
         except (OSError, ValueError):
             continue
+        return int(limit), max(0, usage - _reclaimable(stat_file))
     return None
+
+
+def _reclaimable(stat_file: str) -> int:
+    try:
+        stats = dict(line.split()[:2] for line in Path(stat_file).read_text().splitlines()
+                     if len(line.split()) >= 2)
+        return next((int(stats[k]) for k in RECLAIMABLE_KEYS if k in stats), 0)
+    except (OSError, ValueError):
+        return 0
 
 
 def available_ram() -> int:
@@ -490,10 +513,14 @@ def cached_loaders(index, config: TrainConfig, test: bool = True
     ranks = distributed.local_world_size()
     new_bytes = ranks * sum(cache_bytes(len(s), size) for s in splits
                             if _key(s, size) not in _MEMO)
+    evicted = False
     for key in [k for k in _MEMO if k not in keys]:  # least recently used first
         if held + new_bytes <= budget:
             break
         held -= ranks * _MEMO.pop(key)[0].numel()
+        evicted = True
+    if evicted:
+        hostmem.release_free()
     on_gpu = False
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)

@@ -440,8 +440,14 @@ def test_the_cache_budget_counts_every_process_and_a_containers_limit(folder, mo
     assert four - means == 4 * (alone - means)
     limit, usage = tmp_path / "memory.max", tmp_path / "memory.current"
     limit.write_text(str(300 * 2**20)), usage.write_text(str(100 * 2**20))
-    monkeypatch.setattr(fastdata, "CGROUP_MEMORY_FILES", ((str(limit), str(usage)),))
+    stat = tmp_path / "memory.stat"
+    monkeypatch.setattr(fastdata, "CGROUP_MEMORY_FILES", ((str(limit), str(usage), str(stat)),))
     assert fastdata.available_ram() == min(200 * 2**20, fastdata.psutil.virtual_memory().available)
+    # the page cache the kernel reclaims first (files read once) is not taken
+    stat.write_text(f"anon {70 * 2**20}\nfile {30 * 2**20}\ninactive_file {25 * 2**20}\n")
+    assert fastdata.available_ram() == min(225 * 2**20, fastdata.psutil.virtual_memory().available)
+    stat.write_text(f"inactive_file {5 * 2**20}\ntotal_inactive_file {25 * 2**20}\n")  # v1's
+    assert fastdata.available_ram() == min(225 * 2**20, fastdata.psutil.virtual_memory().available)
     # the memory limit a CPU run's diagnosis measures its peak against
     assert fastdata.total_ram() == min(300 * 2**20, fastdata.psutil.virtual_memory().total)
     limit.write_text("max")
