@@ -1562,7 +1562,8 @@ def launcher() -> list[str]:
 def data_record(index: DatasetIndex, folder: Path) -> list[str]:
     """What run.log says of the data, which was read before the log could be opened; every
     skipped file goes to folder/SKIPPED_LIST (the warning names three)."""
-    lines = [f"data: {index.summary()} in {index.root}"]
+    lines = [f"data: {index.summary()} in {index.root}"
+             + (f" (listed and checked in {index.read_s:.1f} s)" if index.read_s >= 1 else "")]
     if index.skipped:
         try:
             folder.mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,7 @@ import logging
 import os
 import random
 import re
+import time
 import unicodedata
 import warnings
 from collections.abc import Callable
@@ -203,6 +204,7 @@ class DatasetIndex:
     # files not read, by what they are: an extension (".heic") or "outside a class folder"
     ignored: dict[str, int] = field(default_factory=dict)
     sizes: dict[str, int] = field(default_factory=dict)  # bytes of each listed image, by path
+    read_s: float = field(default=0.0, compare=False)  # seconds listing and checking it took
 
     @property
     def skipped_files(self) -> int:
@@ -597,6 +599,9 @@ def check_image(path: Path, sizes: dict[str, int] | None = None) -> str | None:
         return f"undecodable ({type(exc).__name__})"
 
 
+CHECK_SAID_FROM = 2000  # images in a split: checking them is said as it starts
+
+
 def _scan_split(folder: Path, split: str, check: bool, seen: dict[str, Path],
                 ignored: dict[str, int], sizes: dict[str, int], numbered_below: int | None = None
                 ) -> tuple[dict[str, list[Path]], list[tuple[str, str]]]:
@@ -628,6 +633,9 @@ def _scan_split(folder: Path, split: str, check: bool, seen: dict[str, Path],
     skipped: list[tuple[str, str]] = []
     if check:
         every = [p for files in per_class.values() for p in files]
+        if len(every) >= CHECK_SAID_FROM:  # seconds of silence otherwise, minutes on Drive
+            log.info("checking that the %d images of the %s split decode ...", len(every),
+                     split)
         with ThreadPoolExecutor(max_workers=min(8, usable_cpus() * 2)) as pool:
             reasons = dict(zip(every, pool.map(functools.partial(check_image, sizes=sizes),
                                                every)))
@@ -680,6 +688,7 @@ def index_dataset(root: Path, name: str | None = None, *, seed: int = 0, check: 
     numbered_below: {split: n} keeps only the files named 0..n-1 in each class of that split:
     the generated set, whose folder also holds the images a larger preset asked for."""
     root = Path(root)
+    started = time.perf_counter()
     if not root.is_dir():
         raise UserError(f"data folder {str(root)!r} does not exist.")
     if not os.access(root, os.R_OK | os.X_OK):
@@ -726,7 +735,7 @@ def index_dataset(root: Path, name: str | None = None, *, seed: int = 0, check: 
     index = DatasetIndex(name=name or root.name, root=root, layout=layout, classes=classes,
                          train=to_samples(scanned["train"]), val=to_samples(scanned["val"]),
                          test=to_samples(scanned["test"]), skipped=skipped, ignored=ignored,
-                         sizes=sizes)
+                         sizes=sizes, read_s=time.perf_counter() - started)
     for split, what in (("val", "validation"), ("test", "test")):
         if not getattr(index, split):  # nothing to choose by or report: refused before training
             need = "at least 3 images" if layout == "class folders" else \
