@@ -204,6 +204,12 @@ def check_storage(url: str) -> None:
 CREATION_TRIES = 5
 
 
+def _trained(trial) -> bool:
+    """False for a trial drawn at a batch the search leaves out, stopped before it trained
+    (objective): not a trial in any count."""
+    return not trial.user_attrs.get("untrained")
+
+
 def retry_callback():
     """Optuna's callback that queues a trial cut off by a kill again, without the successive
     halving rungs the cut-off trial had passed: copied, they told the pruner the retry had
@@ -725,7 +731,7 @@ class OptunaTuner:
             return not shared or trial.user_attrs.get("run") == self.run_name
 
         def done() -> int:
-            return sum(t.state in finished_states and mine(t) and not t.user_attrs.get("untrained")
+            return sum(t.state in finished_states and mine(t) and _trained(t)
                        for t in self.study.trials)
         # Resumed without a count of its own: the count it was asked for, not a preset.
         n_trials = self.study.user_attrs[count_key] if self.resume and self.study_count and \
@@ -789,8 +795,8 @@ class OptunaTuner:
         if self.resume and have > reused:
             log.info("study %r: %d of %s %d trials done, %d to run", self.study_name, have,
                      "this run's" if shared else "its", n_trials, max(0, to_run))
-        finished = lambda: sum(t.state.is_finished() and not t.user_attrs.get(  # noqa: E731
-            "untrained") for t in self.study.trials)
+        finished = lambda: sum(t.state.is_finished() and _trained(t)  # noqa: E731
+                               for t in self.study.trials)
         finished_before = finished()
         left = self.time_left()
         if to_run > 0 and left is not None and left <= 0:
@@ -896,8 +902,8 @@ class OptunaTuner:
 
     def _untrained(self) -> int:
         """This worker's trials drawn at a batch the search leaves out, not trained."""
-        return sum(bool(t.user_attrs.get("untrained")) and t.user_attrs.get("run") in (
-            None, self.run_name) for t in self.study.trials)
+        return sum(not _trained(t) and t.user_attrs.get("run") in (None, self.run_name)
+                   for t in self.study.trials)
 
     def _stop_when_spent(self, study, trial) -> None:
         if self.time_left() <= 0:
@@ -909,8 +915,7 @@ class OptunaTuner:
 
     def summary(self) -> dict:
         study = self._require_study()
-        # a trial drawn at a batch the search leaves out is not trained, and not a trial
-        states = [t.state for t in study.trials if not t.user_attrs.get("untrained")]
+        states = [t.state for t in study.trials if _trained(t)]
         complete = states.count(optuna.trial.TrialState.COMPLETE)
         default = self._default_trial()
         best_value = study.best_value if complete else None

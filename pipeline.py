@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import errno
 import fnmatch
+import functools
 import logging
 import math
 import re
@@ -429,15 +430,21 @@ NOTEBOOK_FIELDS = {"--scenarios": "the RUN_* flags", "--profile": "PERFORM_DETAI
                    "--no-progress": "SHOW_PROGRESS unticked", "--local-dir": "USE_DRIVE"}
 
 
+@functools.cache
+def _notebook_fields() -> dict[str, str]:
+    """Each option's form field: --epochs is EPOCHS, --no-compile COMPILE unticked."""
+    def field(flag: str) -> str:
+        name = flag.removeprefix("--no-").removeprefix("--").replace("-", "_").upper()
+        return f"{name} unticked" if flag.startswith("--no-") else name
+    return {flag: field(flag) for action in build_parser()._actions
+            for flag in action.option_strings
+            if flag.startswith("--") and flag != "--help"} | NOTEBOOK_FIELDS
+
+
 def notebook_words(message: str) -> str:
     """A message's command-line options as the notebook's form names them: RESUME, not
     --resume; "untick RESUME", not "drop --resume"."""
-    def field(flag: str) -> str:  # --no-compile: COMPILE unticked
-        name = flag.removeprefix("--no-").removeprefix("--").replace("-", "_").upper()
-        return f"{name} unticked" if flag.startswith("--no-") else name
-    fields = {flag: field(flag) for action in build_parser()._actions
-              for flag in action.option_strings
-              if flag.startswith("--") and flag != "--help"} | NOTEBOOK_FIELDS
+    fields = _notebook_fields()
     message = message.replace(" (see python pipeline.py --help)", "")
     message = message.replace("with --resume", "with RESUME ticked")
     for verb, done in (("drop", "untick"), ("add", "tick")):

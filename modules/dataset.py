@@ -293,10 +293,9 @@ def download_intel() -> Path:
         if reason in ("BadZipFile", "DataCorruptionError"):
             raise UserError(f"the Intel dataset arrived damaged ({cause}): run again to "
                             "download it once more.") from None
-        raise UserError(f"the Intel dataset cannot be reached on Kaggle ({reason}"
-                        f"{': ' + said if said and said != reason else ''}); download it once "
-                        "with network access, or pass --data-dir PATH to a local copy, or use "
-                        "--dataset synthetic.") from None
+        raise UserError(f"the Intel dataset cannot be reached on Kaggle ({cause}); download "
+                        "it once with network access, or pass --data-dir PATH to a local copy, "
+                        "or use --dataset synthetic.") from None
 
 
 MAX_NAME_CHARS = 200  # the longest file name made of it adds 45 characters, within 255

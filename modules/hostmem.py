@@ -82,5 +82,6 @@ def release_free() -> None:
     """Hand freed memory back to the system now under "retain" (a no-op otherwise, where glibc
     returns large blocks as they are freed): a dropped decoded cache, hundreds of MB, would
     stay in the process, unseen by the cache's RAM budget, and counted in the run's peak."""
-    if _current == "retain" and _glibc():
-        _glibc().malloc_trim(ctypes.c_size_t(0))
+    libc = _glibc() if _current == "retain" else None
+    if libc:
+        libc.malloc_trim(ctypes.c_size_t(0))
