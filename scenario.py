@@ -633,7 +633,8 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
                        resume=args.resume, profiler=profiler)
         test = evaluate(result.model, test_loader, device=device,
                         amp_dtype=autocast_dtype(config.amp, device),
-                        channels_last=config.channels_last, num_classes=len(index.classes))
+                        channels_last=config.channels_last, num_classes=len(index.classes),
+                        progress="test" if config.progress and distributed.is_main() else None)
     system = sampler.summary()
     carried = None
     if result.resumed_from_epoch is not None and result.resumed_from_epoch >= result.epochs_run:

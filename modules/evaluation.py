@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torchmetrics.classification import MulticlassConfusionMatrix
+from tqdm.auto import tqdm
 
 from modules import distributed
 from modules.device import library_device
@@ -22,7 +23,8 @@ log = logging.getLogger(__name__)
 @torch.no_grad()
 def evaluate(model: nn.Module, loader, *, device: torch.device | str | None = None,
              amp_dtype: torch.dtype | None = None, channels_last: bool = False,
-             num_classes: int | None = None, pieces: int = 1) -> dict[str, Any]:
+             num_classes: int | None = None, pieces: int = 1,
+             progress: str | None = None) -> dict[str, Any]:
     """Loss, accuracy, per-class accuracy and confusion matrix of `model` over `loader`.
 
     A batch that runs out of memory is run again in halves (then quarters ...) for the rest of
@@ -30,7 +32,8 @@ def evaluate(model: nn.Module, loader, *, device: torch.device | str | None = No
     pieces: what each batch is cut into from the start, as an earlier call returned it in
     "pieces" (the trainer's every epoch: else each epoch's validation runs out of memory again).
     device: as load_model takes it ("auto" too), where the model is moved, as predict() does;
-    None runs where the model's weights are."""
+    None runs where the model's weights are.
+    progress: the label of a progress bar over the batches (removed when done); None, no bar."""
     if device is None:
         device = next(model.parameters()).device
     else:
@@ -51,8 +54,13 @@ def evaluate(model: nn.Module, loader, *, device: torch.device | str | None = No
     was_training = model.training
     model.eval()
     splits = max(1, int(pieces))
+    # a count, not a wrapper of the loader: tqdm(loader) draws from torch's generator (a
+    # DataLoader's seed), and the training after it would differ with the bars
+    bar = tqdm(total=len(loader), desc=progress, leave=False, disable=progress is None,
+               dynamic_ncols=True)
     try:
         for x, y in loader:
+            bar.update()
             x = x.to(device, non_blocking=True, memory_format=memory_format)
             y = y.to(device, non_blocking=True)
             while True:
@@ -73,6 +81,7 @@ def evaluate(model: nn.Module, loader, *, device: torch.device | str | None = No
             confusion.update(logits.nan_to_num(0.0), torch.where(scored, y, -1))
             unscored += (F.one_hot(y, num_classes) * (~scored).unsqueeze(1)).sum(dim=0)
     finally:
+        bar.close()
         model.train(was_training)
     matrix = confusion.compute()
     if getattr(getattr(loader, "sampler", None), "sharded", False):

@@ -206,7 +206,9 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
             row = epochs.train_one(train_loader, epoch)
             val = evaluate(model, val_loader, device=device, amp_dtype=dtype,
                            channels_last=config.channels_last, num_classes=num_classes,
-                           pieces=epochs.eval_pieces)
+                           pieces=epochs.eval_pieces,
+                           progress=f"validation {epoch + 1}/{config.epochs}"
+                           if epochs.bars else None)
             epochs.eval_pieces = val["pieces"]
             if not math.isfinite(val["loss"]):
                 # An update from a finite loss can leave weights that give NaN/inf everywhere
@@ -301,6 +303,8 @@ class _Epochs:
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.config, self.device, self.dtype = config, device, dtype
         self.progress, self.timer, self.profiler = progress, timer, profiler
+        # progress bars, drawn by one process under torchrun, as the logs are
+        self.bars = config.progress and distributed.is_main()
         # Seconds the profiler took between steps (writing its trace): not training time.
         self.profiler_s = 0.0
         self.forward = torch.compile(model) if config.compile else model
@@ -329,7 +333,7 @@ class _Epochs:
         self.last_lr = self.optimizer.param_groups[0]["lr"]  # of the epoch's last step
         accum, n_batches = self.config.grad_accum_steps, len(loader)
         bar = tqdm(total=n_batches, desc=f"epoch {epoch + 1}/{self.config.epochs}", leave=False,
-                   disable=not self.config.progress, dynamic_ncols=True)
+                   disable=not self.bars, dynamic_ncols=True)
         batches = iter(loader)
         window_batches: list[tuple[torch.Tensor, torch.Tensor]] = []  # replayed after an OOM
         pending: list[tuple[Any, list]] = []  # (finite flag, metrics) per window batch
