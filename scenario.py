@@ -31,8 +31,9 @@ from modules.autotune import MEASURE_SHARE, ComputeProbe, autotune, machine_key
 from modules.checkpoints import check_format, saved_config
 from modules.config import (DEFAULTS, DISPLAY_ONLY, SPEED_ONLY, TrainConfig, UserError,
                             first_line)
-from modules.dataset import (SKIPPED_LIST, DatasetIndex, data_path_of, index_dataset, load_rgb,
-                             make_loader, resolve_source, subset, train_transform)
+from modules.dataset import (SKIPPED_LIST, DatasetIndex, data_path_of, index_dataset,
+                             index_subset, load_rgb, make_loader, resolve_source,
+                             train_transform)
 from modules.device import apply_process_settings, autocast_dtype, resolve_device, usable_cpus
 from modules.evaluation import evaluate
 from modules.fastdata import cache_fits, keep_sizes
@@ -409,10 +410,12 @@ def load_data(args: RunOptions, output_dir: Path) -> DatasetIndex:
     root, name = resolve_source(args.dataset, args.data_dir, cache / "data", per_class)
     generated = args.data_dir is None and args.dataset == "synthetic"
     # --quick and the full preset share the generated folder; each sees only its own counts.
-    index = index_dataset(root, name, seed=args.seed, numbered_below=dict(
-        zip(("train", "test"), per_class)) if generated else None)
+    numbered = dict(zip(("train", "test"), per_class)) if generated else None
     if args.quick:
-        index = subset(index, quick_per_class(len(index.classes)), seed=args.seed)
+        index = index_subset(root, name, quick_per_class, seed=args.seed,
+                             numbered_below=numbered)
+    else:
+        index = index_dataset(root, name, seed=args.seed, numbered_below=numbered)
     if not distributed.same_on_every_rank(index.fingerprint()):
         # else the ranks' shards differ in length, and a collective fails on gloo's words
         raise UserError("the processes of this torchrun run read different images (another "

@@ -12,7 +12,9 @@ from PIL import Image
 
 from conftest import COLOURS, make_folder, write_image
 from modules.config import TrainConfig, UserError
-from modules.dataset import EpochSampler, index_dataset, load_rgb, resolve_source, subset
+from modules import dataset
+from modules.dataset import (EpochSampler, index_dataset, index_subset, load_rgb,
+                             resolve_source, subset)
 from modules.fastdata import CachedLoader
 from modules.files import atomic_write_text
 from modules.loaders import make_loaders
@@ -508,6 +510,65 @@ def test_adjacent_seeds_do_not_share_shuffles_under_torchrun(monkeypatch):
         return list(sampler)
     assert order(42, 1) != order(43, 0) and order(42, 5) != order(44, 3)
     assert order(42, 1) == order(42, 1)
+
+
+def test_the_quick_subset_checks_only_the_images_it_draws(tmp_path, monkeypatch, caplog):
+    """--quick spent 17 of its 24 s on a 60,000-image folder checking images it then left out.
+    It checks the drawn ones: the same index and fingerprint as checking all, said the same."""
+    root = make_folder(tmp_path / "d", layout="class folders", n_train=30, n_test=0)
+    (root / "red" / "notes.heic").write_bytes(b"x")
+    checked = []
+    check = dataset.check_image
+    monkeypatch.setattr(dataset, "check_image",
+                        lambda path, sizes=None: checked.append(path) or check(path, sizes))
+    per_class = lambda n: {"train": 4, "val": 2, "test": 3}  # noqa: E731
+    with caplog.at_level(logging.INFO, logger="modules.dataset"):
+        quick = index_subset(root, "d", per_class, seed=5)
+    said = [r.getMessage() for r in caplog.records]
+    assert sorted(map(str, checked)) == sorted(p for p, _ in quick.train + quick.val + quick.test)
+    assert len(checked) == 27 and quick.read_s > 0
+    whole = subset(index_dataset(root, "d", seed=5), per_class(3), seed=5)
+    assert (quick.train, quick.val, quick.test) == (whole.train, whole.val, whole.test)
+    assert quick.fingerprint() == whole.fingerprint()
+    assert sum("formats this does not read" in line for line in said) == 1
+
+
+def test_an_undecodable_image_drawn_for_the_quick_subset_is_replaced_from_its_class(
+        tmp_path, monkeypatch, caplog):
+    """An undecodable image drawn gives way to another of its class, in an order of that class
+    alone: every other class's draw stays, and the test images stay the same for every seed
+    (a first version drew again from the checked folder, whose lists differ by the bad files:
+    the test set then changed with the seed). Skipped files are counted and said once."""
+    for split, n in (("train", 40), ("test", 30)):
+        for c in COLOURS:
+            for i in range(n):
+                write_image(tmp_path / "d" / split / c / f"{i}.jpg", COLOURS[c])
+    root = tmp_path / "d"
+    per_class = lambda n: {"train": 8, "val": 4, "test": 6}  # noqa: E731
+    clean = {seed: index_subset(root, "d", per_class, seed=seed) for seed in (1, 2)}
+    bad = [p for p, label in clean[1].test if label == 0][:2] + [clean[1].train[0][0]]
+    for path in bad:
+        Path(path).write_bytes(b"")
+    monkeypatch.setattr(dataset, "CHECK_SAID_FROM", 10)
+    with caplog.at_level(logging.INFO, logger="modules.dataset"):
+        quick = {seed: index_subset(root, "d", per_class, seed=seed) for seed in (1, 2)}
+    said = [r.getMessage() for r in caplog.records]
+    for seed in (1, 2):
+        got, was = quick[seed], clean[seed]
+        assert (len(got.train), len(got.val), len(got.test)) == (24, 12, 18)
+        assert not {p for p, _ in got.train + got.val + got.test} & set(bad)
+        assert sorted(p for p, _ in got.skipped) == sorted(p for p in bad if p in {
+            q for q, _ in was.train + was.val + was.test})
+        for split in ("train", "val", "test"):  # the classes without a bad image: as before
+            assert [s for s in getattr(got, split) if s[1] != 0] == \
+                [s for s in getattr(was, split) if s[1] != 0]
+    assert quick[1].test == quick[2].test
+    assert said.count("checking that the 54 images drawn decode ...") == 2
+    assert sum(line.startswith("skipped ") for line in said) == 2
+    for i in range(30):  # a class with no readable image left in a split
+        (root / "test" / "red" / f"{i}.jpg").write_bytes(b"")
+    with pytest.raises(UserError, match="class 'red' in the test split has no usable images"):
+        index_subset(root, "d", per_class, seed=1)
 
 
 def test_subset_keeps_the_first_n_per_class(folder):
