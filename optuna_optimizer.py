@@ -30,7 +30,8 @@ from modules.config import OPTIMIZERS, TrainConfig, UserError, first_line
 from modules.files import atomic_save_figure, atomic_write_text, kept_file
 from modules.oom import release
 from modules.report import figure, write_html
-from modules.selection import accuracy_se, beats, informative, tie_margin
+from modules.selection import (accuracy_se, beats, chance_level, chance_words, informative,
+                              tie_margin)
 from modules.device import resolve_device
 from modules.trainer import DivergedError, fit, trial_failure
 
@@ -134,7 +135,7 @@ def early_rungs(epochs: int) -> list[int]:
 class _BeyondNoise(optuna.pruners.BasePruner):
     """`pruner`, whose stop holds only when the trial is clearly behind: some trial at the same
     epoch beats it by more than one standard error of the difference on the validation set,
-    and some trial has left chance (two standard errors above 1 / classes) at that epoch.
+    and some trial has left chance (two standard errors above chance_level) at that epoch.
     Before that, ranking prunes by noise: from scratch, good configurations can sit at chance
     for an epoch or two, and with few trials at a rung successive halving keeps only the top
     one, however close the next.
@@ -143,9 +144,9 @@ class _BeyondNoise(optuna.pruners.BasePruner):
     of the trials at that epoch, and clearly behind) stops a trial only once it has itself left
     chance: a trial still at chance may be one that leaves it late and then leads."""
 
-    def __init__(self, pruner: optuna.pruners.BasePruner, n_val: int, num_classes: int,
+    def __init__(self, pruner: optuna.pruners.BasePruner, n_val: int, chance: float,
                  epochs: int, early: list[int] | tuple[int, ...] = ()):
-        self.pruner, self.n_val, self.num_classes = pruner, n_val, num_classes
+        self.pruner, self.n_val, self.chance = pruner, n_val, chance
         self.epochs, self.early = epochs, tuple(early)
 
     def prune(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> bool:
@@ -169,7 +170,7 @@ class _BeyondNoise(optuna.pruners.BasePruner):
                 if step in t.intermediate_values and t.state != optuna.trial.TrialState.FAIL]
         leader, value = max(here), trial.intermediate_values[step]
         if step in self.early:
-            if not informative(value, self.n_val, self.num_classes):
+            if not informative(value, self.n_val, self.chance):
                 return False
             # successive halving's promotion rule: in the top third of the trials at the rung
             top = sorted(here, reverse=True)[max(0, len(here) // REDUCTION_FACTOR - 1)]
@@ -179,7 +180,7 @@ class _BeyondNoise(optuna.pruners.BasePruner):
         # past the rung, and trials must be ranked at the rung's own epoch. Its stop holds
         # only once some trial has left chance here, and this one is clearly behind.
         verdict = self.pruner.prune(study, trial)
-        if not informative(leader, self.n_val, self.num_classes):
+        if not informative(leader, self.n_val, self.chance):
             return False
         return verdict and beats(leader, value, self.n_val)
 
@@ -609,6 +610,10 @@ class OptunaTuner:
         except Exception as exc:  # SQLAlchemy raises many types for bad URLs / unreachable DBs
             raise storage_error(self.storage_url, exc) from None
 
+    def chance(self) -> float:
+        """What a trial that has learned nothing validates at (chance_level)."""
+        return chance_level((label for _, label in self.index.val), len(self.index.classes))
+
     def first_rung(self) -> int:
         """The epoch at which successive halving first compares trials."""
         return first_rung(self.epochs)
@@ -636,7 +641,7 @@ class OptunaTuner:
         else:
             pruner = optuna.pruners.SuccessiveHalvingPruner(min_resource=self.first_rung(),
                                                             reduction_factor=REDUCTION_FACTOR)
-        return _BeyondNoise(pruner, len(self.index.val), len(self.index.classes), self.epochs,
+        return _BeyondNoise(pruner, len(self.index.val), self.chance(), self.epochs,
                             () if self.pruner == "median" else early_rungs(self.epochs))
 
     def _log_trial(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
@@ -1099,8 +1104,9 @@ class OptunaTuner:
                           "keeping it")
         # Every trial trains the same epochs at the same size, so one that has left chance
         # where the default has not is ahead at equal cost, and the final run continues from it.
-        if not informative(top.value, n, len(self.index.classes)):
-            return None, (f"no trial has left chance for {len(self.index.classes)} classes after "
+        chance = self.chance()
+        if not informative(top.value, n, chance):
+            return None, (f"no trial has left {chance_words(chance)} after "
                           f"{self.epochs} epochs (best {100 * top.value:.1f}%): the trials are "
                           "too short to rank configurations; keeping the default")
         value, last = self.within_default_steps(best, default)
@@ -1115,9 +1121,9 @@ class OptunaTuner:
         if not beats(value, default.value, n):
             return None, (f"the search's best ({shown}) does not beat the default "
                           f"({100 * default.value:.1f}%) {margin}: keeping the default")
-        if not informative(best.value, n, len(self.index.classes)):
-            return None, (f"the search's best ({shown}) has not left chance for "
-                          f"{len(self.index.classes)} classes: keeping the default")
+        if not informative(best.value, n, chance):
+            return None, (f"the search's best ({shown}) has not left {chance_words(chance)}: "
+                          "keeping the default")
         return dict(best.params), (f"the search's best ({shown}) beats the default "
                                    f"({100 * default.value:.1f}%) {margin}")
 

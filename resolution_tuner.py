@@ -29,7 +29,8 @@ from modules.device import resolve_device
 from modules.files import atomic_save_figure, atomic_write_text
 from modules.oom import release
 from modules.report import figure, finite_number
-from modules.selection import accuracy_se, beats, clearly_ahead, informative, ties
+from modules.selection import (accuracy_se, beats, chance_level, chance_words, clearly_ahead,
+                              informative, ties)
 from modules.trainer import DivergedError, fit, trial_failure
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class ResolutionTuner:
         self.resolutions = comparable_sizes(sizes, base.image_size, self.epochs)
         self.left_out = [s for s in sizes if s not in self.resolutions]  # said by run()
         self.default_size, self.n_val = base.image_size, len(index.val)
+        self.chance = chance_level((label for _, label in index.val), len(index.classes))
         self.journal, self.resume = (Path(journal) if journal else None), resume
         self.weights_dir = Path(weights_dir) if weights_dir else None
         self.trials: list[ResolutionTrial] = []
@@ -119,7 +121,7 @@ class ResolutionTuner:
                 if k not in written])
         self.trials.sort(key=lambda t: t.image_size)
         best = distributed.from_main(
-            self.pick(self.trials, self.n_val, self.default_size, len(self.index.classes)))
+            self.pick(self.trials, self.n_val, self.default_size, self.chance))
         top = max((t for t in self.trials if t.stopped_after is None and t.failed is None),
                   key=lambda t: t.val_acc)  # pick() raised if there is none
         log.info("resolution pick: %d px (best %d px at %.1f%% +- %.1f on %d validation images; "
@@ -222,7 +224,7 @@ class ResolutionTuner:
         earlier = [t for t in earlier if t.failed is None]  # a diverged curve leads nothing
         top = max(earlier, key=lambda t: self._best_within(t, compute), default=None)
         at = self._best_within(top, compute) if top is not None else 0.0
-        return top if clearly_ahead(at, acc, self.n_val, len(self.index.classes)) else None
+        return top if clearly_ahead(at, acc, self.n_val, self.chance) else None
 
     def weights_for(self, size: int) -> tuple[Path | None, int]:
         """(the weights the trial at `size` ended with, its best validation epoch's; its
@@ -287,12 +289,13 @@ class ResolutionTuner:
 
     @staticmethod
     def pick(trials: list[ResolutionTrial], n_val: int, default_size: int | None = None,
-             num_classes: int | None = None) -> int:
+             chance: float | None = None) -> int:
         """Among the sizes that finished their trial, those whose accuracy ties with the best
         one (within one standard error of the difference on n_val images): the default size if
         it is one, else the smallest of those that beat the default by more than that.
         The default size also stays when its own trial is still at chance and no other size
-        has left chance ahead of it (num_classes given): then the short trials rank nothing.
+        has left chance ahead of it (chance given, as chance_level): then the short trials rank
+        nothing.
         A size that has left chance at the same compute is ahead, as the final run spends it,
         and the pick is then among the sizes clear of chance."""
         # a stopped size was judged already (behind); a failed one has nothing to judge
@@ -304,18 +307,18 @@ class ResolutionTuner:
         def left_chance(t: ResolutionTrial) -> bool:
             # and stayed out: a size's best of several epochs at chance is sometimes one
             # lucky epoch above it (a smaller size trains more epochs, so draws more often)
-            return informative(t.val_acc, n_val, num_classes) and (
-                not t.val_curve or informative(t.val_curve[-1], n_val, num_classes))
-        if default is not None and num_classes and not left_chance(default):
+            return informative(t.val_acc, n_val, chance) and (
+                not t.val_curve or informative(t.val_curve[-1], n_val, chance))
+        if default is not None and chance is not None and not left_chance(default):
             if not any(left_chance(t) and beats(t.val_acc, default.val_acc, n_val)
                        for t in trials):
-                log.info("resolution: every size's trial is still at chance for %d classes "
-                         "(the default's %.1f%%): the short trials cannot rank the sizes; "
-                         "keeping the default", num_classes, 100 * default.val_acc)
+                log.info("resolution: every size's trial is still at %s, the default's at "
+                         "%.1f%%: the short trials cannot rank the sizes; keeping the default",
+                         chance_words(chance), 100 * default.val_acc)
                 return default_size
-            log.info("resolution: the default size's trial (%.1f%%) is still at chance for %d "
-                     "classes, and a size that cost the same has left it", 100 * default.val_acc,
-                     num_classes)
+            log.info("resolution: the default size's trial (%.1f%%) is still at %s, and a "
+                     "size that cost the same has left it", 100 * default.val_acc,
+                     chance_words(chance))
             # the pick is among the sizes clear of chance: one still at chance that ties with
             # the leader by noise is no better ranked than the default
             trials = [t for t in trials if left_chance(t)]

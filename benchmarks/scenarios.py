@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pipeline  # noqa: E402
 import scenario  # noqa: E402
 from modules.results import latest_run  # noqa: E402
-from modules.selection import informative, tie_margin  # noqa: E402
+from modules.selection import chance_level, informative, tie_margin  # noqa: E402
 from throughput import OneLineParser, at_least_1  # noqa: E402
 
 log = logging.getLogger("scenarios")
@@ -300,13 +300,13 @@ def compare_search(data: list[str], args, out: Path) -> list[str]:
             curve.append((spent, epochs_so_far, best))
         results[name] = curve
     return search_verdict(results["plain TPE"], results["ours"], len(index.val),
-                          len(index.classes))
+                          chance_level((label for _, label in index.val), len(index.classes)))
 
 
 def search_verdict(plain: list[tuple[float, int, float]], ours: list[tuple[float, int, float]],
-                   n_val: int, num_classes: int) -> list[str]:
+                   n_val: int, chance: float) -> list[str]:
     """The search comparison's lines from each search's (trial seconds so far, trial epochs so
-    far, best so far), one point per trial."""
+    far, best so far), one point per trial; `chance` as modules.selection.chance_level."""
     plain_s, plain_epochs, plain_best = plain[-1]
     ours_s, ours_epochs, ours_best = ours[-1]
     # rounded: 3 images of 600 below is 0.500000000000006 points in floating point
@@ -320,9 +320,9 @@ def search_verdict(plain: list[tuple[float, int, float]], ours: list[tuple[float
         lines.append(f"search: within ours' {ours_epochs} trial epochs plain TPE's best was "
                      f"{100 * plain_then:.1f}% (ours {100 * ours_best:.1f}%, "
                      f"{100 * (ours_best - plain_then):+.1f} points)")
-    if not informative(plain_best, n_val, num_classes):
+    if not informative(plain_best, n_val, chance):
         # Every trial still at chance: "the best" is the luckiest noise, nothing to reach.
-        lines.append(f"n/a: no trial of plain TPE left chance ({100 / num_classes:.1f}% on "
+        lines.append(f"n/a: no trial of plain TPE left chance ({100 * chance:.1f}% on "
                      f"{n_val} validation images), so its trials rank nothing")
     elif reach is None:
         lines.append("MISSED: ours never came within 0.5 points of plain TPE's best")
@@ -340,7 +340,7 @@ def search_verdict(plain: list[tuple[float, int, float]], ours: list[tuple[float
                     "little)" if plain_to_best == plain[0][0] else "")
                  + (f"; ours came within 0.5 points after {reach[0] / plain_to_best:.2f}x that"
                     if reach is not None and plain_to_best > 0 and
-                    informative(plain_best, n_val, num_classes) else ""))
+                    informative(plain_best, n_val, chance) else ""))
     return lines
 
 

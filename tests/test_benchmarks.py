@@ -287,27 +287,27 @@ def test_the_search_verdict_needs_a_best_clear_of_chance():
     """A plain TPE whose every trial is still at chance has no best to reach: its "best" is
     the luckiest noise (synthetic seed 1's 4-epoch trials, 20.0% against 16.7% on 360)."""
     verdict = _benchmark_module("scenarios").search_verdict
-    at_chance = verdict([(10, 4, 0.19), (20, 8, 0.20)], [(10, 4, 0.19), (20, 8, 0.19)], 360, 6)
+    at_chance = verdict([(10, 4, 0.19), (20, 8, 0.20)], [(10, 4, 0.19), (20, 8, 0.19)], 360, 1 / 6)
     assert at_chance[2].startswith("n/a: no trial of plain TPE left chance (16.7% on 360")
     plain = [(10, 4, 0.3), (20, 8, 0.5), (30, 12, 0.6)]
-    met = verdict(plain, [(9, 4, 0.597), (15, 6, 0.6)], 360, 6)
+    met = verdict(plain, [(9, 4, 0.597), (15, 6, 0.6)], 360, 1 / 6)
     assert met[1] == ("search: within ours' 6 trial epochs plain TPE's best was 30.0% (ours "
                       "60.0%, +30.0 points)")
     assert met[2].startswith("met: ours within 0.5 points") and "(0.30x" in met[2]
     assert "0.33x its trial epochs" in met[2]
-    missed = verdict(plain, [(9, 4, 0.4), (15, 8, 0.5)], 360, 6)
+    missed = verdict(plain, [(9, 4, 0.4), (15, 8, 0.5)], 360, 1 / 6)
     assert missed[1].endswith("was 50.0% (ours 50.0%, +0.0 points)")
     assert missed[2] == "MISSED: ours never came within 0.5 points of plain TPE's best"
-    late = verdict(plain, [(10.01, 4, 0.6)], 360, 6)
+    late = verdict(plain, [(10.01, 4, 0.6)], 360, 1 / 6)
     assert late[2].startswith("MISSED") and "(0.334x its trial seconds" in late[2]
     # against plain TPE's seconds to its own best too, which its first trial (the default,
     # trained first by both) can make 0
     assert met[3] == ("search: plain TPE reached its best after 30 trial seconds; ours came "
                       "within 0.5 points after 0.30x that")
     # 3 images of 600 below plain TPE's best is 0.5 points exactly (0.500000000000006)
-    exact = verdict([(10, 4, 301 / 600)], [(3, 4, 298 / 600)], 600, 6)
+    exact = verdict([(10, 4, 301 / 600)], [(3, 4, 298 / 600)], 600, 1 / 6)
     assert exact[2].startswith("met: ours within 0.5 points")
-    first = verdict([(10, 4, 0.6), (20, 8, 0.6)], [(10, 4, 0.6)], 360, 6)
+    first = verdict([(10, 4, 0.6), (20, 8, 0.6)], [(10, 4, 0.6)], 360, 1 / 6)
     assert "after 10 trial seconds (its first trial, the default configuration" in first[3]
 
 

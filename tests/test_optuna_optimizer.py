@@ -58,8 +58,10 @@ def curves_by_lr(default, other):
 
 
 def with_val_images(t: OptunaTuner, n: int = 1000) -> OptunaTuner:
-    """The tuner judging on n validation images (the fake trainings never read them)."""
-    t.index = SimpleNamespace(val=[None] * n, classes=t.index.classes)
+    """The tuner judging on n validation images, as many of each class (the fake trainings
+    never read them)."""
+    k = len(t.index.classes)
+    t.index = SimpleNamespace(val=[(None, i % k) for i in range(n)], classes=t.index.classes)
     return t
 
 
@@ -727,7 +729,7 @@ def test_a_trial_cut_off_with_its_session_is_no_yardstick(index, tmp_path):
                          user_attrs={"default": True}))
     study.add_trial(made(optuna.trial.TrialState.FAIL, 0.75))
     pruner = optuna_optimizer._BeyondNoise(optuna.pruners.NopPruner(), n_val=1000,
-                                           num_classes=3, epochs=4, early=[1])
+                                           chance=1 / 3, epochs=4, early=[1])
     retry = made(optuna.trial.TrialState.COMPLETE, 0.60, value=0.60)
     assert not pruner.prune(study, retry)
     # the same 75% completed by another configuration is a yardstick: the 60% is stopped
@@ -748,6 +750,19 @@ def test_the_default_stays_only_while_no_trial_has_left_chance(index, tmp_path, 
     summary = with_val_images(tuner(index, tmp_path / "learning", n_trials=3,
                                     pruner="median")).run()
     assert not summary["keeps_default"] and "beats the default (34.0%)" in summary["choice"]
+
+
+def test_on_imbalanced_data_the_search_judges_chance_by_the_largest_class(index, tmp_path,
+                                                                           monkeypatch):
+    """800 of 1,000 validation images in one class: trials at 80% answer that class and have
+    not left chance, where against 1/3 the search's 'best' would replace the default."""
+    monkeypatch.setattr(optuna_optimizer, "fit", curves_by_lr([0.34], [0.80]))
+    t = tuner(index, tmp_path, n_trials=3, pruner="median")
+    t.index = SimpleNamespace(val=[(None, 0)] * 800 + [(None, 1 + i % 2) for i in range(200)],
+                              classes=t.index.classes)
+    assert t.chance() == pytest.approx(0.8)
+    summary = t.run()
+    assert summary["keeps_default"] and "no trial has left chance (80.0%" in summary["choice"]
 
 
 def test_no_trial_is_pruned_while_every_trial_is_still_at_chance(index, tmp_path, monkeypatch):
@@ -1097,7 +1112,8 @@ def test_successive_halving_ranks_every_trial_at_the_rungs_own_epoch():
     there, in the top third, goes on."""
     from types import SimpleNamespace
     t = OptunaTuner.__new__(OptunaTuner)
-    t.index = SimpleNamespace(val=[None] * 1000, classes=list(range(10)))  # chance 10%
+    t.index = SimpleNamespace(val=[(None, i % 10) for i in range(1000)],
+                              classes=list(range(10)))  # chance 10%
     t.epochs, t.pruner = 6, "asha"
     assert t.first_rung() == 4
     study = optuna.create_study(direction="maximize", pruner=t._make_pruner())

@@ -1077,7 +1077,8 @@ def test_the_search_trains_trials_a_third_of_the_final_runs_compute():
     assert scenario.search_epochs(config, 64) == 7               # 4 x (64 / 48)^2
     assert scenario.search_epochs(dataclasses.replace(config, image_size=96), 64) == 2  # larger
     from types import SimpleNamespace
-    tuner = ResolutionTuner(SimpleNamespace(val=[]), dataclasses.replace(config, image_size=64),
+    tuner = ResolutionTuner(SimpleNamespace(val=[], classes=[0, 1]),
+                            dataclasses.replace(config, image_size=64),
                             (48, 96), epochs=scenario.short_budget(config))
     assert tuner.epochs_for(48) == scenario.search_epochs(config, 64)
     assert tuner.epochs_for(96) == scenario.search_epochs(

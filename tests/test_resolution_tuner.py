@@ -234,25 +234,37 @@ def test_a_default_trial_at_chance_stays_only_while_no_size_has_left_chance():
     the same compute is ahead of a default still at chance (at the non-quick CPU sizes the
     default's 3 epochs often end there: docs/tuning.md)."""
     all_at_chance = [trial(48, 0.205), trial(64, 0.15), trial(96, 0.18)]
-    assert ResolutionTuner.pick(all_at_chance, 360, 64, num_classes=6) == 64
+    assert ResolutionTuner.pick(all_at_chance, 360, 64, chance=1 / 6) == 64
     assert ResolutionTuner.pick(all_at_chance, 360, 64) == 48  # unchecked, 48 would win
     left = [trial(48, 0.33), trial(64, 0.19), trial(96, 0.18)]
-    assert ResolutionTuner.pick(left, 360, 64, num_classes=6) == 48
+    assert ResolutionTuner.pick(left, 360, 64, chance=1 / 6) == 48
     learning = [trial(48, 0.45), trial(64, 0.30), trial(96, 0.28)]
-    assert ResolutionTuner.pick(learning, 360, 64, num_classes=6) == 48
+    assert ResolutionTuner.pick(learning, 360, 64, chance=1 / 6) == 48
     # 96 px left chance ahead of the default; 48 px ties with 96 by noise but is itself still
     # at chance (10 classes, 600 images: chance 10%, two standard errors 2.4 points)
     one_left = [trial(48, 0.115), trial(64, 0.09), trial(96, 0.13)]
-    assert ResolutionTuner.pick(one_left, 600, 64, num_classes=10) == 96
+    assert ResolutionTuner.pick(one_left, 600, 64, chance=0.1) == 96
     # one lucky epoch is not leaving chance: 48 px's best, epoch 1 of 4, was 2.3 standard
     # errors above it, and back at chance after (a reviewer's run picked it); a curve that left
     # and stayed out is ahead
     import dataclasses
     blip = [dataclasses.replace(trial(48, 0.219), val_curve=[0.219, 0.167, 0.175, 0.167]),
             dataclasses.replace(trial(64, 0.17), val_curve=[0.167, 0.17])]
-    assert ResolutionTuner.pick(blip, 240, 64, num_classes=6) == 64
+    assert ResolutionTuner.pick(blip, 240, 64, chance=1 / 6) == 64
     blip[0] = dataclasses.replace(blip[0], val_acc=0.23, val_curve=[0.20, 0.219, 0.23, 0.225])
-    assert ResolutionTuner.pick(blip, 240, 64, num_classes=6) == 48
+    assert ResolutionTuner.pick(blip, 240, 64, chance=1 / 6) == 48
+
+
+def test_on_imbalanced_data_chance_is_the_largest_class_share():
+    """400/20/20/20 images: a model answering the first class validates at 87% (80 of 92); a
+    size there has not left chance, and the tuner judges by that share, not by 1/4."""
+    val = [(None, 0)] * 80 + [(None, c) for c in (1, 2, 3) for _ in range(4)]
+    index = SimpleNamespace(val=val, classes=["a", "b", "c", "d"])
+    tuner = ResolutionTuner(index, TrainConfig(model="resnet18", image_size=64), [48])
+    assert tuner.chance == pytest.approx(80 / 92)
+    plateau = [trial(48, 80 / 92), trial(64, 72 / 92)]
+    assert ResolutionTuner.pick(plateau, 92, 64, chance=tuner.chance) == 64
+    assert ResolutionTuner.pick(plateau, 92, 64, chance=0.25) == 48  # as it was judged
 
 
 def replay(curves, calls):

@@ -1,7 +1,8 @@
 """How the tuners compare accuracies measured on one validation set."""
 import pytest
 
-from modules.selection import accuracy_se, beats, clearly_ahead, informative, tie_margin
+from modules.selection import (accuracy_se, beats, chance_level, clearly_ahead, informative,
+                              tie_margin)
 
 
 def test_the_standard_error_is_binomial():
@@ -18,10 +19,22 @@ def test_a_difference_within_the_noise_is_a_tie_and_equal_scores_always_tie():
 
 def test_clearly_ahead_needs_a_leader_clear_of_chance_and_beyond_the_noise():
     # 10 classes on 1,000 images: chance 10%, two standard errors about 1.9 points
-    assert not informative(0.11, 1000, 10) and informative(0.13, 1000, 10)
-    assert not clearly_ahead(0.115, 0.05, 1000, 10)  # far ahead, but still at chance
-    assert not clearly_ahead(0.41, 0.40, 1000, 10)   # clear of chance, within the noise
-    assert clearly_ahead(0.50, 0.40, 1000, 10)
+    assert not informative(0.11, 1000, 0.1) and informative(0.13, 1000, 0.1)
+    assert not clearly_ahead(0.115, 0.05, 1000, 0.1)  # far ahead, but still at chance
+    assert not clearly_ahead(0.41, 0.40, 1000, 0.1)   # clear of chance, within the noise
+    assert clearly_ahead(0.50, 0.40, 1000, 0.1)
+
+
+def test_chance_is_what_answering_the_most_common_class_scores():
+    """On 400/20/20/20 images a model answering the first class scores 87%: against 1/4 it had
+    left chance, and a size or trial still learning the small classes was judged behind it."""
+    assert chance_level([0, 1, 2, 3] * 5, 4) == 0.25
+    skewed = [0] * 80 + [1, 2, 3] * 4
+    assert chance_level(skewed, 4) == pytest.approx(80 / 92)
+    assert not informative(80 / 92, 92, chance_level(skewed, 4))
+    assert not clearly_ahead(0.87, 0.78, 92, chance_level(skewed, 4))
+    assert informative(80 / 92, 92, 0.25)  # as it was judged
+    assert chance_level([], 5) == 0.2  # no validation labels: the classes' count
 
 
 def test_a_one_image_gap_at_full_accuracy_ties_whatever_the_rounding():
@@ -33,4 +46,4 @@ def test_a_one_image_gap_at_full_accuracy_ties_whatever_the_rounding():
         assert not beats(1.0, (n - 1) / n, n) and ties(1.0, (n - 1) / n, n), n
         assert beats(1.0, (n - 2) / n, n) or n < 10, n
         trials = [ResolutionTrial(64, (n - 1) / n, 1, 1, 1), ResolutionTrial(96, 1.0, 1, 1, 1)]
-        assert ResolutionTuner.pick(trials, n, 64, 10) == 64, n  # a tie keeps the default
+        assert ResolutionTuner.pick(trials, n, 64, 0.1) == 64, n  # a tie keeps the default
