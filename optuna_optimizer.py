@@ -431,7 +431,16 @@ class OptunaTuner:
         return rungs
 
     def objective(self, trial) -> float:
-        """Train one candidate; return its best validation accuracy."""
+        """Train one candidate; return its best validation accuracy. A trial stopped by Ctrl-C
+        anywhere in it (its training, or keeping its weights after: seconds on Drive) is
+        queued again."""
+        try:
+            return self._objective(trial)
+        except KeyboardInterrupt:
+            self._retry_interrupted(trial)
+            raise
+
+    def _objective(self, trial) -> float:
         config = dataclasses.replace(self.suggest(trial), progress=False)
         trial.set_user_attr("run", self.run_name)  # whose trial, over its sessions
         batch = trial.params.get("batch_size")
@@ -462,9 +471,6 @@ class OptunaTuner:
 
         try:
             result = fit(self.index, config, on_epoch=on_epoch)
-        except KeyboardInterrupt:
-            self._retry_interrupted(trial)
-            raise
         except (DivergedError, RuntimeError) as exc:  # torch's OutOfMemoryError: a RuntimeError
             failed = trial_failure(exc)
             if failed is None:

@@ -115,18 +115,29 @@ def test_resume_runs_the_trials_it_lacks_and_only_overwrite_starts_over(index, t
                  overwrite=True).run()["n_trials"] == 1
 
 
+@pytest.mark.parametrize("where", ["training", "keeping its weights"])
 def test_an_interrupted_search_resumes_with_what_it_lacks_and_new_points(index, tmp_path,
-                                                                          monkeypatch):
+                                                                          monkeypatch, where):
     """Run all again after a disconnect: the search ends with the trials it was asked for, and
-    the new process's sampler does not draw the points the first one tried again."""
+    the new process's sampler does not draw the points the first one tried again. Ctrl-C after
+    a trial's last epoch (saving its weights, seconds on Drive) left it FAIL, not queued again:
+    --resume drew new parameters in its place."""
     calls = []
 
     def interrupted(idx, config, on_epoch):
         calls.append(config.lr)
-        if len(calls) == 3:
+        if len(calls) == 3 and where == "training":
             raise KeyboardInterrupt  # the session is cut off in its third trial
         return fake_fit(idx, config, on_epoch)
     monkeypatch.setattr(optuna_optimizer, "fit", interrupted)
+    keep, stopped = OptunaTuner._keep_weights, []
+
+    def keep_weights(self, trial, result, curve):
+        if len(calls) == 3 and where != "training" and not stopped:
+            stopped.append(trial.number)  # once: the resume's trials keep theirs
+            raise KeyboardInterrupt
+        return keep(self, trial, result, curve)
+    monkeypatch.setattr(OptunaTuner, "_keep_weights", keep_weights)
     with pytest.raises(KeyboardInterrupt):
         tuner(index, tmp_path, n_trials=4).run()
     monkeypatch.setattr(optuna_optimizer, "fit", fake_fit)
