@@ -288,6 +288,8 @@ def parse_args(argv: list[str] | None = None) -> RunOptions:
             _check_size("--resolutions", config, size)
         if name == "hpo" and isinstance(args.search_size, int):
             _check_size("--search-size", config, args.search_size)
+    if argv is not None:  # given from Python (a notebook, a script): sys.argv is its host's
+        args.command = shlex.join(["python", "pipeline.py", *shown_argv(list(argv))])
     return args
 
 
@@ -327,7 +329,8 @@ def options(**values: Any) -> RunOptions:
     """The command line's options from keyword arguments, checked as the command line checks
     them: the notebook's way in. Names are the long options with '_' for '-' (`n_trials=4`);
     None or "" leaves an option at its default; True or False (or "on" or "off") switches a
-    flag; a list joins with commas. `.command` holds the equivalent `python pipeline.py ...` line."""
+    flag; a list joins with commas. `.command` holds the equivalent `python pipeline.py ...`
+    line, as parse_args(argv) sets it."""
     actions = {a.dest: a for a in build_parser()._actions if a.option_strings}
     argv: list[str] = []
     for key, value in values.items():
@@ -346,9 +349,7 @@ def options(**values: Any) -> RunOptions:
                 else str(value)
             # "--output-dir -out" would read -out as an option
             argv += [f"{flag}={text}"] if text.startswith("-") else [flag, text]
-    args = parse_args(argv)
-    args.command = shlex.join(["python", "pipeline.py", *shown_argv(argv)])
-    return args
+    return parse_args(argv)
 
 
 SWITCH_WORDS = {"on": True, "true": True, "yes": True, "1": True,

@@ -82,6 +82,11 @@ def test_baseline_end_to_end_on_a_folder(small, tmp_path, capsys):
                  "training_comparison.html", "colours_model.pt", "latest_run.json"):
         assert (out / name).exists(), name
     assert (run_path(out) / "baseline.pt").exists()
+    # what --resume continues: this run's options, not the Python process's (pytest's here,
+    # a notebook kernel's launcher when main() is called from a cell)
+    command = json.loads((out / "latest_run.json").read_text())["command"]
+    assert command.startswith("python pipeline.py --scenarios baseline --data-dir ") and \
+        "--epochs 3" in command
     assert (run_path(out, "runs") / "baseline" / "config.json").exists()
     assert list((run_path(out, "runs") / "baseline").glob("events.out.tfevents.*"))
     # the log again, with each line's wall-clock time: where the run's time went
