@@ -34,7 +34,8 @@ from modules.config import (DEFAULTS, DISPLAY_ONLY, SPEED_ONLY, TrainConfig, Use
 from modules.dataset import (SKIPPED_LIST, DatasetIndex, data_path_of, index_dataset,
                              index_subset, load_rgb, make_loader, resolve_source,
                              train_transform)
-from modules.device import apply_process_settings, autocast_dtype, resolve_device, usable_cpus
+from modules.device import (apply_process_settings, autocast_dtype, process_settings_kept,
+                            resolve_device, usable_cpus)
 from modules.evaluation import evaluate
 from modules.fastdata import cache_fits, keep_sizes
 from modules.files import (atomic_write_text, folder_lock, kept_file, name_folder, resolved,
@@ -970,6 +971,7 @@ def log_row(row: dict[str, Any]) -> None:
     log.info("%s: %s", row["scenario"], row["diagnosis"]["summary"])
 
 
+@process_settings_kept()  # its speed probe applies each scenario's thread count
 def estimate(args: RunOptions, index: DatasetIndex) -> dict[str, Any]:
     """Before a run: about how long each scenario will take, from its planned steps and a
     speed measured now (training steps on one batch in memory, and decoding a few images for
@@ -1527,7 +1529,7 @@ def run(args: RunOptions, index: DatasetIndex | None = None) -> list[dict[str, A
     if args.storage and "hpo" in args.scenarios:
         on_main(lambda: check_storage(args.storage))  # a wrong URL stops it before training
     index = index or load_data(args, output_dir)
-    with run_lock(output_dir):
+    with run_lock(output_dir), process_settings_kept():
         # Every process checks (so a refused --resume ends them all); rank 0's id is the run's.
         args.run_id = distributed.from_main(start_run(
             output_dir, index, resume=args.resume, seed=args.seed, quick=args.quick,

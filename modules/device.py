@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import math
 import os
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -76,6 +77,21 @@ def apply_process_settings(config: TrainConfig, device: torch.device) -> None:
         raise UserError(str(exc)) from None
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = config.cudnn_benchmark
+
+
+@contextmanager
+def process_settings_kept() -> Iterator[None]:
+    """The process-wide knobs (apply_process_settings) as they were, put back however the block
+    ends: after a run from a notebook, the user's next cell ran with the last scenario's tuned
+    thread count, allocator and cuDNN search, not the ones it had set."""
+    threads, allocator = torch.get_num_threads(), hostmem.current()
+    benchmark = torch.backends.cudnn.benchmark
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        hostmem.apply(allocator)  # the allocator it ran with: switching back is possible
+        torch.backends.cudnn.benchmark = benchmark
 
 
 def autocast_dtype(amp: str, device: torch.device) -> torch.dtype | None:

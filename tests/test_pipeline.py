@@ -764,6 +764,27 @@ def test_a_scenario_without_a_thread_count_gets_the_processs_own():
     assert torch.get_num_threads() == STARTUP_THREADS
 
 
+def test_a_run_leaves_the_process_settings_as_it_found_them(small, tmp_path):
+    """From a notebook, the user's next cell ran with the run's thread count and allocator (a
+    scenario's tuned ones, or the process's count at import), not those it had set."""
+    from modules.device import STARTUP_THREADS
+    allocator = hostmem.candidates()[-1]  # "retain" where glibc offers it
+    torch.set_num_threads(max(1, STARTUP_THREADS - 1))
+    mine = torch.get_num_threads()
+    try:
+        assert run_main("--data-dir", str(small), "--epochs", "1", "--image-size", "32",
+                        "--cpu-allocator", allocator, "--weights", "none", "--no-progress",
+                        "--output-dir", str(tmp_path / "out")) == 0
+        assert torch.get_num_threads() == mine and hostmem.current() == "system"
+        # the notebook estimates the run first: its speed probe applies the scenario's count
+        args = pipeline.parse_args(["--data-dir", str(small), "--epochs", "1",
+                                    "--image-size", "32", "--output-dir", str(tmp_path / "e")])
+        scenario.estimate(args, scenario.load_data(args, tmp_path / "e"))
+        assert torch.get_num_threads() == mine
+    finally:
+        torch.set_num_threads(STARTUP_THREADS)
+
+
 def test_resume_keeps_the_autotuned_settings_instead_of_measuring_again(small, tmp_path,
                                                                            monkeypatch):
     """A fresh measurement can differ by noise (another optimizer kernel, an AMP dtype, on a GPU
