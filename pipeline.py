@@ -2,14 +2,17 @@
 (scenario.py); the notebook calls the same API with keyword arguments (`options`, `run`)."""
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
 if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
     def _quiet_interrupt(*_) -> None:
         # Ctrl-C while torch loads (seconds) ends without a traceback: nothing has started.
-        print("interrupted before the run started.", file=sys.stderr)
-        sys.exit(130)
+        # os._exit: a SystemExit raised while a weakref callback of the imports runs is
+        # dropped by Python ("Exception ignored"), and the run went on (modules.interrupts).
+        print("interrupted before the run started.", file=sys.stderr, flush=True)
+        os._exit(130)
     signal.signal(signal.SIGINT, _quiet_interrupt)
 
 import argparse

@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 
-from modules import distributed
+from modules import distributed, interrupts
 from modules.autotune import MEASURE_SHARE, ComputeProbe, autotune, machine_key
 from modules.checkpoints import check_format, saved_config
 from modules.config import (DEFAULTS, DISPLAY_ONLY, SPEED_ONLY, TrainConfig, UserError,
@@ -1529,7 +1529,7 @@ def run(args: RunOptions, index: DatasetIndex | None = None) -> list[dict[str, A
     if args.storage and "hpo" in args.scenarios:
         on_main(lambda: check_storage(args.storage))  # a wrong URL stops it before training
     index = index or load_data(args, output_dir)
-    with run_lock(output_dir), process_settings_kept():
+    with run_lock(output_dir), process_settings_kept(), interrupts.stoppable():
         # Every process checks (so a refused --resume ends them all); rank 0's id is the run's.
         args.run_id = distributed.from_main(start_run(
             output_dir, index, resume=args.resume, seed=args.seed, quick=args.quick,

@@ -12,7 +12,7 @@ from torch import nn
 from torchmetrics.classification import MulticlassConfusionMatrix
 from tqdm.auto import tqdm
 
-from modules import distributed
+from modules import distributed, interrupts
 from modules.device import library_device
 from modules.models import num_classes_of
 from modules.oom import is_out_of_memory, more_pieces, release
@@ -60,6 +60,7 @@ def evaluate(model: nn.Module, loader, *, device: torch.device | str | None = No
                dynamic_ncols=True)
     try:
         for x, y in loader:
+            interrupts.check()
             bar.update()
             x = x.to(device, non_blocking=True, memory_format=memory_format)
             y = y.to(device, non_blocking=True)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from modules import distributed, hostmem
+from modules import distributed, hostmem, interrupts
 # Re-exported: callers load checkpoints through the trainer.
 from modules.checkpoints import (CheckpointSaver, Progress, load_checkpoint,  # noqa: F401
                                  rank_seed, set_seed)
@@ -339,6 +339,7 @@ class _Epochs:
         pending: list[tuple[Any, list]] = []  # (finite flag, metrics) per window batch
         profiler_before = self.profiler_s
         for i in range(n_batches):
+            interrupts.check()
             # A profiled step is slower than others: the step timing leaves it out.
             profiled = getattr(self.profiler, "recording", False)
             self.timer.begin()

@@ -764,6 +764,33 @@ def test_a_scenario_without_a_thread_count_gets_the_processs_own():
     assert torch.get_num_threads() == STARTUP_THREADS
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the dropped one
+def test_a_ctrl_c_python_drops_still_stops_the_run(small, tmp_path, monkeypatch, capsys):
+    """Stop pressed while a weakref callback ran (after an epoch, say): Python dropped the
+    KeyboardInterrupt and the run trained on to its end. It stops at the next batch, with
+    the resume hint."""
+    import signal
+    import weakref
+    from modules import trainer
+    logged = trainer._log_epoch
+
+    def log_epoch(row, *rest):
+        logged(row, *rest)
+        if row["epoch"] == 1:
+            holder = type("Holder", (), {})()
+            ref = weakref.ref(holder, lambda _: signal.raise_signal(signal.SIGINT))  # noqa: F841
+            del holder
+    monkeypatch.setattr(trainer, "_log_epoch", log_epoch)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        assert run_main("--data-dir", str(small), "--epochs", "3", "--image-size", "32",
+                        "--weights", "none", "--no-progress",
+                        "--output-dir", str(tmp_path / "out")) == 130
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert "rerun the same command with --resume" in capsys.readouterr().err
+
+
 def test_a_run_leaves_the_process_settings_as_it_found_them(small, tmp_path):
     """From a notebook, the user's next cell ran with the run's thread count and allocator (a
     scenario's tuned ones, or the process's count at import), not those it had set."""

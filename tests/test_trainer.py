@@ -118,6 +118,38 @@ def test_progress_bars_are_drawn_by_one_process(capsys, monkeypatch):
     assert "epoch 1/1:" not in drawn and "validation 1/1:" not in drawn
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the dropped one
+def test_ctrl_c_dropped_by_python_in_a_weakref_callback_still_stops_the_run():
+    """Ctrl-C landing in a weakref callback (a library's cache entry dropped as tensors are
+    freed) raised its KeyboardInterrupt there, where Python prints "Exception ignored" and
+    goes on: a reviewer's Stop was lost 2 times in 7, and the run trained to its end. The
+    press is remembered and the next batch stops."""
+    import signal
+    import weakref
+    from modules import interrupts
+
+    class Dropping(TinyNet):
+        calls = 0
+
+        def forward(self, x):
+            Dropping.calls += 1
+            if Dropping.calls == 2:
+                holder = type("Holder", (), {})()
+                self.ref = weakref.ref(holder, lambda _: signal.raise_signal(signal.SIGINT))
+                del holder  # the callback runs here, and Python drops what it raises
+            return super().forward(x)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with interrupts.stoppable(), pytest.raises(KeyboardInterrupt):
+            train(Dropping(), loader(colour_data(), BASE), loader(colour_data(24, 1), BASE, False),
+                  dataclasses.replace(BASE, epochs=1))
+        assert Dropping.calls == 2  # stopped at the next batch, not after the epoch
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        interrupts.check()  # nothing remembered once the run has ended
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def test_accumulation_matches_one_large_batch():
     data = colour_data(32)
     one = dataclasses.replace(BASE, epochs=1, batch_size=32, grad_accum_steps=1)
