@@ -429,6 +429,8 @@ def load_data(args: RunOptions, output_dir: Path) -> DatasetIndex:
                         "processes: each trains on its own share and needs at least 2; run "
                         "fewer processes (--nproc-per-node) or add images.")
     log.info("data: %s", index.summary())
+    if (imbalance := index.imbalance()) is not None:
+        log.info("%s", imbalance)
     return index
 
 
@@ -1570,6 +1572,7 @@ def data_record(index: DatasetIndex, folder: Path) -> list[str]:
     skipped file goes to folder/SKIPPED_LIST (the warning names three)."""
     lines = [f"data: {index.summary()} in {index.root}"
              + (f" (listed and checked in {index.read_s:.1f} s)" if index.read_s >= 1 else "")]
+    lines += [imbalance] if (imbalance := index.imbalance()) is not None else []
     if index.skipped:
         try:
             folder.mkdir(parents=True, exist_ok=True)

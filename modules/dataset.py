@@ -12,6 +12,7 @@ import re
 import time
 import unicodedata
 import warnings
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -189,6 +190,9 @@ def eval_transform(image_size: int, mean=IMAGENET_MEAN, std=IMAGENET_STD) -> T.C
 Sample = tuple[str, int]  # (path, class index)
 
 
+IMBALANCED = 3  # the largest training class this many times the smallest: said
+
+
 @dataclass
 class DatasetIndex:
     """The usable images of a dataset, split three ways, and what had to be skipped."""
@@ -248,6 +252,23 @@ class DatasetIndex:
         with escapes, as class_name writes it), and why."""
         return [printable(f"{os.path.relpath(p, self.root)}\t{reason}")
                 for p, reason in self.skipped]
+
+    def imbalance(self) -> str | None:
+        """A line for training classes 3x apart or more: what the accuracy then hides."""
+        counts = {c: 0 for c in range(len(self.classes))}
+        for _, label in self.train:
+            counts[label] += 1
+        big, small = max(counts, key=counts.get), min(counts, key=counts.get)
+        if counts[big] < IMBALANCED * max(1, counts[small]):
+            return None
+        # chance as the tuners take it (selection.chance_level): validation's largest class
+        common, n = Counter(label for _, label in self.val).most_common(1)[0] \
+            if self.val else (big, 0)
+        return (f"imbalanced classes: {self.classes[big]!r} has {counts[big]} training images, "
+                f"{self.classes[small]!r} {counts[small]}; a model answering "
+                f"{self.classes[common]!r} alone scores {100 * n / max(1, len(self.val)):.1f}% "
+                "on validation (the tuners count that as chance; per-class accuracy is in "
+                "report.md)")
 
     def summary(self) -> str:
         return (f"{self.name}: {len(self.classes)} classes, {len(self.train)} train / "

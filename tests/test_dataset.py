@@ -571,6 +571,26 @@ def test_an_undecodable_image_drawn_for_the_quick_subset_is_replaced_from_its_cl
         index_subset(root, "d", per_class, seed=1)
 
 
+def test_imbalanced_classes_are_said_with_what_one_class_alone_scores(tmp_path):
+    """Where one class has most images, a high accuracy can be that class alone: said."""
+    root = make_folder(tmp_path / "d", layout="class folders", n_train=6, n_test=0)
+    assert index_dataset(root).imbalance() is None
+    for i in range(6, 30):
+        write_image(root / "red" / f"{i}.jpg", COLOURS["red"])
+    line = index_dataset(root).imbalance()
+    assert line.startswith("imbalanced classes: 'red' has 18 training images, 'blue' 4; a "
+                           "model answering 'red' alone scores 75.0% on validation")
+    # chance as the tuners take it: validation's largest class, which need not be train's
+    for split, counts in (("train", {"red": 30, "green": 5, "blue": 5}),
+                          ("val", {"red": 1, "green": 1, "blue": 12}),
+                          ("test", {"red": 2, "green": 2, "blue": 2})):
+        for c, n in counts.items():
+            for i in range(n):
+                write_image(tmp_path / "tv" / split / c / f"{i}.jpg", COLOURS[c])
+    line = index_dataset(tmp_path / "tv").imbalance()
+    assert "'red' has 30 training images" in line and "answering 'blue' alone scores 85.7%" in line
+
+
 def test_subset_keeps_the_first_n_per_class(folder):
     index = subset(index_dataset(folder), {"train": 2, "test": 1})
     assert len(index.train) == 6 and len(index.test) == 3
