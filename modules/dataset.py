@@ -739,8 +739,9 @@ def index_dataset(root: Path, name: str | None = None, *, seed: int = 0, check: 
             scanned["train"], _val_share(scanned["train"], val_fraction), seed)
     classes = sorted(scanned["train"])
     if len(classes) < 2:
+        deeper = _one_level_deeper(root, folders.get("train", root), classes[0])
         raise UserError(f"a classifier needs at least 2 classes, but {str(root)!r} has one, "
-                        f"{classes[0]!r}{_one_level_deeper(root, layout, classes[0])}.")
+                        f"{classes[0]!r}{deeper}.")
     for split in ("val", "test"):
         if sorted(scanned[split]) != classes:
             only_train = sorted(set(classes) - set(scanned[split]))
@@ -792,16 +793,27 @@ def _say_skipped(root: Path, skipped: list[tuple[str, str]]) -> None:
                     f", all listed in the run's {SKIPPED_LIST}" if len(skipped) > 3 else "")
 
 
-def _one_level_deeper(root: Path, layout: str, only: str) -> str:
-    """For a lone class of class folders: the --data-dir that makes its folders the classes."""
-    folder = next((p for p in _class_dirs(root) if class_name(p) == only), None) \
-        if layout == "class folders" else None
+def _one_level_deeper(root: Path, parent: Path, only: str) -> str:
+    """For a lone class folder `only` in `parent` (the data folder, or its train split): what
+    would make its folders the classes."""
+    folder = next((p for p in _class_dirs(parent) if class_name(p) == only), None)
     inner = [class_name(p) for p in _class_dirs(folder)] if folder is not None else []
     if not inner:
         return ""
+    shown = ", ".join(inner[:3]) + (", ..." if len(inner) > 3 else "")
+    if parent != root:  # train/<only>/<classes>: a level too deep inside the splits
+        return (f"; {str(parent)!r} holds one folder, {only!r}: if the folders in it ({shown}) "
+                "are the classes, move them up one level in each split")
     rename = ", renamed: its name is not UTF-8" if folder.name != only else ""
-    return (f"; if the folders in it ({', '.join(inner[:3])}) are the classes, pass "
-            f"--data-dir {str(root / only)!r}{rename}")
+    try:
+        inside = find_splits(folder)[0]
+    except UserError:
+        inside = None
+    if inside not in (None, "class folders"):  # an archive unpacked into a folder of its own
+        return (f"; it holds split folders ({shown}): pass --data-dir "
+                f"{str(root / only)!r}{rename}")
+    return f"; if the folders in it ({shown}) are the classes, pass --data-dir " \
+        f"{str(root / only)!r}{rename}"
 
 
 def subset(index: DatasetIndex, per_class: dict[str, int], seed: int = 0,

@@ -623,6 +623,22 @@ def test_folder_mistakes_a_new_user_makes_are_named(tmp_path, caplog):
     with pytest.raises(UserError, match=r"has one, 'animals'; if the folders in it \(cat, dog\) "
                                         r"are the classes, pass --data-dir '.*deep/animals'"):
         index_dataset(tmp_path / "deep")
+    # an archive unpacked into a folder of its own name: its folders are splits, not classes
+    for split in ("train", "test"):
+        for name in ("cat", "dog"):
+            images(tmp_path / "wrap" / "xray" / split / name, 4)
+            images(tmp_path / "inner" / split / "images" / name, 4)
+    with pytest.raises(UserError, match=r"has one, 'xray'; it holds split folders \(test, "
+                                        r"train\): pass --data-dir '.*wrap/xray'\.$"):
+        index_dataset(tmp_path / "wrap")
+    make_folder(tmp_path / "kaggle" / "intel", layout="intel", n_train=3, n_test=2)
+    with pytest.raises(UserError, match=r"has one, 'intel'; it holds split folders \(seg_test, "
+                                        r"seg_train\): pass --data-dir '.*kaggle/intel'\.$"):
+        index_dataset(tmp_path / "kaggle")
+    with pytest.raises(UserError, match=r"has one, 'images'; '.*inner/train' holds one folder, "
+                                        r"'images': if the folders in it \(cat, dog\) are the "
+                                        r"classes, move them up one level in each split\.$"):
+        index_dataset(tmp_path / "inner")
     images(tmp_path / "tiny" / "cat", 10)
     images(tmp_path / "tiny" / "dog", 1)
     with caplog.at_level(logging.WARNING):
