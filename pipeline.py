@@ -424,8 +424,9 @@ def interrupted_message(args: RunOptions | None, notebook: bool = False) -> str:
     if getattr(args, "run_id", None) is None:  # still reading the options or the data
         return "interrupted before the run started: nothing to resume" + (
             f"; {again} to start it." if notebook else ".")
-    return ("interrupted: the checkpoints are kept; tick RESUME (resume=True) and run the "
-            "cells again to continue." if notebook else
+    # Stopped in a first epoch, no checkpoint exists yet: what to do, not what was kept
+    return ("interrupted: tick RESUME (resume=True) and run the cells again to continue "
+            "where it stopped." if notebook else
             "interrupted: rerun the same command with --resume to continue.")
 
 

@@ -329,8 +329,8 @@ def test_the_stop_button_says_how_to_continue(monkeypatch, capsys):
     shell.user_ns = {"args": pipeline.parse_args(["--quick"])}
     shell.user_ns["args"].run_id = "20261206-120000"  # the run had started
     handlers["handler"](shell, KeyboardInterrupt, KeyboardInterrupt(), None)
-    assert capsys.readouterr().err == ("interrupted: the checkpoints are kept; tick RESUME "
-                                       "(resume=True) and run the cells again to continue.\n")
+    assert capsys.readouterr().err == ("interrupted: tick RESUME (resume=True) and run the "
+                                       "cells again to continue where it stopped.\n")
     # Stop while the data is read or the estimate runs: no run to resume
     shell.user_ns["args"].run_id = None
     handlers["handler"](shell, KeyboardInterrupt, KeyboardInterrupt(), None)
