@@ -619,7 +619,7 @@ def check_image(path: Path, sizes: dict[str, int] | None = None) -> str | None:
         return f"undecodable ({type(exc).__name__})"
 
 
-CHECK_SAID_FROM = 2000  # images in a split: checking them is said as it starts
+CHECK_SAID_FROM = 2000  # images in a split: checking or decoding them is said as it starts
 
 
 def _scan_split(folder: Path, split: str, check: bool, seen: dict[str, Path],

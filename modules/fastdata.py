@@ -25,7 +25,8 @@ from PIL import Image
 
 from modules import distributed, hostmem
 from modules.config import IMAGENET_MEAN, IMAGENET_STD, TrainConfig, UserError
-from modules.dataset import Sample, drops_last, eval_sampler, load_rgb, train_sampler
+from modules.dataset import (CHECK_SAID_FROM, Sample, drops_last, eval_sampler, load_rgb,
+                             train_sampler)
 from modules.device import resolve_device, usable_cpus
 from modules.oom import MEMORY_MARGIN, OutOfMemoryError, is_out_of_memory, release
 
@@ -126,6 +127,8 @@ def decoded_images(samples: list[Sample], size: int) -> tuple[torch.Tensor, torc
         images[i] = torch.from_numpy(decode_resized(samples[i][0], size)).permute(2, 0, 1)
 
     started = time.perf_counter()
+    if len(samples) >= CHECK_SAID_FROM:  # 5 s for Intel's training split at 150 px, silent
+        log.info("decoding %d images once at %d px ...", len(samples), size)
     with ThreadPoolExecutor(max_workers=usable_cpus()) as pool:
         list(pool.map(fill, range(len(samples))))
     log.info("decoded %d images once at %d px into a %.0f MB cache in %.1f s", len(samples), size,

@@ -22,6 +22,20 @@ def fresh_cache():
     fastdata.clear_cache()
 
 
+def test_decoding_a_large_split_is_said_as_it_starts(folder, monkeypatch, caplog):
+    """Intel's training split takes 5 s at 150 px on two cores (more on Drive), silent until
+    its 'decoded' line; a small split says only that line."""
+    index = index_dataset(folder)
+    monkeypatch.setattr(fastdata, "CHECK_SAID_FROM", len(index.train))
+    with caplog.at_level(logging.INFO, logger="modules.fastdata"):
+        fastdata.decoded_images(index.train, 16)
+        fastdata.decoded_images(index.test, 16)
+    said = [r.getMessage() for r in caplog.records]
+    assert said[0] == f"decoding {len(index.train)} images once at 16 px ..."
+    assert [line.split(" images")[0] for line in said[1:]] == \
+        [f"decoded {len(index.train)}", f"decoded {len(index.test)}"]
+
+
 def augment(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One batch augmented with parameters drawn from `generator`, as the loader draws them."""
     n, _, h, w = x.shape
