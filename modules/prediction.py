@@ -31,9 +31,10 @@ def predict(model: nn.Module, image_paths, *, batch_size: int = 32, device=None)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise UserError(f"batch_size must be a positive integer, but got {batch_size!r}.")
     # A lone path would otherwise be iterated character by character.
-    if isinstance(image_paths, (str, os.PathLike)):
+    if isinstance(image_paths, (str, bytes, os.PathLike)):
         image_paths = [image_paths]
-    paths = [str(p) for p in image_paths]
+    paths = [_path(p) for p in (image_paths if hasattr(image_paths, "__iter__")
+                                else [image_paths])]
     if device is not None:
         model.to(library_device(device))
     device = _model_device(model)
@@ -71,6 +72,15 @@ def predict(model: nn.Module, image_paths, *, batch_size: int = 32, device=None)
 def _model_device(model: nn.Module) -> torch.device:
     param = next(model.parameters(), None)
     return param.device if param is not None else torch.device("cpu")
+
+
+def _path(item) -> str:
+    """A file path as predict reads it; anything else (a PIL image, an array, a tensor, read
+    into paths by str() as a file named after its repr) is refused in one line."""
+    if not isinstance(item, (str, bytes, os.PathLike)):
+        raise UserError(f"predict takes image file paths, but got a {type(item).__name__}; "
+                        "save the image to a file and pass its path.")
+    return os.fsdecode(item)
 
 
 def _decode(path: str, draft: int | None = None):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 
 import numpy as np
 import pytest
@@ -62,6 +63,20 @@ def test_predict_returns_class_labels_and_normalised_probs(saved, tmp_path):
         assert list(r["probs"]) == CLASSES
         assert math.isclose(sum(r["probs"].values()), 1.0, abs_tol=1e-5)
         assert r["prob"] == max(r["probs"].values())
+
+
+def test_predict_refuses_what_is_not_a_path_in_one_line(saved, tmp_path):
+    """A PIL image, an array or a tensor was read into paths by str(): an array gave one
+    'File name too long' per pixel row, a tensor labels None, a PIL image a traceback. A bytes
+    path is a path."""
+    model = load_model(saved[1])
+    paths = _write_images(tmp_path)
+    with Image.open(paths[0]) as img:
+        for given in (img, [img], np.asarray(img), torch.rand(2, 3, 32, 32)):
+            with pytest.raises(UserError, match=r"predict takes image file paths, but got a "
+                                                r"\w+; save the image to a file"):
+                predict(model, given)
+    assert predict(model, os.fsencode(paths[0]))[0]["label"] in CLASSES
 
 
 def test_an_undecodable_file_loses_no_other_prediction(saved, tmp_path, caplog):
