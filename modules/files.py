@@ -11,6 +11,7 @@ import secrets
 import shutil
 import socket
 import time
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -71,9 +72,9 @@ def share_file(source: Path, path: Path) -> None:
 def _atomic_write(path: Path, write, mode: str) -> None:
     if path.is_dir():
         raise UserError(f"{str(path)!r} is a directory; give a file name.")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Same directory: os.replace is only atomic within one filesystem.
-    try:
+    try:  # a parent that is a file is one line too, as a full disk is
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Same directory: os.replace is only atomic within one filesystem.
         fd, tmp = _create_temp(path)
     except OSError as exc:
         raise write_error(path, exc) from None
@@ -242,21 +243,52 @@ def read_torch_file(path: Path, what: str, remedy: str = "") -> Any:
     """torch.load without code execution (weights_only); `what` names the file in errors, and
     `remedy` says what to do with one that is not readable."""
     path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{str(path)!r} is a folder, not a {what}.")
     if not path.is_file():
         raise UserError(f"no such {what} {str(path)!r}.")
+    then = f"; {remedy}" if remedy else ""
     try:
+        damaged = _damaged_entry(path)
+        if damaged is not None:  # torch.load reads a zip without its checksums
+            raise UserError(f"{what} {str(path)!r} is damaged: {damaged} in it does not match "
+                            f"its checksum (a bad copy or disk?){then}.")
         return torch.load(path, map_location="cpu", weights_only=True)
     except (OSError, MemoryError) as exc:
         raise ReadFailed(f"could not read {what} {str(path)!r} ({_error_name(exc)}).") from None
+    except UserError:
+        raise
     except Exception as exc:
         # torch's own refusal, which it also gives a file that is no pickle at all (a JPEG)
         pickled = "weights only load failed" in str(exc).lower() and _torch_magic(path)
-        raise UserError(f"{what} {str(path)!r} is not a readable PyTorch file "
-                        f"({type(exc).__name__}" + (
-                            ": it holds pickled Python objects, which are not run for safety; "
-                            "a whole model saved with torch.save(model)? save "
-                            "model.state_dict() instead" if pickled else "")
-                        + f"){'; ' + remedy if remedy else ''}.") from None
+        cut = _zip_start(path) and not zipfile.is_zipfile(path)
+        raise UserError(f"{what} {str(path)!r} is " + (
+            "cut short (an incomplete copy or download?)" if cut else
+            "empty" if path.stat().st_size == 0 else
+            f"not a readable PyTorch file ({type(exc).__name__}" + (
+                ": it holds pickled Python objects, which are not run for safety; a whole "
+                "model saved with torch.save(model)? save model.state_dict() instead"
+                if pickled else "") + ")") + f"{then}.") from None
+
+
+def _damaged_entry(path: Path) -> str | None:
+    """The first entry of a zip file (torch.save's format) whose data does not match its
+    stored CRC-32, or None (also for a file that is no whole zip: torch.load says why)."""
+    if not zipfile.is_zipfile(path):
+        return None
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return archive.testzip()
+    except (zipfile.BadZipFile, EOFError, ValueError, NotImplementedError):
+        return None
+
+
+def _zip_start(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"PK\x03\x04"
+    except OSError:
+        return False
 
 
 def _torch_magic(path: Path) -> bool:

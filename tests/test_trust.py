@@ -482,11 +482,39 @@ def test_truncated_text_and_pickled_code_files_are_user_errors(tmp_path, payload
     torch.save({**payload, "extra": Payload()}, code)
     plain_pickle = tmp_path / "plain.pt"
     plain_pickle.write_bytes(pickle.dumps(Payload(), protocol=2))
-    for path in (truncated, text, code, plain_pickle):
-        with pytest.raises(UserError, match="not a readable PyTorch file") as err:
+    for path, said in ((truncated, "is cut short"), (text, "not a readable PyTorch file"),
+                       (code, "not a readable PyTorch file"),
+                       (plain_pickle, "not a readable PyTorch file")):
+        with pytest.raises(UserError, match=said) as err:
             load_model(path)
         assert path.name in str(err.value) and "\n" not in str(err.value)
     assert not marker.exists()
+
+
+def test_a_model_file_changed_on_disk_is_refused_not_loaded(tmp_path, payload):
+    """torch.load reads a zip without checking its stored checksums: a file with one weight
+    changed by a bad copy loaded, and predicted one class for every image under the accuracy
+    its meta claimed. An empty file, and a folder, are said as what they are."""
+    import zipfile
+    good = _hostile(tmp_path, payload)
+    with zipfile.ZipFile(good) as archive:
+        entry = next(i for i in archive.infolist() if "/data/" in i.filename and i.file_size)
+    raw = bytearray(good.read_bytes())
+    local = entry.header_offset  # the local header's own name and extra lengths (padding)
+    start = local + 30 + int.from_bytes(raw[local + 26:local + 28], "little") + \
+        int.from_bytes(raw[local + 28:local + 30], "little")
+    raw[start] ^= 0x40  # one bit of one stored weight
+    flipped = tmp_path / "flipped.pt"
+    flipped.write_bytes(bytes(raw))
+    with pytest.raises(UserError, match=r"is damaged: .*data/\d+ in it does not match its "
+                                        r"checksum \(a bad copy or disk\?\)"):
+        load_model(flipped)
+    (tmp_path / "empty.pt").write_bytes(b"")
+    with pytest.raises(UserError, match="model file '.*empty.pt' is empty"):
+        load_model(tmp_path / "empty.pt")
+    with pytest.raises(UserError, match="is a folder, not a model file"):
+        load_model(tmp_path)
+    assert load_model(good).meta["class_names"]  # the checksums of a good file pass
 
 
 def test_a_good_model_file_still_loads(tmp_path, payload):

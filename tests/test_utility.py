@@ -189,6 +189,18 @@ def test_save_strips_compile_and_ddp_prefixes(tmp_path):
     assert not list(tmp_path.glob("*.tmp"))  # the atomic write leaves no temp file
 
 
+def test_saving_below_a_file_is_one_line_not_a_traceback(tmp_path, saved):
+    """save_model to a path through a file (notes.txt/model.pt) raised a bare FileExistsError
+    from making its folder, where the same mistake in a write already had its line."""
+    model, _ = saved
+    (tmp_path / "notes.txt").write_text("x")
+    for target in ("notes.txt/model.pt", "notes.txt/sub/model.pt"):
+        with pytest.raises(UserError, match="a file stands where a folder of that path is to "
+                                            "be; move it"):
+            save_model(model, tmp_path / target, arch="squeezenet1_1", class_names=CLASSES,
+                       image_size=IMAGE_SIZE)
+
+
 def test_load_model_rejects_non_model_file(tmp_path):
     other = tmp_path / "notes.pt"
     torch.save({"weights": [1, 2, 3]}, other)
