@@ -267,8 +267,9 @@ def final_from_text(row: dict[str, Any], detail: bool = False) -> str:
             text += (": the same learning settings, start and epochs; its time counts in this "
                      "total, and its figures are that run's")
     if detail:
-        text = text[0].upper() + text[1:] + (" (the speed settings below were measured for this "
-                                             "scenario, not used).")
+        text = text[0].upper() + text[1:] + (" (the speed settings below are those this "
+                                             "scenario's search and own runs trained with; the "
+                                             "figures above are that run's).")
     return text
 
 
@@ -304,7 +305,8 @@ def autotune_lines(report: dict[str, Any] | None) -> list[str]:
     """What the autotuner chose for each knob and the measurement behind it."""
     if not report:
         return []
-    lines = [f"Autotune ({report.get('seconds', '?')} s of measuring on {report.get('device')}, "
+    at = f" at {report['image_size']} px" if report.get("image_size") else ""
+    lines = [f"Autotune{at} ({report.get('seconds', '?')} s of measuring on {report.get('device')}, "
              f"{report.get('compute_img_s')} img/s pure compute at the end"
              + (", reused from " + report["reused_from"] if report.get("reused_from")
                 else "") + "):", ""]

@@ -570,7 +570,11 @@ def test_hpo_takes_the_resolution_final_when_it_would_train_the_same(small, tmp_
         assert row["total_s"] >= row["tuning_s"] + row["wall_s"] and row["prepare_s"] >= 0
     assert hpo["warm_start"]["weights"] == resolution["warm_start"]["weights"]
     assert list((run_path(tmp_path / "once", "runs") / "hpo").iterdir())  # its scalars
-    assert "trained once" in (tmp_path / "once" / "report.md").read_text()
+    told = (tmp_path / "once" / "report.md").read_text()
+    assert "trained once" in told and "the speed settings below are those this scenario's " \
+        "search and own runs trained with; the figures above are that run's" in told
+    # the autotuner's figures are for a size: the hpo scenario's, where it measured again
+    assert f"Autotune at {hpo['autotune']['image_size']} px (" in told
     # its checkpoint is the resolution final's: --resume finds both finished, trains nothing
     checkpoints = run_path(tmp_path / "once")
     assert (checkpoints / "hpo.pt").read_bytes() == (checkpoints / "resolution.pt").read_bytes()
