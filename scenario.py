@@ -1071,11 +1071,16 @@ def fill_time(config: TrainConfig, name: str, args: RunOptions, output_dir: Path
     if not baseline_s or not epoch_s:
         return dataclasses.replace(config, epochs=own)
     left = TIME_SHARE * baseline_s - tuning_s
-    epochs = min(MAX_EPOCH_FACTOR * own, max(own, int(left // epoch_s)))
+    fit = int(left // epoch_s)
+    epochs = min(MAX_EPOCH_FACTOR * own, max(own, fit))
     if epochs != own:
-        log.info("%s: %d epochs instead of %d: they fit in %.0f%% of the baseline's %.0f s with "
-                 "%.0f s of tuning, at %.1f s per epoch measured while tuning (--epochs N or "
-                 "--no-match-time keeps the count)", name, epochs, own,
+        # the seconds are this scenario's own tuning (a trial it takes from another scenario
+        # is added to its row's after)
+        log.info("%s: %d epochs instead of %d: %s in %.0f%% of the baseline's %.0f s with %.0f "
+                 "s of tuning in this scenario, at %.1f s per epoch measured while tuning "
+                 "(--epochs N or --no-match-time keeps the count)", name, epochs, own,
+                 "they fit" if epochs == fit else
+                 f"the most allowed ({MAX_EPOCH_FACTOR}x); {fit} would fit",
                  100 * TIME_SHARE, baseline_s, tuning_s, epoch_s)
     return dataclasses.replace(config, epochs=epochs)
 

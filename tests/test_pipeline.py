@@ -1060,7 +1060,7 @@ def test_a_kept_default_trained_again_gives_way_to_the_resolution_final_run():
         "configuration (12 epochs)" in told and "winner" not in told
 
 
-def test_a_tuned_final_run_fills_the_baselines_time_with_epochs(tmp_path):
+def test_a_tuned_final_run_fills_the_baselines_time_with_epochs(tmp_path, caplog):
     config = scenario.TrainConfig(epochs=10, device="cpu")
     index = type("Index", (), {"name": "d"})()
     tuned = {"baseline_total_s": 100.0}
@@ -1070,8 +1070,15 @@ def test_a_tuned_final_run_fills_the_baselines_time_with_epochs(tmp_path):
                                   kw.get("tuned", tuned), kw.get("tuning_s", 20.0),
                                   kw.get("epoch_s", 2.0))
     # 80% of 100 s, less 20 s of tuning, leaves 60 s: 30 epochs of 2 s, within 3x the 10
-    assert fill().epochs == 30
-    assert fill(epoch_s=1.0).epochs == 30        # 60 would exceed 3x: capped
+    with caplog.at_level(logging.INFO, logger="scenario"):
+        assert fill().epochs == 30
+        assert fill(epoch_s=1.0).epochs == 30        # 60 would exceed 3x: capped
+    said = [r.getMessage() for r in caplog.records]
+    assert said[0].startswith("hpo: 30 epochs instead of 10: they fit in 80% of the baseline's "
+                              "100 s with 20 s of tuning in this scenario, at 2.0 s per epoch")
+    # the cap, not the time, set the count: a reader's sum of the figures gives 60
+    assert said[1].startswith("hpo: 30 epochs instead of 10: the most allowed (3x); 60 would "
+                              "fit in 80% of the baseline's 100 s")
     assert fill(tuning_s=70.0).epochs == 10      # no time left: never fewer than its own
     assert fill(args={"epochs": 10}).epochs == 10 and fill(args={"match_time": False}).epochs == 10
     assert fill(epoch_s=None).epochs == 10 and fill(tuned={}).epochs == 10  # nothing to go by
