@@ -869,12 +869,15 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
                 return None
             fastest = current["img_s"]
             budget_s = said_s = budget_at(fastest)
-            log.info("autotune: measuring budget %.0f s (%.0f%% of the planned %d steps)",
-                     budget_s, 100 * budget_share, budgeted_at(fastest))
+            budgeted = budgeted_at(fastest)
+            log.info("autotune: measuring budget %.1f s (%.0f%% of the planned %d steps%s)",
+                     budget_s, 100 * budget_share, budgeted,
+                     f"; not of the {planned_at(fastest) - budgeted} of a final run that may be "
+                     "taken from another scenario" if planned_at(fastest) > budgeted else "")
         if (current.get("img_s") or 0.0) > fastest:
             fastest = current["img_s"]
             budget_s = budget_at(fastest)
-            if budget_s < 0.8 * said_s:  # else the "not measured" lines quote an unannounced one
+            if f"{budget_s:.1f}" != f"{said_s:.1f}":  # the "not measured" lines quote it
                 said_s = budget_s
                 log.info("autotune: measuring budget now %.1f s: the planned steps take less "
                          "at the %.0f img/s measured since", budget_s, fastest)

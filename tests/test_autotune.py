@@ -213,14 +213,18 @@ def test_dropout_is_decided_on_its_layers_not_by_a_race(monkeypatch):
     assert report["knobs"]["dropout_impl"]["reason"] == "set by the user"
 
 
-def test_unbudgeted_steps_count_for_compile_not_for_the_budget(monkeypatch):
+def test_unbudgeted_steps_count_for_compile_not_for_the_budget(monkeypatch, caplog):
     """A final run that may be taken from another scenario: the budget is a share of the
-    rest, also when a time budget caps that rest (a share computed beforehand was not)."""
+    rest, also when a time budget caps that rest (a share computed beforehand was not). The
+    budget's line says which steps it counts: compile's line counts them all."""
     _fake_speeds(monkeypatch, lambda c: 100.0)  # batch 4: 0.04 s a step
     _, whole = at.autotune(_config(), 3, planned_steps=1000, budget_share=0.1)
     at._RESULTS.clear()
-    _, rest = at.autotune(_config(), 3, planned_steps=1000, budget_share=0.1,
-                          unbudgeted_steps=900)
+    with caplog.at_level(logging.INFO):
+        _, rest = at.autotune(_config(), 3, planned_steps=1000, budget_share=0.1,
+                              unbudgeted_steps=900)
+    assert "measuring budget 0.4 s (10% of the planned 100 steps; not of the 900 of a final " \
+        "run that may be taken from another scenario)" in caplog.text
     assert whole["budget_s"] == pytest.approx(4.0, rel=0.05)
     assert rest["budget_s"] == pytest.approx(0.4, rel=0.05)
     at._RESULTS.clear()
