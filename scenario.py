@@ -1277,9 +1277,10 @@ def _search(config: TrainConfig, args: RunOptions, index: DatasetIndex, output_d
                         sole_user=not shared,  # run() holds the output dir's lock
                         auto_budget=auto_budget)
     if started is not None:
-        log.info("hpo: the final run had started (%s): resuming it with the parameters it "
-                 "started with; the study grows only with an --n-trials N above the last one "
-                 "given", final)
+        log.info("hpo: the final run had %s (%s)%s; the study grows only with an --n-trials N "
+                 "above the last one given", "finished" if begun.get("finished") else "started",
+                 final, "" if begun.get("finished") else
+                 ": resuming it with the parameters it started with")
     summary = tuner.run(ended=started is not None)
     # Grown in this session, or in an earlier one cut short before its final run was decided
     # again (trials another worker adds to a shared study do not make it train again).

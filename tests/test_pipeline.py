@@ -543,7 +543,8 @@ def test_quick_run_does_all_three_scenarios_on_synthetic_data(tmp_path, monkeypa
         assert hpo_curve
 
 
-def test_hpo_takes_the_resolution_final_when_it_would_train_the_same(small, tmp_path, monkeypatch):
+def test_hpo_takes_the_resolution_final_when_it_would_train_the_same(small, tmp_path, monkeypatch,
+                                                                     capsys):
     """One search trial, the default: it is the resolution scenario's trial, so the kept default
     continues from the same weights for the same epochs as the resolution scenario's final run.
     That run's model and figures are taken, not trained a second time, and trained a second
@@ -578,8 +579,11 @@ def test_hpo_takes_the_resolution_final_when_it_would_train_the_same(small, tmp_
     # its checkpoint is the resolution final's: --resume finds both finished, trains nothing
     checkpoints = run_path(tmp_path / "once")
     assert (checkpoints / "hpo.pt").read_bytes() == (checkpoints / "resolution.pt").read_bytes()
+    capsys.readouterr()
     again = scenarios(tmp_path / "once", "--resume")
     assert again["hpo"]["resumed_from_epoch"] == again["hpo"]["epochs"] == 2
+    said = capsys.readouterr().err  # not "had started ...: resuming it", with nothing to resume
+    assert "hpo: the final run had finished (" in said and "resuming it" not in said
     assert again["hpo"]["tuning_s"] == pytest.approx(hpo["tuning_s"])  # nothing added twice
     assert scenarios(tmp_path / "once", "--resume")["hpo"]["tuning_s"] == \
         pytest.approx(hpo["tuning_s"])
