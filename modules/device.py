@@ -18,6 +18,7 @@ from modules.config import TrainConfig, UserError, first_line
 
 
 STARTUP_THREADS = torch.get_num_threads()
+_own_threads = STARTUP_THREADS  # the count a run found (process_settings_kept)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -68,9 +69,10 @@ def apply_process_settings(config: TrainConfig, device: torch.device) -> None:
     """The process-wide knobs of `config`, on purpose: CPU threads, the CPU allocator
     (modules.hostmem) and, on a GPU, cuDNN's algorithm search."""
     # A scenario without a thread count of its own (the baseline after a tuned one, a
-    # notebook's next run) gets the process's own, not the last one tuned.
+    # notebook's next run) gets the one the run found (a notebook's torch.set_num_threads in
+    # a cell before), not the last one tuned.
     torch.set_num_threads(config.cpu_threads if config.cpu_threads is not None
-                          else STARTUP_THREADS)
+                          else _own_threads)
     try:
         hostmem.apply(config.cpu_allocator)
     except RuntimeError as exc:
@@ -83,12 +85,16 @@ def apply_process_settings(config: TrainConfig, device: torch.device) -> None:
 def process_settings_kept() -> Iterator[None]:
     """The process-wide knobs (apply_process_settings) as they were, put back however the block
     ends: after a run from a notebook, the user's next cell ran with the last scenario's tuned
-    thread count, allocator and cuDNN search, not the ones it had set."""
+    thread count, allocator and cuDNN search, not the ones it had set. Inside, a scenario
+    without a thread count of its own trains with the count found here."""
+    global _own_threads
     threads, allocator = torch.get_num_threads(), hostmem.current()
     benchmark = torch.backends.cudnn.benchmark
+    before, _own_threads = _own_threads, threads
     try:
         yield
     finally:
+        _own_threads = before
         torch.set_num_threads(threads)
         hostmem.apply(allocator)  # the allocator it ran with: switching back is possible
         torch.backends.cudnn.benchmark = benchmark

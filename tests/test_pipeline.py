@@ -799,18 +799,23 @@ def test_a_ctrl_c_python_drops_still_stops_the_run(small, tmp_path, monkeypatch,
     assert "rerun the same command with --resume" in capsys.readouterr().err
 
 
-def test_a_run_leaves_the_process_settings_as_it_found_them(small, tmp_path):
+def test_a_run_leaves_the_process_settings_as_it_found_them(small, tmp_path, monkeypatch):
     """From a notebook, the user's next cell ran with the run's thread count and allocator (a
-    scenario's tuned ones, or the process's count at import), not those it had set."""
+    scenario's tuned ones, or the process's count at import), not those it had set; and the
+    baseline trained with the count at import, not the one the user set in a cell before."""
     from modules.device import STARTUP_THREADS
     allocator = hostmem.candidates()[-1]  # "retain" where glibc offers it
-    torch.set_num_threads(max(1, STARTUP_THREADS - 1))
-    mine = torch.get_num_threads()
+    torch.set_num_threads(STARTUP_THREADS + 1)
+    mine, trained = torch.get_num_threads(), []
+    apply = scenario.apply_process_settings
+    monkeypatch.setattr(scenario, "apply_process_settings", lambda *a: apply(*a) or
+                        trained.append(torch.get_num_threads()))
     try:
         assert run_main("--data-dir", str(small), "--epochs", "1", "--image-size", "32",
                         "--cpu-allocator", allocator, "--weights", "none", "--no-progress",
                         "--output-dir", str(tmp_path / "out")) == 0
         assert torch.get_num_threads() == mine and hostmem.current() == "system"
+        assert trained == [mine]  # the baseline's
         # the notebook estimates the run first: its speed probe applies the scenario's count
         args = pipeline.parse_args(["--data-dir", str(small), "--epochs", "1",
                                     "--image-size", "32", "--output-dir", str(tmp_path / "e")])
