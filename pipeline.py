@@ -395,7 +395,7 @@ def user_error(exc: BaseException) -> str | None:
     if isinstance(exc, UserError):
         return _worker_free(str(exc), exc)
     if isinstance(exc, OSError) and exc.errno in UNWRITABLE:
-        return str(write_error(exc.filename, exc))
+        return str(write_error(exc.filename, exc, in_run=True))
     return None
 
 

@@ -188,13 +188,19 @@ def _option_for(path: Path | str | None) -> str | None:
     return _NAMED_FOLDERS[max(holding, key=lambda f: len(f.parts))] if holding else None
 
 
-def write_error(path: Path | str | None, exc: BaseException) -> UserError:
+def write_error(path: Path | str | None, exc: BaseException,
+                in_run: bool | None = None) -> UserError:
     """One line for a write that failed: a full disk, a read-only or forbidden folder. `path`
-    None: the failing call did not name its file."""
+    None: the failing call did not name its file. in_run: whether a run failed (its hint is
+    --resume); None: a run's when the file is in its --output-dir or --local-dir (else a
+    library call's, save_model to a file of the user's)."""
     code = getattr(exc, "errno", None)
     where = "the output folder" if path is None else repr(str(path))
     option = _option_for(path)
-    then = "then rerun (with --resume to continue; what was written before stays intact)."
+    if in_run is None:
+        in_run = option is not None or path is None
+    then = "then rerun (with --resume to continue; what was written before stays intact)." \
+        if in_run else "then try again."
     # torch.save's RuntimeError has no errno: only then is a nearly full disk the guess (a
     # read-only or forbidden folder may report no free space at all).
     forbidden = code in (errno.EACCES, errno.EPERM, errno.EROFS)

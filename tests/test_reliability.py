@@ -613,9 +613,13 @@ def test_a_failed_write_names_the_option_of_the_folder_it_was_in(tmp_path):
     said = str(files.write_error(tmp_path / "elsewhere" / "weights.pth", full))
     assert said.startswith("no space left on the device holding") and "pass --" not in said
     denied = OSError(errno.EACCES, "Permission denied")
-    assert str(files.write_error(tmp_path / "elsewhere", denied)).startswith(
+    assert str(files.write_error(tmp_path / "elsewhere", denied, in_run=True)).startswith(
         f"cannot write {str(tmp_path / 'elsewhere')!r} (Permission denied); fix its permissions, "
         "then rerun")
+    # a library call's (save_model to a file of the user's): no run to resume
+    assert str(files.write_error(tmp_path / "elsewhere", denied)).endswith(
+        "fix its permissions, then try again.")
+    assert "then rerun (with --resume" in str(files.write_error(out / "results.json", denied))
     assert "pass a writable --local-dir" in str(files.write_error(
         local / "x", OSError(errno.EIO, "Input/output error")))
 

@@ -196,7 +196,7 @@ def test_saving_below_a_file_is_one_line_not_a_traceback(tmp_path, saved):
     (tmp_path / "notes.txt").write_text("x")
     for target in ("notes.txt/model.pt", "notes.txt/sub/model.pt"):
         with pytest.raises(UserError, match="a file stands where a folder of that path is to "
-                                            "be; move it"):
+                                            "be; move it, then try again.$"):
             save_model(model, tmp_path / target, arch="squeezenet1_1", class_names=CLASSES,
                        image_size=IMAGE_SIZE)
 
