@@ -716,6 +716,13 @@ def index_dataset(root: Path, name: str | None = None, *, seed: int = 0, check: 
                         "its permissions.")
     try:
         layout, folders = find_splits(root)
+        if layout == "intel":  # its seg_pred/ holds images without labels
+            unused = [f.name for f in _class_dirs(root)
+                      if f.name.lower() not in ("seg_train", "seg_test")]
+            if unused:
+                log.info("%r: %s beside seg_train/ and seg_test/ %s not used (images without "
+                         "labels: predict() classifies them)", str(root),
+                         ", ".join(f"{u}/" for u in unused), "is" if len(unused) == 1 else "are")
         scanned, skipped, seen, ignored, sizes = {}, [], {}, {}, {}
         # Images beside the split folders (train/, seg_train/seg_train/) are in no split.
         above = {parent for folder in folders.values() if folder != root

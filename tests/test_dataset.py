@@ -31,6 +31,17 @@ def test_layouts_are_found_and_split(tmp_path, layout):
     assert not {p for p, _ in index.train} & {p for p, _ in index.val}
 
 
+def test_intel_s_unlabelled_seg_pred_is_said_to_be_unused(tmp_path, caplog):
+    """Intel's download holds seg_pred/ (7,301 images without labels) beside the two splits:
+    nothing said it was left out."""
+    root = make_folder(tmp_path / "intel", layout="intel", n_train=4, n_test=2)
+    write_image(root / "seg_pred" / "seg_pred" / "1.jpg", COLOURS["red"])
+    with caplog.at_level(logging.INFO, logger="modules.dataset"):
+        index_dataset(root)
+    assert f"{str(root)!r}: seg_pred/ beside seg_train/ and seg_test/ is not used (images " \
+        "without labels: predict() classifies them)" in caplog.text
+
+
 @pytest.mark.parametrize("name", ["val", "valid", "Validation"])
 def test_val_folder_is_used_when_present(folder, name):
     for c in COLOURS:
