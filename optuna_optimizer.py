@@ -30,8 +30,8 @@ from modules.config import OPTIMIZERS, TrainConfig, UserError, first_line
 from modules.files import atomic_save_figure, atomic_write_text, kept_file
 from modules.oom import release
 from modules.report import figure, write_html
-from modules.selection import (accuracy_se, beats, chance_level, chance_words, informative,
-                              tie_margin)
+from modules.selection import (accuracy_se, beats, chance_words, informative, tie_margin,
+                              validation_chance)
 from modules.device import resolve_device
 from modules.trainer import DivergedError, fit, trial_failure
 
@@ -618,7 +618,7 @@ class OptunaTuner:
 
     def chance(self) -> float:
         """What a trial that has learned nothing validates at (chance_level)."""
-        return chance_level((label for _, label in self.index.val), len(self.index.classes))
+        return validation_chance(self.index)
 
     def first_rung(self) -> int:
         """The epoch at which successive halving first compares trials."""

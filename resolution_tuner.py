@@ -29,8 +29,8 @@ from modules.device import resolve_device
 from modules.files import atomic_save_figure, atomic_write_text
 from modules.oom import release
 from modules.report import figure, finite_number
-from modules.selection import (accuracy_se, beats, chance_level, chance_words, clearly_ahead,
-                              informative, ties)
+from modules.selection import (accuracy_se, beats, chance_words, clearly_ahead, informative,
+                              ties, validation_chance)
 from modules.trainer import DivergedError, fit, trial_failure
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ class ResolutionTuner:
         self.resolutions = comparable_sizes(sizes, base.image_size, self.epochs)
         self.left_out = [s for s in sizes if s not in self.resolutions]  # said by run()
         self.default_size, self.n_val = base.image_size, len(index.val)
-        self.chance = chance_level((label for _, label in index.val), len(index.classes))
+        self.chance = validation_chance(index)
         self.journal, self.resume = (Path(journal) if journal else None), resume
         self.weights_dir = Path(weights_dir) if weights_dir else None
         self.trials: list[ResolutionTrial] = []

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pipeline  # noqa: E402
 import scenario  # noqa: E402
 from modules.results import latest_run  # noqa: E402
-from modules.selection import chance_level, informative, tie_margin  # noqa: E402
+from modules.selection import informative, tie_margin, validation_chance  # noqa: E402
 from throughput import OneLineParser, at_least_1  # noqa: E402
 
 log = logging.getLogger("scenarios")
@@ -300,7 +300,7 @@ def compare_search(data: list[str], args, out: Path) -> list[str]:
             curve.append((spent, epochs_so_far, best))
         results[name] = curve
     return search_verdict(results["plain TPE"], results["ours"], len(index.val),
-                          chance_level((label for _, label in index.val), len(index.classes)))
+                          validation_chance(index))
 
 
 def search_verdict(plain: list[tuple[float, int, float]], ours: list[tuple[float, int, float]],

@@ -43,6 +43,11 @@ def chance_level(labels: Iterable[int], num_classes: int) -> float:
     return max(counts.values()) / sum(counts.values()) if counts else 1.0 / max(1, num_classes)
 
 
+def validation_chance(index) -> float:
+    """chance_level of an index's validation images (a DatasetIndex: its val and classes)."""
+    return chance_level((label for _, label in index.val), len(index.classes))
+
+
 def chance_words(chance: float) -> str:
     """How the log names chance, balanced or not: "chance (25.0%, ...)"."""
     return f"chance ({100 * chance:.1f}%, the most common class's share of validation)"
