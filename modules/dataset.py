@@ -3,7 +3,6 @@ transforms and DataLoaders."""
 from __future__ import annotations
 
 import errno
-import functools
 import hashlib
 import logging
 import os
@@ -255,9 +254,7 @@ class DatasetIndex:
 
     def imbalance(self) -> str | None:
         """A line for training classes 3x apart or more: what the accuracy then hides."""
-        counts = {c: 0 for c in range(len(self.classes))}
-        for _, label in self.train:
-            counts[label] += 1
+        counts = Counter(label for _, label in self.train)  # every class has some
         big, small = max(counts, key=counts.get), min(counts, key=counts.get)
         if counts[big] < IMBALANCED * max(1, counts[small]):
             return None
@@ -622,6 +619,12 @@ def check_image(path: Path, sizes: dict[str, int] | None = None) -> str | None:
 CHECK_SAID_FROM = 2000  # images in a split: checking or decoding them is said as it starts
 
 
+def _check_images(paths: list, sizes: dict[str, int]) -> dict:
+    """check_image of each path (a Path or its str), in threads, by the path as given."""
+    with ThreadPoolExecutor(max_workers=min(8, usable_cpus() * 2)) as pool:
+        return dict(zip(paths, pool.map(lambda p: check_image(Path(p), sizes), paths)))
+
+
 def _scan_split(folder: Path, split: str, check: bool, seen: dict[str, Path],
                 ignored: dict[str, int], sizes: dict[str, int], numbered_below: int | None = None
                 ) -> tuple[dict[str, list[Path]], list[tuple[str, str]]]:
@@ -656,9 +659,7 @@ def _scan_split(folder: Path, split: str, check: bool, seen: dict[str, Path],
         if len(every) >= CHECK_SAID_FROM:  # seconds of silence otherwise, minutes on Drive
             log.info("checking that the %d images of %s decode ...", len(every),
                      f"the {split} split" if split != "all" else "the folder")
-        with ThreadPoolExecutor(max_workers=min(8, usable_cpus() * 2)) as pool:
-            reasons = dict(zip(every, pool.map(functools.partial(check_image, sizes=sizes),
-                                               every)))
+        reasons = _check_images(every, sizes)
         skipped = [(str(p), r) for p, r in reasons.items() if r is not None]
         undecodable = {c: sum(reasons[p] is not None for p in files)
                        for c, files in per_class.items()}
@@ -870,9 +871,7 @@ def index_subset(root: Path, name: str | None, per_class: Callable[[int], dict[s
     if len(paths) >= CHECK_SAID_FROM:
         log.info("checking that the %d images drawn decode ...", len(paths))
     sizes: dict[str, int] = {}
-    with ThreadPoolExecutor(max_workers=min(8, usable_cpus() * 2)) as pool:
-        reasons = dict(zip(paths, pool.map(
-            lambda p: check_image(Path(p), sizes), paths)))
+    reasons = _check_images(paths, sizes)
 
     def usable(path: str) -> bool:
         if path not in reasons:
