@@ -267,7 +267,7 @@ def read_torch_file(path: Path, what: str, remedy: str = "") -> Any:
     except Exception as exc:
         # torch's own refusal, which it also gives a file that is no pickle at all (a JPEG)
         pickled = "weights only load failed" in str(exc).lower() and _torch_magic(path)
-        cut = _zip_start(path) and not zipfile.is_zipfile(path)
+        cut = _head(path) == ZIP_MAGIC and not zipfile.is_zipfile(path)
         raise UserError(f"{what} {str(path)!r} is " + (
             "cut short (an incomplete copy or download?)" if cut else
             "empty" if path.stat().st_size == 0 else
@@ -289,23 +289,23 @@ def _damaged_entry(path: Path) -> str | None:
         return None
 
 
-def _zip_start(path: Path) -> bool:
+ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since torch 1.6
+
+
+def _head(path: Path) -> bytes:
+    """The file's first 4 bytes (none where it cannot be read)."""
     try:
         with open(path, "rb") as f:
-            return f.read(4) == b"PK\x03\x04"
+            return f.read(4)
     except OSError:
-        return False
+        return b""
 
 
 def _torch_magic(path: Path) -> bool:
     """Whether the file starts as torch.save writes: a zip archive, or (before torch 1.6) a
     pickle's protocol mark."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(4)
-    except OSError:
-        return False
-    return head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"
+    head = _head(path)
+    return head == ZIP_MAGIC or head[:1] == b"\x80"
 
 
 def _error_name(exc: BaseException) -> str:
