@@ -379,6 +379,7 @@ def setup_logging() -> None:
     handler.ours = True
     logging.addLevelName(logging.WARNING, "warning")
     logging.addLevelName(logging.INFO, "info")
+    logging.addLevelName(logging.ERROR, "error")  # run.log's line for how a session ended
     logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
 
 

@@ -438,6 +438,21 @@ def run_log(path: Path, preamble: list[str] = ()):
     root.addHandler(handler)
     try:
         yield path
+    except BaseException as exc:  # said on the console after the log closes: here too
+        handler.handle(logging.LogRecord("pipeline", logging.ERROR, __file__, 0,
+                                         ended_by(exc), None, None))
+        raise
     finally:
         root.removeHandler(handler)
         handler.close()
+
+
+def ended_by(exc: BaseException) -> str:
+    """run.log's last line for a session an exception ended: a reader of the log (or of a
+    resumed run's, appended) tells an interrupt from a refusal from a crash."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted (Ctrl-C or Stop): --resume continues the run from its checkpoints"
+    if isinstance(exc, UserError):
+        return f"stopped: {first_line(exc, 500)}"
+    return f"stopped by an error ({type(exc).__name__}: {first_line(exc)}); the console has " \
+        "its traceback"

@@ -20,6 +20,7 @@ import scenario
 import resolution_tuner
 from conftest import COLOURS, make_folder, run_path, write_image
 from modules import hostmem, report
+from modules.config import UserError
 from modules.results import MACHINE_FIGURES, STEP_FIGURES
 from modules.utility import load_model, predict, results_table
 
@@ -105,6 +106,35 @@ def test_baseline_end_to_end_on_a_folder(small, tmp_path, capsys):
     assert model.meta["class_names"] == ["blue", "green", "red"]
     assert predict(model, [small / "test" / "red" / "0.jpg"])[0]["label"] in model.meta["class_names"]
     assert "| baseline |" in capsys.readouterr().out
+
+
+def test_run_log_says_how_a_session_ended(small, tmp_path, monkeypatch, capsys):
+    """The console's last line (an interrupt, a refusal, a crash) is printed after run.log
+    closes: the log of a session that ended so stopped mid-epoch, without a word why."""
+    out = tmp_path / "out"
+    argv = ("--data-dir", str(small), "--epochs", "2", "--image-size", "32", "--weights",
+            "none", "--no-progress", "--output-dir", str(out))
+    assert run_stopped_after_a_checkpoint(monkeypatch, *argv) == 130
+    log_file = run_path(out, "runs") / "run.log"
+    assert log_file.read_text().splitlines()[-1].endswith(
+        "error pipeline: interrupted (Ctrl-C or Stop): --resume continues the run from its "
+        "checkpoints")
+
+    def diverged(*args, **kwargs):
+        raise UserError("training diverged: lower --lr.")
+    monkeypatch.setattr(scenario, "train", diverged)
+    assert run_main(*argv, "--resume") == 2
+    assert log_file.read_text().splitlines()[-1].endswith(
+        "error pipeline: stopped: training diverged: lower --lr.")
+
+    def bug(*args, **kwargs):
+        raise ZeroDivisionError("division by zero")
+    monkeypatch.setattr(scenario, "train", bug)
+    with pytest.raises(ZeroDivisionError):
+        run_main(*argv, "--resume")
+    assert log_file.read_text().splitlines()[-1].endswith(
+        "stopped by an error (ZeroDivisionError: division by zero); the console has its "
+        "traceback")
 
 
 def test_resume_after_a_finished_run_trains_nothing_more(small, tmp_path):
