@@ -765,6 +765,9 @@ class OptunaTuner:
             if n_trials is None:
                 log.info("study %r: its %d trials as they are, none added", self.study_name,
                          len(self.study.trials))
+                # the budget its search ran under, which this session (its final run begun)
+                # was not given
+                self.timeout_s = self.study.user_attrs.get(budget_key, self.timeout_s)
                 return self.summary()
             self.study.set_user_attr(grown_key, n_trials)
         if self.sole_user and not shared:

@@ -275,7 +275,9 @@ def _saved_autotune(path: Path, start: TrainConfig
             return None
         tuned = dataclasses.replace(TrainConfig(**saved["config"]),
                                     **{k: getattr(start, k) for k in DISPLAY_ONLY})
-        findings = dict(saved["report"], reused_from=str(path))
+        # measured by this run in an earlier session: not "reused" (another run's, or the
+        # cache's, as the saved report's reused_from may say)
+        findings = dict(saved["report"], resumed_from=str(path))
         here = saved.get("machine") in (None, machine_key())
     except FileNotFoundError:
         return None
@@ -472,7 +474,8 @@ def tune_scenario(name: str, config: TrainConfig, args: RunOptions, index: Datas
             None if budget[0] is None else (tuning, budget[0]), unbudgeted)
         if findings is not None:
             extra["autotune"] = findings
-        extra[TUNED_ANEW] = findings is not None and "reused_from" not in findings
+        extra[TUNED_ANEW] = findings is not None and not {"reused_from", "resumed_from"} & \
+            findings.keys()
     if name == "resolution":
         config, tuning = tune_resolution(config, args, index, output_dir, device, tuned)
         tuned["image_size"] = config.image_size
@@ -738,6 +741,8 @@ def keep_timeline(row: dict[str, Any], carried: dict[str, Any],
     row.update({k: carried[k] for k in ("final_from", "prepare_s", "wall_s", "time_to_best_s",
                                         "replaced_final", "grown_final")
                 if carried.get(k) is not None})
+    if "resumed_from_epoch" in carried:  # this session resumed nothing: it evaluated
+        row["resumed_from_epoch"] = carried["resumed_from_epoch"]
     keep_start_curve(warm, carried)
 
 
@@ -745,8 +750,15 @@ def keep_start_curve(warm: dict[str, Any] | None, before: dict[str, Any]) -> Non
     """The start trial's curve as the row `before` placed it, in place, when the final run
     continues from the same trial: trained in an earlier session, lineage cannot place it."""
     earlier = before.get("warm_start") or {}
-    if warm is not None and earlier.get("weights") == warm.get("weights"):
+    if warm is not None and same_weights(earlier.get("weights"), warm.get("weights")):
         warm["curve"] = earlier.get("curve") or []
+
+
+def same_weights(recorded: str | None, now: str | None) -> bool:
+    """Whether a row's start weights are the file a resumed session starts from: its run's
+    folder and name, wherever the output dir is now (a copy, Drive mounted elsewhere)."""
+    return recorded is not None and now is not None and \
+        Path(recorded).parts[-2:] == Path(now).parts[-2:]
 
 
 def final_run_s(row: dict[str, Any]) -> float:

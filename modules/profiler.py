@@ -97,7 +97,12 @@ class TorchProfiler:
         try:
             ended_in = prof.current_action
             prof.__exit__(None, None, None)  # exports the trace if the schedule was recording
-            if self.traces_written == 0:
+            if self.traces_written == 0 and self._steps == 0:  # a finished run, resumed
+                earlier = any(self.trace_dir.glob("*.pt.trace.json*"))
+                log.info("profiler: no training step in this session; %s", (
+                    f"{self.trace_dir} keeps an earlier session's trace" if earlier else
+                    f"no trace written to {self.trace_dir}"))
+            elif self.traces_written == 0:
                 # Warmup events are discarded by design, so a run that never recorded has no
                 # trace worth writing: say so rather than leave an empty file.
                 phase = "warmup" if ended_in == ProfilerAction.WARMUP else "wait"

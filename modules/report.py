@@ -309,7 +309,9 @@ def autotune_lines(report: dict[str, Any] | None) -> list[str]:
     lines = [f"Autotune{at} ({report.get('seconds', '?')} s of measuring on {report.get('device')}, "
              f"{report.get('compute_img_s')} img/s pure compute at the end"
              + (", reused from " + report["reused_from"] if report.get("reused_from")
-                else "") + "):", ""]
+                else "")
+             + (", in an earlier session of this run" if report.get("resumed_from") else "")
+             + "):", ""]
     for knob, entry in (report.get("knobs") or {}).items():
         choice = entry.get("choice")
         choice = str(choice).lower() if isinstance(choice, bool) else choice

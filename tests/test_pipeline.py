@@ -144,7 +144,8 @@ def test_resume_after_a_finished_run_trains_nothing_more(small, tmp_path):
     first = json.loads((tmp_path / "out" / "results.json").read_text())[0]
     assert run_main(*args, "--resume") == 0
     again = json.loads((tmp_path / "out" / "results.json").read_text())[0]
-    assert again["resumed_from_epoch"] == 2 and again["history"] == first["history"]
+    # it resumed nothing: it evaluated the finished run
+    assert again["resumed_from_epoch"] is None and again["history"] == first["history"]
     assert again["test_acc"] == first["test_acc"]
     # the figures of the run that trained it stay, not those of a process that only evaluated
     for key in STEP_FIGURES + MACHINE_FIGURES:
@@ -175,13 +176,24 @@ def test_resume_after_a_finished_run_keeps_each_rows_timeline(small, tmp_path):
     assert first["scenario"] == "resolution" and first["warm_start"]["curve"]
     assert run_main(*args, "--resume") == 0
     again = json.loads((out / "results.json").read_text())[-1]
-    assert again["resumed_from_epoch"] == 2
+    assert again["resumed_from_epoch"] is None
     for key in ("prepare_s", "wall_s", "time_to_best_s", "warm_start", "baseline_acc_reached_in"):
         assert again[key] == first[key], key
     # the resumed session's own seconds in the tuning code (reading its journal) count
     assert again["tuning_s"] >= first["tuning_s"]
     assert again["total_s"] - first["total_s"] == pytest.approx(
         again["tuning_s"] - first["tuning_s"])
+    # the output dir copied elsewhere, by a version whose clock did not record its sessions
+    # (which place the trial's epochs anew): the row records the start weights where they were
+    moved = tmp_path / "moved"
+    shutil.copytree(out, moved)
+    (clock,) = run_path(moved).glob("resolution.clock.json")
+    clock.write_text(json.dumps({"tuning_s": json.loads(clock.read_text())["tuning_s"]}))
+    assert run_main(*args[:-1], str(moved), "--resume") == 0
+    there = json.loads((moved / "results.json").read_text())[-1]
+    for key in ("time_to_baseline_acc_s", "baseline_acc_reached_in"):
+        assert there[key] == again[key], key
+    assert there["warm_start"]["curve"] == again["warm_start"]["curve"]
 
 
 def test_the_final_run_holds_only_its_own_sizes_cache(small, tmp_path):
@@ -611,7 +623,8 @@ def test_hpo_takes_the_resolution_final_when_it_would_train_the_same(small, tmp_
     assert (checkpoints / "hpo.pt").read_bytes() == (checkpoints / "resolution.pt").read_bytes()
     capsys.readouterr()
     again = scenarios(tmp_path / "once", "--resume")
-    assert again["hpo"]["resumed_from_epoch"] == again["hpo"]["epochs"] == 2
+    # finished: this session resumed nothing, only evaluated
+    assert again["hpo"]["resumed_from_epoch"] is None and again["hpo"]["epochs"] == 2
     said = capsys.readouterr().err  # not "had started ...: resuming it", with nothing to resume
     assert "hpo: the final run had finished (" in said and "resuming it" not in said
     assert again["hpo"]["tuning_s"] == pytest.approx(hpo["tuning_s"])  # nothing added twice
@@ -881,11 +894,14 @@ def test_resume_keeps_the_autotuned_settings_instead_of_measuring_again(small, t
     assert run_main(*argv, "--resume") == 0
     resumed = json.loads((out / "results.json").read_text())[-1]
     assert resumed["autotune"]["knobs"] == first["autotune"]["knobs"]
-    assert resumed["autotune"]["reused_from"] == str(saved)
+    # measured by this run, in its first session: not reused from another's
+    assert resumed["autotune"]["resumed_from"] == str(saved)
+    assert resumed["autotune"].get("reused_from") == first["autotune"].get("reused_from")
     for knob in ("amp", "channels_last", "optimizer_impl", "cpu_threads", "cpu_allocator",
                  "batch_size"):
         assert resumed["settings"][knob] == first["settings"][knob], knob
-    assert "reused from" in (out / "report.md").read_text()
+    assert "in an earlier session of this run" in (out / "report.md").read_text()
+    assert "reused from" not in (out / "report.md").read_text()
     # resumed on another machine (another GPU in Colab's next session): measured again, the
     # batch kept, since the checkpoint resumes only with it
     record = json.loads(saved.read_text())
@@ -933,7 +949,7 @@ def test_resume_after_the_search_finished_does_not_extend_the_study(small, tmp_p
     resumed = json.loads((out / "results.json").read_text())[-1]
     assert resumed["hpo"]["n_trials"] == first["hpo"]["n_trials"] + 1 == 3
     assert resumed["settings"]["lr"] == first["settings"]["lr"]
-    assert resumed["resumed_from_epoch"] == 2 and resumed["test_acc"] == first["test_acc"]
+    assert resumed["resumed_from_epoch"] is None and resumed["test_acc"] == first["test_acc"]
 
     # while the search itself was interrupted (no final checkpoint yet), --resume runs the
     # trials it lacks up to --n-trials: none here (it has 3), one more for 4
@@ -970,7 +986,7 @@ def test_resume_with_more_trials_grows_a_finished_study(small, tmp_path, monkeyp
     assert run_main(*argv, "--resume", "--n-trials", "3") == 0
     grown = json.loads((out / "results.json").read_text())[-1]
     assert grown["hpo"]["n_trials"] == 3
-    assert grown["resumed_from_epoch"] == 2 and grown["test_acc"] == first["test_acc"]
+    assert grown["resumed_from_epoch"] is None and grown["test_acc"] == first["test_acc"]
     # the start it continued from stays on record, with its trial's epochs as the session
     # that trained them timed them (keep_timeline)
     assert grown["settings"]["weights"] == first["settings"]["weights"] != "none"
@@ -1011,7 +1027,7 @@ def test_a_saved_autotune_is_reused_only_for_the_same_start(tmp_path):
     path.write_text(json.dumps({"start": start.to_dict(), "config": tuned.to_dict(),
                                 "report": {"knobs": {}}}))
     config, report, here = scenario._saved_autotune(path, start)
-    assert config == tuned and report["reused_from"] == str(path)
+    assert config == tuned and report["resumed_from"] == str(path)
     assert here  # a file from before machines were recorded: taken as this machine's
     path.write_text(json.dumps({"start": start.to_dict(), "config": tuned.to_dict(),
                                 "report": {"knobs": {}}, "machine": "another machine"}))
@@ -1669,6 +1685,25 @@ def test_a_growth_cut_short_is_finished_under_a_spent_automatic_budget(small, tm
     assert row["hpo"]["n_trials"] == 3 and row["hpo"]["time_budget_s"] is None
 
 
+def test_a_finished_search_resumed_keeps_its_row(small, tmp_path, monkeypatch):
+    """--resume of a finished run only evaluates: its row kept the budget the search ran
+    under (the session, its final run begun, was given none), the session it resumed from
+    and where its speed settings were measured."""
+    out = tmp_path / "out"
+    argv = ("--data-dir", str(small), "--scenarios", "hpo", "--image-size", "32", "--epochs",
+            "2", "--weights", "none", "--no-progress", "--output-dir", str(out))
+    monkeypatch.setattr(scenario, "search_budget", lambda args, baseline_s: (1e-3, "spent"))
+    assert run_main(*argv) == 0
+    first = json.loads((out / "results.json").read_text())[-1]
+    assert first["hpo"]["time_budget_s"] == 1e-3 and first["resumed_from_epoch"] is None
+    assert run_main(*argv, "--resume") == 0
+    again = json.loads((out / "results.json").read_text())[-1]
+    for key in ("hpo", "autotune", "resumed_from_epoch", "test_acc", "history"):
+        assert again[key] == first[key] or key == "autotune", key
+    assert again["autotune"] == {**first["autotune"], "resumed_from": str(
+        run_path(out) / "hpo.autotune.json")}
+
+
 def test_the_time_to_the_baselines_accuracy_counts_the_final_runs_preparation():
     """Decoding the images into the cache and building the model come after the tuning and
     before the training clock starts: the time to the baseline's accuracy counts them."""
@@ -1831,7 +1866,8 @@ def test_a_kept_earlier_final_run_is_what_a_later_resume_continues(small, tmp_pa
     monkeypatch.setattr(scenario.OptunaTuner, "choice", lambda self: (better, "a new winner"))
     assert run_main(*argv, "--resume", "--n-trials", "3") == 0
     again = json.loads((out / "results.json").read_text())[-1]
-    assert again["resumed_from_epoch"] == 2 and again["history"] == first["history"]
+    # it resumed nothing: it evaluated the finished run
+    assert again["resumed_from_epoch"] is None and again["history"] == first["history"]
     assert again["grown_final"] == kept["grown_final"]
     # counted once, as the final run: the clock had it as tuning too (the set-aside's seconds)
     assert again["tuning_s"] == pytest.approx(kept["tuning_s"], abs=1.5)

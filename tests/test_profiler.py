@@ -109,6 +109,18 @@ def test_profiler_run_too_short_for_the_schedule_logs_instead_of_crashing(tmp_pa
     assert "no trace written" in caplog.text
 
 
+def test_a_session_that_trained_nothing_points_at_the_earlier_trace(tmp_path, caplog):
+    """--resume of a finished run trains no step: its folder holds the trace the session that
+    trained wrote, which "no trace written" denied."""
+    (tmp_path / "host_1.123.pt.trace.json").write_text("{}")
+    with caplog.at_level(logging.INFO, logger="modules.profiler"):
+        with TorchProfiler(tmp_path, wait=1, warmup=1, active=3):
+            pass
+    assert "no training step in this session; " \
+        f"{tmp_path} keeps an earlier session's trace" in caplog.text
+    assert "no trace written" not in caplog.text
+
+
 def test_a_profiler_that_cannot_start_leaves_the_run_to_train(tmp_path, caplog):
     """A file where the trace folder goes: one warning, and the steps train untraced (the
     trace is a side product, as when it cannot be finished)."""
