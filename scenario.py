@@ -194,10 +194,13 @@ USER_KNOBS = {"amp": "amp", "channels_last": "channels_last", "compile": "compil
 
 def autotune_scenario(config: TrainConfig, args: RunOptions, index: DatasetIndex,
                       planned_steps: int, saved: Path, time_capped: tuple[int, float] | None = None,
-                      unbudgeted_steps: int = 0) -> tuple[TrainConfig, dict[str, Any] | None]:
+                      unbudgeted_steps: int = 0, finished: bool = False
+                      ) -> tuple[TrainConfig, dict[str, Any] | None]:
     """The measured speed settings for an optimized scenario (options the user gave stay).
     time_capped: (steps, seconds) of the planned steps that a time budget bounds (autotune).
     unbudgeted_steps: planned steps outside the measuring budget (autotune).
+    finished: the scenario had finished (resumed): what `saved` holds stands, measured on
+    this machine or not.
 
     The choice is kept in `saved`; --resume takes it from there instead of measuring again, so
     a resumed run continues with the settings it started with (a fresh measurement can differ
@@ -207,7 +210,7 @@ def autotune_scenario(config: TrainConfig, args: RunOptions, index: DatasetIndex
     # Under torchrun every rank must train with the same settings: rank 0 measures (on its
     # own, the others idle meanwhile) and hands its choice to the others.
     return distributed.main_computes(lambda: _measure_settings(
-        config, args, index, planned_steps, saved, time_capped, unbudgeted_steps))
+        config, args, index, planned_steps, saved, time_capped, unbudgeted_steps, finished))
 
 
 def user_knobs(args: RunOptions) -> frozenset[str]:
@@ -219,14 +222,15 @@ def user_knobs(args: RunOptions) -> frozenset[str]:
 
 def _measure_settings(config: TrainConfig, args: RunOptions, index: DatasetIndex,
                       planned_steps: int, saved: Path, time_capped: tuple[int, float] | None,
-                      unbudgeted_steps: int = 0) -> tuple[TrainConfig, dict[str, Any]]:
+                      unbudgeted_steps: int = 0, finished: bool = False
+                      ) -> tuple[TrainConfig, dict[str, Any]]:
     fixed = user_knobs(args)
     start = config
     if args.resume:
-        reused = _saved_autotune(saved, config)
+        reused = _saved_autotune(saved, config, finished)
         if reused is not None:
             measured, findings, here = reused
-            if here:
+            if here or finished:
                 return measured, findings
             # Resumed on another machine (Colab's next session can be another GPU): what was
             # measured there may not run well here (bf16 on a T4), so measure again, keeping
@@ -262,7 +266,7 @@ def _measure_settings(config: TrainConfig, args: RunOptions, index: DatasetIndex
     return tuned, findings
 
 
-def _saved_autotune(path: Path, start: TrainConfig
+def _saved_autotune(path: Path, start: TrainConfig, finished: bool = False
                     ) -> tuple[TrainConfig, dict[str, Any], bool] | None:
     """(the autotune result saved for the same starting settings, its report, whether it was
     measured on this machine: a file from before machines were recorded counts as this one),
@@ -286,6 +290,9 @@ def _saved_autotune(path: Path, start: TrainConfig
         return None
     if here:
         log.info("autotune: resuming with the settings measured before (%s)", path)
+    elif finished:
+        log.info("autotune: %s was measured on another machine; the scenario had finished, "
+                 "so they stand", path)
     return tuned, findings, here
 
 
@@ -468,10 +475,14 @@ def tune_scenario(name: str, config: TrainConfig, args: RunOptions, index: Datas
         # budget reaches). compile still counts the final run's steps to pay back in, which it
         # has when it trains.
         unbudgeted = final if name == "hpo" and tuned.get("final") is not None else 0
+        # A scenario this run finished (its row written) trains nothing more: its settings
+        # stand, on whatever machine it resumes (but a search --n-trials may grow).
+        finished = args.resume and not (name == "hpo" and args.n_trials is not None) and \
+            previous_row(output_dir / "results.json", name, index.name, args.run_id) is not None
         config, findings = autotune_scenario(
             config, args, index, final + tuning,
             checkpoint_file(output_dir, name, ".autotune.json", args.run_id),
-            None if budget[0] is None else (tuning, budget[0]), unbudgeted)
+            None if budget[0] is None else (tuning, budget[0]), unbudgeted, finished)
         if findings is not None:
             extra["autotune"] = findings
         extra[TUNED_ANEW] = findings is not None and not {"reused_from", "resumed_from"} & \

@@ -902,10 +902,17 @@ def test_resume_keeps_the_autotuned_settings_instead_of_measuring_again(small, t
         assert resumed["settings"][knob] == first["settings"][knob], knob
     assert "in an earlier session of this run" in (out / "report.md").read_text()
     assert "reused from" not in (out / "report.md").read_text()
-    # resumed on another machine (another GPU in Colab's next session): measured again, the
-    # batch kept, since the checkpoint resumes only with it
+    # resumed on another machine (another GPU in Colab's next session), or by a version that
+    # names machines otherwise: a finished scenario trains nothing more, its settings stand
+    # and no measuring is added to its time
     record = json.loads(saved.read_text())
     saved.write_text(json.dumps(dict(record, machine="another machine")))
+    assert run_main(*argv, "--resume") == 0
+    again = json.loads((out / "results.json").read_text())[-1]
+    assert again["tuning_s"] == resumed["tuning_s"] and again["settings"] == resumed["settings"]
+    # unfinished (stopped before its row was written): measured again, the batch kept,
+    # since the checkpoint resumes only with it
+    (out / "results.json").write_text("[]")
     measured = []
 
     def measure_keeping(config, *a, fixed=frozenset(), **k):
