@@ -192,6 +192,17 @@ Sample = tuple[str, int]  # (path, class index)
 IMBALANCED = 3  # the largest training class this many times the smallest: said
 
 
+def _digest_groups(groups: list[list[tuple[str, int]]], name: Callable[[str], str]) -> str:
+    """A digest of (image, label) lists, each image named by `name`."""
+    digest = hashlib.sha1()
+    for group in groups:
+        for path, label in group:
+            # fsencode: a file name that is not UTF-8 (zips made on Windows) hashes too
+            digest.update(os.fsencode(f"{name(path)}\t{label}\n"))
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
 @dataclass
 class DatasetIndex:
     """The usable images of a dataset, split three ways, and what had to be skipped."""
@@ -222,13 +233,22 @@ class DatasetIndex:
         resumes only on the same data, wherever the folder is (a copy, another machine's
         download, a relative --data-dir), and not on images rewritten under the same names (a
         resized set)."""
-        start, prefix = os.path.abspath(self.root), os.path.join(self.root, "")
+        return self._digest(splits, self._inside)
 
-        def inside(path: str) -> str:  # listed below the root as given: no relpath needed
-            rel = path[len(prefix):] if path.startswith(prefix) else os.path.relpath(path, start)
-            size = self.sizes.get(path)
-            return rel.replace(os.sep, "/") + ("" if size is None else f"\t{size}")
-        return self._digest(splits, inside)
+    def images_fingerprint(self) -> str:
+        """fingerprint() of the images whichever of them validation holds out: another --seed
+        draws another validation split from the same training images of a folder without a
+        val/ split."""
+        return _digest_groups([sorted(self.train + self.val), self.test], self._inside)
+
+    def _inside(self, path: str) -> str:
+        """An image's name in a fingerprint: below the root as listed (no relpath needed), and
+        its size."""
+        prefix = os.path.join(self.root, "")
+        rel = path[len(prefix):] if path.startswith(prefix) else \
+            os.path.relpath(path, os.path.abspath(self.root))
+        size = self.sizes.get(path)
+        return rel.replace(os.sep, "/") + ("" if size is None else f"\t{size}")
 
     def same_data(self, recorded: str | None,
                   splits: tuple[str, ...] = ("train", "val", "test")) -> bool:
@@ -238,13 +258,7 @@ class DatasetIndex:
                                                      self._digest(splits, str))
 
     def _digest(self, splits: tuple[str, ...], name: Callable[[str], str]) -> str:
-        digest = hashlib.sha1()
-        for split in splits:
-            for path, label in getattr(self, split):
-                # fsencode: a file name that is not UTF-8 (zips made on Windows) hashes too
-                digest.update(os.fsencode(f"{name(path)}\t{label}\n"))
-            digest.update(b"\0")
-        return digest.hexdigest()
+        return _digest_groups([getattr(self, split) for split in splits], name)
 
     def skipped_lines(self) -> list[str]:
         """Each skipped file, by its path inside the data folder (a name that is not UTF-8

@@ -341,11 +341,11 @@ def keep_best_model(result: TrainResult, config: TrainConfig, index: DatasetInde
         else:
             previous = saved.get("extra") or {}
             if not _of_this_data(saved, index, fingerprint):
-                # its test accuracy was on other images: not comparable
+                # validated (and tested) on other images: not comparable
                 aside = set_aside(path, _other_data(previous.get("data_fingerprint")))
-                log.warning("%s was trained on other data named %r (run %s); kept it as %s, "
-                            "where a later run on that data compares with it", path, index.name,
-                            previous.get("run_id"), aside)
+                log.warning("%s %s; kept it as %s%s", path, _how_other(previous, index), aside,
+                            "" if previous.get("data_fingerprint") is None else
+                            ", where a later run on that data compares with it")
                 previous = {}
     mine = row.get("val_acc")
     mine_shown = "n/a" if mine is None else f"{100 * mine:.1f}%"
@@ -366,6 +366,7 @@ def keep_best_model(result: TrainResult, config: TrainConfig, index: DatasetInde
                image_size=config.image_size,
                extra={"scenario": row["scenario"], "dataset": index.name,
                       "data_fingerprint": fingerprint, "run_id": row.get("run_id"),
+                      "images_fingerprint": index.images_fingerprint(),
                       "test_acc": row["test_acc"], "val_acc": row["val_acc"],
                       "per_class_test_acc": row["per_class_test_acc"],
                       "confusion_matrix": row["confusion_matrix"],
@@ -463,9 +464,22 @@ def _beats(mine: float | None, best: Any) -> bool:
 
 
 def _of_this_data(saved: dict[str, Any], index: DatasetIndex, fingerprint: str) -> bool:
+    """Whether a saved model was validated on this data's split (a file of a version that did
+    not record its data is not known to be)."""
     extra = saved.get("extra") or {}
-    return index.same_data(extra.get("data_fingerprint", fingerprint)) and \
+    return index.same_data(extra.get("data_fingerprint")) and \
         list(saved["class_names"]) == list(index.classes)
+
+
+def _how_other(extra: dict[str, Any], index: DatasetIndex) -> str:
+    """What differs between the data a saved model was validated on and this run's."""
+    run = f"(run {extra.get('run_id')})"
+    if extra.get("data_fingerprint") is None:
+        return f"was saved by an earlier version, which did not record its data {run}"
+    if extra.get("images_fingerprint") == index.images_fingerprint():
+        return (f"was validated on another split of the same images {run}: another --seed "
+                "holds out other validation images, so the accuracies do not compare")
+    return f"was trained on other data named {index.name!r} {run}"
 
 
 def _other_data(fingerprint: str | None) -> str:

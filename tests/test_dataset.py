@@ -244,6 +244,9 @@ def test_the_fingerprint_is_the_images_and_split_not_where_the_folder_is(folder,
     assert here.same_data(older) and relative.same_data(here.fingerprint())
     assert not copy.same_data(older) and not here.same_data(None)
     assert here.fingerprint() != index_dataset(folder, seed=4).fingerprint()
+    # the images, whichever validation holds out (another --seed): the same
+    assert here.images_fingerprint() == index_dataset(folder, seed=4).images_fingerprint() \
+        == copy.images_fingerprint() != here.fingerprint()
     assert here.fingerprint(("train", "val")) != here.fingerprint()
     write_image(copy.root / "train" / "red" / "0.jpg", COLOURS["red"], size=48)
     assert index_dataset(copy.root, seed=3).fingerprint() != here.fingerprint()

@@ -163,7 +163,10 @@ def test_resume_with_another_seed_names_the_seed_to_pass(tmp_path, capsys):
 
 
 def _keep(out: Path, test_acc: float, scenario: str, data: str = "same data",
-          classes=("a", "b"), val_acc: float | None = None, data_path: str = "streaming") -> dict:
+          classes=("a", "b"), val_acc: float | None = None, data_path: str = "streaming",
+          images: str | None = None) -> dict:
+    """keep_best_model of a model validated on `data` (a fingerprint of its split), of
+    `images` (the split's images however validation holds them out; default: `data`'s)."""
     model = build_model("squeezenet1_1", len(classes), "none")
     row = {"scenario": scenario, "run_id": scenario, "test_acc": test_acc,
            "val_acc": test_acc if val_acc is None else val_acc,
@@ -172,7 +175,8 @@ def _keep(out: Path, test_acc: float, scenario: str, data: str = "same data",
     keep_best_model(SimpleNamespace(model=model),
                     TrainConfig(model="squeezenet1_1", image_size=32),
                     SimpleNamespace(name="d", classes=list(classes),
-                                    same_data=lambda recorded: recorded == data), row, out)
+                                    same_data=lambda recorded: recorded == data,
+                                    images_fingerprint=lambda: images or data), row, out)
     return load_model(out / "d_model.pt").meta["extra"]
 
 
@@ -195,6 +199,28 @@ def test_a_model_of_other_data_under_the_same_name_is_kept_aside(tmp_path, caplo
     (aside,) = tmp_path.glob("d_model.other-data-*.pt")
     assert load_model(aside).meta["extra"]["scenario"] == "cats"
     assert "trained on other data named 'd'" in caplog.text
+
+
+def test_a_model_validated_on_another_split_or_of_unknown_data_is_kept_aside(tmp_path, caplog):
+    """Another --seed holds out other validation images of the same folder: the model it saved
+    was said to be of "other data". A file of a version that recorded no data was judged as
+    this data's, by a validation accuracy on other images (100% on 12, which no run beat)."""
+    with caplog.at_level("WARNING"):
+        assert _keep(tmp_path, 0.95, "seed 42", data="A", images="X")["scenario"] == "seed 42"
+        assert _keep(tmp_path, 0.40, "seed 1", data="B", images="X")["scenario"] == "seed 1"
+    assert "was validated on another split of the same images (run seed 42): another " \
+        "--seed holds out other validation images" in caplog.text
+    assert "other data" not in caplog.text
+    assert _keep(tmp_path, 0.30, "seed 42 again", data="A", images="X")["scenario"] == "seed 42"
+    old = build_model("squeezenet1_1", 2, "none")
+    from modules.utility import save_model
+    save_model(old, tmp_path / "d_model.pt", arch="squeezenet1_1", class_names=["a", "b"],
+               image_size=32, extra={"scenario": "older", "val_acc": 1.0, "test_acc": 1.0})
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert _keep(tmp_path, 0.5, "now", data="A", images="X")["scenario"] == "now"
+    assert "was saved by an earlier version, which did not record its data (run None); " \
+        "kept it as" in caplog.text
 
 
 def test_an_unreadable_model_file_is_kept_aside_not_overwritten(tmp_path):
