@@ -1191,7 +1191,11 @@ class OptunaTuner:
 
         # Plotly's JS goes next to the pages once, not inlined or from a CDN: works offline.
         path = self.output_dir / "optuna_history.html"
-        write_html(vis.plot_optimization_history(study), path)
+        history = vis.plot_optimization_history(study, target_name="validation accuracy")
+        # the values are fractions: shown in %, as the PNG and every other chart show them
+        history.update_yaxes(tickformat=".0%")
+        history.update_layout(title="Search history: each trial's validation accuracy")
+        write_html(history, path)
         written.append(path)
 
         # Importances fit a model to (params -> value): it needs two results and some variation.

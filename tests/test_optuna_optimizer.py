@@ -368,6 +368,9 @@ def test_save_plots_writes_html_png_json(index, tmp_path, monkeypatch):
                      "optuna_importance.png", "best_params.json"}
     assert all(p.stat().st_size > 0 for p in written)
     assert (tmp_path / "hpo" / "optuna_history.png").read_bytes()[:4] == b"\x89PNG"
+    # the page says what the values are, in %, as the PNG does ("Objective Value", 0.33)
+    page = (tmp_path / "hpo" / "optuna_history.html").read_text()
+    assert '"text":"validation accuracy"' in page and '"tickformat":".0%"' in page
     saved = json.loads((tmp_path / "hpo" / "best_params.json").read_text())
     assert saved["best_params"] == summary["best_params"] and saved["n_trials"] == 3
     # what the final run trains: the winner's, or the default configuration's own values
