@@ -212,7 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
     train_.add_argument("--cudnn-benchmark", action=argparse.BooleanOptionalAction, default=True,
                         help="let cuDNN time its convolution algorithms for each input shape "
                              "and keep the fastest (GPU only; default: on)")
-    train_.add_argument("--num-workers", type=_bounded(int, 0, 256))
+    train_.add_argument("--num-workers", type=_bounded(int, 0, 256),
+                        help="DataLoader worker processes for images decoded as they are read "
+                             "(the decoded-image cache of the tuned scenarios starts none)")
     train_.add_argument("--cpu-allocator", choices=CPU_ALLOCATORS,
                         help="retain: freed CPU memory stays in the process for reuse instead of "
                              "being returned to the system and faulted back in every step")

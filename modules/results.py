@@ -295,7 +295,10 @@ def result_row(name: str, config: TrainConfig, result: TrainResult, test: dict[s
         "skipped_files": index.skipped_files, "ignored_files": sum(index.ignored.values()),
         "nonfinite_steps": result.nonfinite_steps,
         "stopped_early": result.stopped_early, "resumed_from_epoch": result.resumed_from_epoch,
-        "settings": {**config.to_dict(), **result.settings, "data_path": data_path},
+        "settings": {**config.to_dict(), **result.settings, "data_path": data_path,
+                     # the cache's batches are made in the training process, whatever was asked
+                     **({"num_workers": 0, "persistent_workers": False, "prefetch_factor": None}
+                        if data_path == CachedLoader.data_path else {})},
         "history": result.history,
     }
     if carried is not None:

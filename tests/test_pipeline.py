@@ -196,6 +196,18 @@ def test_resume_after_a_finished_run_keeps_each_rows_timeline(small, tmp_path):
     assert there["warm_start"]["curve"] == again["warm_start"]["curve"]
 
 
+def test_a_row_on_the_decoded_cache_records_the_workers_it_ran(small, tmp_path):
+    """--num-workers applies to streamed images: the tuned scenarios' cache started none, and
+    their rows said 2 beside "decoded cache"."""
+    out = tmp_path / "out"
+    assert run_main("--data-dir", str(small), "--scenarios", "resolution", "--resolutions",
+                    "32", "--image-size", "32", "--epochs", "1", "--weights", "none",
+                    "--no-progress", "--no-autotune", "--num-workers", "2",
+                    "--output-dir", str(out)) == 0
+    settings = json.loads((out / "results.json").read_text())[-1]["settings"]
+    assert settings["data_path"] == "decoded cache" and settings["num_workers"] == 0
+
+
 def test_the_final_run_holds_only_its_own_sizes_cache(small, tmp_path):
     """The other candidate sizes' decoded images stayed in memory through the final run and
     counted in its peak memory (4.8 GB for Intel's train split at the GPU sizes)."""
