@@ -120,6 +120,16 @@ def _check_fused(cls, options: dict[str, Any], params: list[torch.Tensor],
 ONECYCLE_MIN_STEPS = 4  # its ramp up and down each need a step or two
 
 
+def scheduler_run(config: TrainConfig, steps_per_epoch: int) -> str:
+    """The schedule make_scheduler runs: onecycle over fewer than ONECYCLE_MIN_STEPS steps
+    would train one or two at its starting rate, lr / 25, and the last at lr / 250,000 (the
+    run would barely move): cosine instead, which takes the first at lr."""
+    if config.scheduler == "onecycle" and \
+            max(1, steps_per_epoch * config.epochs) < ONECYCLE_MIN_STEPS:
+        return "cosine"
+    return config.scheduler
+
+
 def make_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, steps_per_epoch: int):
     """A per-optimizer-step schedule over the whole run. With warmup_epochs, cosine and constant
     first ramp the learning rate up linearly: a run that continues trained weights with a fresh
@@ -140,9 +150,7 @@ def make_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, steps_
         return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     if config.scheduler == "cosine":
         return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
-    if config.scheduler == "onecycle" and total_steps < ONECYCLE_MIN_STEPS:
-        # One or two steps would train at its starting rate, lr / 25, and the last at
-        # lr / 250,000: the run would barely move. Cosine takes the first at lr.
+    if scheduler_run(config, steps_per_epoch) != config.scheduler:
         log.info("onecycle needs at least %d optimizer steps, this run has %d: cosine instead",
                  ONECYCLE_MIN_STEPS, total_steps)
         return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
@@ -271,6 +279,10 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
                   "oom_recoveries": epochs.oom_recoveries,
                   "compile_failed": epochs.compile_failed,
                   "steps_per_epoch": math.ceil(len(train_loader) / config.grad_accum_steps),
+                  # a onecycle too short for its cycle ran cosine (settings' scheduler is
+                  # the one asked for, which a later run's baseline is matched by)
+                  "scheduler_run": scheduler_run(config, math.ceil(len(train_loader) /
+                                                              config.grad_accum_steps)),
                   "world_size": distributed.world_size(), "cpu_threads": torch.get_num_threads(),
                   "cpu_allocator": hostmem.current(), "torch": torch.__version__})
 

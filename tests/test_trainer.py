@@ -849,6 +849,18 @@ def test_onecycle_on_a_run_of_few_steps_trains_at_the_learning_rate(steps):
     assert many.param_groups[0]["lr"] == pytest.approx(1e-3 / 25)  # one-cycle from 4 steps on
 
 
+def test_a_onecycle_too_short_records_the_cosine_it_ran():
+    """The log said "cosine instead"; the row's settings said onecycle."""
+    config = dataclasses.replace(BASE, scheduler="onecycle", epochs=1)
+    result = train(TinyNet(), loader(colour_data(16), config), loader(colour_data(8), config,
+                                                                       False), config)
+    assert result.settings["scheduler_run"] == "cosine"
+    longer = dataclasses.replace(config, epochs=2)
+    assert train(TinyNet(), loader(colour_data(16), longer), loader(colour_data(8), longer,
+                                                                    False), longer
+                 ).settings["scheduler_run"] == "onecycle"
+
+
 def test_a_window_with_a_short_batch_updates_as_one_large_batch_of_its_samples():
     """Each batch's mean loss was divided by the window's batch count: with batches 8, 8, 8
     and 2, each of the last two samples weighed four times what one batch of 26 gives it."""
