@@ -191,7 +191,13 @@ def start_run(output_dir: Path, index: DatasetIndex, *, resume: bool, command: s
                 write_json(output_dir / RUN_FILE, latest)
         return latest["run_id"]
     if resume:
-        log.info("--resume: no earlier run in %s; starting a new one", output_dir)
+        # checkpoints/<scenario>.pt: a version's from before runs had ids, which this one
+        # cannot continue
+        older = sorted(p.name for p in (output_dir / "checkpoints").glob("*.pt"))
+        log.info("--resume: %s in %s; starting a new one", (
+            f"no run this version can continue (checkpoints/{', '.join(older)}: an earlier "
+            "version's, whose runs had no ids)") if older else "no earlier run",
+            output_dir)
     run_id = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     taken = {newest["run_id"]} if newest else set()
     taken |= {p.name for p in (output_dir / "checkpoints").glob("*") if p.is_dir()}

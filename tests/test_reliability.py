@@ -469,6 +469,23 @@ def test_a_resume_after_toggling_quick_names_quick(tmp_path):
         start_run(out, full, resume=True, command="", seed=42, quick=False)
 
 
+def test_resume_names_checkpoints_of_a_version_before_run_ids(tmp_path, caplog):
+    """checkpoints/baseline.pt, written before runs had ids: --resume said "no earlier run"
+    beside an interrupted one it cannot continue."""
+    from types import SimpleNamespace
+
+    from modules.results import start_run
+    out = tmp_path / "out"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints" / "baseline.pt").write_bytes(b"")
+    index = SimpleNamespace(name="d", n_images=lambda: 10, fingerprint=lambda: "f",
+                            same_data=lambda recorded: recorded == "f")
+    with caplog.at_level("INFO"):
+        start_run(out, index, resume=True, command="", seed=42, quick=False)
+    assert "--resume: no run this version can continue (checkpoints/baseline.pt: an earlier " \
+        "version's, whose runs had no ids)" in caplog.text
+
+
 def two_runs(out: Path):
     """Run records of an older run A (20261127-100000) and a newer run B (-110000) in `out`,
     neither with progress, B named newest; returns an index of their data."""
