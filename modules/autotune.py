@@ -939,18 +939,18 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
     del current["probe"]  # its memory is not the batch probe's to count
     _release()
     apply_process_settings(config, device)  # leave the process as chosen, not as last measured
-    if config.cache_decoded and loader_factory is None:
-        asked = f"--num-workers {config.num_workers} applies to streamed images only: " \
-            if "num_workers" in fixed and config.num_workers else ""
+    cached = config.cache_decoded and loader_factory is None
+    if "num_workers" in fixed:
+        knobs["num_workers"] = given("num_workers")
+        if cached and config.num_workers:  # kept for a final run at a size the cache misses
+            knobs["num_workers"]["reason"] += (
+                "; for images streamed from disk only: the decoded-image cache starts none")
+    elif cached:
         config = dataclasses.replace(config, num_workers=0, persistent_workers=False,
                                      prefetch_factor=None)
         knobs["num_workers"] = {"choice": 0, "img_s": {}, "reason": (
-            f"{asked}the decoded-image cache gathers and augments batches in the training "
-            "process; worker processes would only copy them")}
-        if asked:
-            log.info("autotune: num_workers = 0 (%s)", knobs["num_workers"]["reason"])
-    elif "num_workers" in fixed:
-        knobs["num_workers"] = given("num_workers")
+            "the decoded-image cache gathers and augments batches in the training process; "
+            "worker processes would only copy them")}
     elif loader_factory is not None:
         cores = usable_cpus()
         candidates = sorted({0, *[n for n in (2, 4, 8) if n <= cores]})
