@@ -236,10 +236,10 @@ class DatasetIndex:
         return self._digest(splits, self._inside)
 
     def images_fingerprint(self) -> str:
-        """fingerprint() of the images whichever of them validation holds out: another --seed
-        draws another validation split from the same training images of a folder without a
-        val/ split."""
-        return _digest_groups([sorted(self.train + self.val), self.test], self._inside)
+        """fingerprint() of the images however they are split: another --seed holds out other
+        validation images of a folder without a val/ split (and other test images of one
+        without test/)."""
+        return _digest_groups([sorted(self.train + self.val + self.test)], self._inside)
 
     def _inside(self, path: str) -> str:
         """An image's name in a fingerprint: below the root as listed (no relpath needed), and

@@ -487,7 +487,7 @@ def _how_other(extra: dict[str, Any], index: DatasetIndex) -> str:
         return f"was saved by an earlier version, which did not record its data {run}"
     if extra.get("images_fingerprint") == index.images_fingerprint():
         return (f"was validated on another split of the same images {run}: another --seed "
-                "holds out other validation images, so the accuracies do not compare")
+                "splits them otherwise, so the accuracies do not compare")
     return f"was trained on other data named {index.name!r} {run}"
 
 

@@ -247,6 +247,10 @@ def test_the_fingerprint_is_the_images_and_split_not_where_the_folder_is(folder,
     # the images, whichever validation holds out (another --seed): the same
     assert here.images_fingerprint() == index_dataset(folder, seed=4).images_fingerprint() \
         == copy.images_fingerprint() != here.fingerprint()
+    flat = shutil.copytree(folder / "train", tmp_path / "flat")  # <class>/ folders: test drawn
+    assert index_dataset(flat, seed=3).fingerprint() != index_dataset(flat, seed=4).fingerprint()
+    assert index_dataset(flat, seed=3).images_fingerprint() == \
+        index_dataset(flat, seed=4).images_fingerprint()
     assert here.fingerprint(("train", "val")) != here.fingerprint()
     write_image(copy.root / "train" / "red" / "0.jpg", COLOURS["red"], size=48)
     assert index_dataset(copy.root, seed=3).fingerprint() != here.fingerprint()
