@@ -17,7 +17,6 @@ if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_
 
 import argparse
 import dataclasses
-import errno
 import fnmatch
 import functools
 import logging
@@ -34,7 +33,7 @@ from modules import distributed, hostmem
 from modules.config import (CPU_ALLOCATORS, DROPOUT_IMPLS, MAX_IMAGE_SIZE, MAX_SEED, MIN_IMAGE_SIZE,
                             MODELS, SCHEDULERS, TrainConfig, UserError)
 from modules.device import autocast_dtype
-from modules.files import resolved, write_error
+from modules.files import resolved, user_error
 from modules.models import check_weights_file
 from optuna_optimizer import PRUNERS, shown_argv
 # The library API the notebook and README call through this module.
@@ -383,37 +382,6 @@ def setup_logging() -> None:
     logging.addLevelName(logging.INFO, "info")
     logging.addLevelName(logging.ERROR, "error")  # run.log's line for how a session ended
     logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
-
-
-# A folder or disk the run cannot write to: the user's to fix, not a bug.
-# ENOTDIR, EEXIST: a file where a folder of the output is to be made.
-# ENAMETOOLONG, ELOOP: a path the system cannot hold or follow.
-UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT,
-              errno.ENOTDIR, errno.EEXIST, errno.ENAMETOOLONG, errno.ELOOP)
-
-
-def user_error(exc: BaseException) -> str | None:
-    """The one line for a mistake of the user's (a UserError, a folder the run cannot write);
-    None for anything else, a bug that keeps its traceback."""
-    if isinstance(exc, UserError):
-        return _worker_free(str(exc), exc)
-    if isinstance(exc, OSError) and exc.errno in UNWRITABLE:
-        return str(write_error(exc.filename, exc, in_run=True))
-    return None
-
-
-def _worker_free(message: str, exc: BaseException) -> str:
-    """A UserError raised in a DataLoader worker comes back with the worker's traceback in its
-    message ("Caught UserError in DataLoader worker process 0. Original Traceback ..."): its
-    own line is the last."""
-    if not (message.startswith("Caught ") and "Original Traceback" in message):
-        return message
-    last = message.rstrip().splitlines()[-1]
-    for cls in type(exc).__mro__:
-        for name in (f"{cls.__module__}.{cls.__qualname__}: ", f"{cls.__qualname__}: "):
-            if last.startswith(name):
-                return last[len(name):]
-    return last
 
 
 def interrupted_message(args: RunOptions | None, notebook: bool = False) -> str:

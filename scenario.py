@@ -482,7 +482,7 @@ def tune_scenario(name: str, config: TrainConfig, args: RunOptions, index: Datas
         config, findings = autotune_scenario(
             config, args, index, final + tuning,
             checkpoint_file(output_dir, name, ".autotune.json", args.run_id),
-            None if budget[0] is None else (tuning, budget[0]), unbudgeted, finished)
+            None if budget[0] is None else (tuning, budget[0]), unbudgeted, finished=finished)
         if findings is not None:
             extra["autotune"] = findings
         extra[TUNED_ANEW] = findings is not None and not {"reused_from", "resumed_from"} & \

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from modules import distributed
 from modules.config import UserError, first_line
 
 try:
@@ -447,12 +448,46 @@ def run_log(path: Path, preamble: list[str] = ()):
         handler.close()
 
 
+# A folder or disk the run cannot write to: the user's to fix, not a bug.
+# ENOTDIR, EEXIST: a file where a folder of the output is to be made.
+# ENAMETOOLONG, ELOOP: a path the system cannot hold or follow.
+UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT,
+              errno.ENOTDIR, errno.EEXIST, errno.ENAMETOOLONG, errno.ELOOP)
+
+
+def user_error(exc: BaseException) -> str | None:
+    """The one line for a mistake of the user's (a UserError, a folder the run cannot write);
+    None for anything else, a bug that keeps its traceback."""
+    if isinstance(exc, UserError):
+        return _worker_free(str(exc), exc)
+    if isinstance(exc, OSError) and exc.errno in UNWRITABLE:
+        return str(write_error(exc.filename, exc, in_run=True))
+    return None
+
+
+def _worker_free(message: str, exc: BaseException) -> str:
+    """A UserError raised in a DataLoader worker comes back with the worker's traceback in its
+    message ("Caught UserError in DataLoader worker process 0. Original Traceback ..."): its
+    own line is the last."""
+    if not (message.startswith("Caught ") and "Original Traceback" in message):
+        return message
+    last = message.rstrip().splitlines()[-1]
+    for cls in type(exc).__mro__:
+        for name in (f"{cls.__module__}.{cls.__qualname__}: ", f"{cls.__qualname__}: "):
+            if last.startswith(name):
+                return last[len(name):]
+    return last
+
+
 def ended_by(exc: BaseException) -> str:
     """run.log's last line for a session an exception ended: a reader of the log (or of a
     resumed run's, appended) tells an interrupt from a refusal from a crash."""
     if isinstance(exc, KeyboardInterrupt):
         return "interrupted (Ctrl-C or Stop): --resume continues the run from its checkpoints"
-    if isinstance(exc, UserError):
-        return f"stopped: {first_line(exc, 500)}"
+    said = user_error(exc)  # the console's line
+    if said is not None:
+        return f"stopped: {said}"
+    if isinstance(exc, RuntimeError) and distributed.peer_left(exc):
+        return "stopped: another process of this run stopped (its own log says why)"
     return f"stopped by an error ({type(exc).__name__}: {first_line(exc)}); the console has " \
         "its traceback"

@@ -127,6 +127,23 @@ def test_run_log_says_how_a_session_ended(small, tmp_path, monkeypatch, capsys):
     assert log_file.read_text().splitlines()[-1].endswith(
         "error pipeline: stopped: training diverged: lower --lr.")
 
+    # the console's one line: a full disk's, a DataLoader worker's error without its traceback
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device", str(out / "x.pt"))
+    monkeypatch.setattr(scenario, "train", full)
+    assert run_main(*argv, "--resume") == 2
+    assert "error pipeline: stopped: no space left on the device holding " in \
+        log_file.read_text().splitlines()[-1]
+
+    def in_worker(*args, **kwargs):
+        raise UserError("Caught UserError in DataLoader worker process 0.\nOriginal Traceback "
+                        "(most recent call last):\n  File \"x.py\", line 1\n"
+                        "modules.config.UserError: image 'a.jpg' became unreadable")
+    monkeypatch.setattr(scenario, "train", in_worker)
+    assert run_main(*argv, "--resume") == 2
+    assert log_file.read_text().splitlines()[-1].endswith(
+        "error pipeline: stopped: image 'a.jpg' became unreadable")
+
     def bug(*args, **kwargs):
         raise ZeroDivisionError("division by zero")
     monkeypatch.setattr(scenario, "train", bug)
@@ -1467,7 +1484,8 @@ def test_the_hpo_scenario_bounds_its_search_and_measuring_by_the_baselines_time(
             seen.update(kwargs)
             raise Recorded
 
-    def measured(config, args, index, steps, saved, time_capped=None, unbudgeted=0):
+    def measured(config, args, index, steps, saved, time_capped=None, unbudgeted=0,
+                 finished=False):
         seen["time_capped"] = time_capped
         return config, None
     monkeypatch.setattr(scenario, "OptunaTuner", Tuner)
@@ -1612,7 +1630,7 @@ def test_the_hpo_measuring_budget_is_a_share_of_its_search_when_its_final_may_be
     trained: a budget of 10% of search and final run was 11-13% of what the scenario ran."""
     seen = []
     monkeypatch.setattr(scenario, "autotune_scenario", lambda config, args, index, planned,
-                        saved, capped, unbudgeted: seen.append((planned, unbudgeted))
+                        saved, capped, unbudgeted, finished: seen.append((planned, unbudgeted))
                         or (config, None))
     monkeypatch.setattr(scenario, "tune_hyperparameters", lambda config, *a, **k: (config, {}))
     monkeypatch.setattr(scenario, "least_tuning_epochs", lambda *a, **k: 4)
