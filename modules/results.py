@@ -349,7 +349,7 @@ def keep_best_model(result: TrainResult, config: TrainConfig, index: DatasetInde
             log.warning("%s; kept it as %s", str(exc).rstrip("."), aside)
         else:
             previous = saved.get("extra") or {}
-            if not _of_this_data(saved, index, fingerprint):
+            if not _of_this_data(saved, index):
                 # validated (and tested) on other images: not comparable
                 aside = set_aside(path, _other_data(previous.get("data_fingerprint")))
                 log.warning("%s %s; kept it as %s%s", path, _how_other(previous, index), aside,
@@ -360,7 +360,7 @@ def keep_best_model(result: TrainResult, config: TrainConfig, index: DatasetInde
     mine_shown = "n/a" if mine is None else f"{100 * mine:.1f}%"
     kept_from = None
     if not previous:  # a model of this data set aside by a run on other data
-        kept_from, previous = _best_aside(path, index, fingerprint)
+        kept_from, previous = _best_aside(path, index)
     # Chosen by validation: a choice by test accuracy would make the test accuracy saved with
     # the model an optimistic one, and the test set no longer held out.
     if previous and not _beats(mine, previous.get("val_acc")):
@@ -472,7 +472,7 @@ def _beats(mine: float | None, best: Any) -> bool:
     return not isinstance(best, (int, float)) or (mine is not None and mine > best)
 
 
-def _of_this_data(saved: dict[str, Any], index: DatasetIndex, fingerprint: str) -> bool:
+def _of_this_data(saved: dict[str, Any], index: DatasetIndex) -> bool:
     """Whether a saved model was validated on this data's split (a file of a version that did
     not record its data is not known to be)."""
     extra = saved.get("extra") or {}
@@ -509,8 +509,7 @@ def set_aside(path: Path, label: str) -> Path:
     return aside
 
 
-def _best_aside(path: Path, index: DatasetIndex, fingerprint: str
-                ) -> tuple[Path | None, dict[str, Any]]:
+def _best_aside(path: Path, index: DatasetIndex) -> tuple[Path | None, dict[str, Any]]:
     """The best model of this data kept aside next to `path` (its file, its extra)."""
     best: tuple[Path | None, dict[str, Any]] = (None, {})
     for aside in sorted(path.parent.glob(f"{path.stem}.other-data-*.pt")):
@@ -519,7 +518,7 @@ def _best_aside(path: Path, index: DatasetIndex, fingerprint: str
         except UserError:
             continue
         extra = saved.get("extra") or {}
-        if _of_this_data(saved, index, fingerprint) and \
+        if _of_this_data(saved, index) and \
                 isinstance(extra.get("val_acc"), (int, float)) and \
                 (best[0] is None or extra["val_acc"] > best[1]["val_acc"]):
             best = (aside, extra)
