@@ -189,8 +189,8 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
     # a model trained before (a run that diverged, or was stopped mid-window, in a notebook)
     # keeps its last gradients: the first window would add them to its own
     optimizer.zero_grad(set_to_none=True)
-    scheduler = make_scheduler(optimizer, config, math.ceil(len(train_loader) /
-                                                            config.grad_accum_steps))
+    steps_per_epoch = math.ceil(len(train_loader) / config.grad_accum_steps)
+    scheduler = make_scheduler(optimizer, config, steps_per_epoch)
     # GradScaler only matters for fp16, whose narrow range underflows small gradients.
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     saver = CheckpointSaver(checkpoint_path, config, len(train_loader))
@@ -278,11 +278,10 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
                   "micro_batch_size": math.ceil(config.batch_size / epochs.splits),
                   "oom_recoveries": epochs.oom_recoveries,
                   "compile_failed": epochs.compile_failed,
-                  "steps_per_epoch": math.ceil(len(train_loader) / config.grad_accum_steps),
+                  "steps_per_epoch": steps_per_epoch,
                   # a onecycle too short for its cycle ran cosine (settings' scheduler is
                   # the one asked for, which a later run's baseline is matched by)
-                  "scheduler_run": scheduler_run(config, math.ceil(len(train_loader) /
-                                                              config.grad_accum_steps)),
+                  "scheduler_run": scheduler_run(config, steps_per_epoch),
                   "world_size": distributed.world_size(), "cpu_threads": torch.get_num_threads(),
                   "cpu_allocator": hostmem.current(), "torch": torch.__version__})
 
