@@ -89,6 +89,13 @@ def _runs(output_dir: Path) -> list[dict[str, Any]]:
     return [r for r in _records(output_dir) if not r.get("refused")]
 
 
+def run_rows(output_dir: Path, run_id: str | None) -> list[dict[str, Any]]:
+    """The rows results.json holds of run `run_id`: the scenarios it finished (none for
+    None)."""
+    rows = earlier_rows(Path(output_dir) / "results.json")
+    return [r for r in rows if run_id is not None and r.get("run_id") == run_id]
+
+
 def latest_run(output_dir: Path) -> dict[str, Any] | None:
     """The record of the newest run in output_dir (_runs), or None."""
     return next(iter(_runs(output_dir)), None)
@@ -190,6 +197,12 @@ def start_run(output_dir: Path, index: DatasetIndex, *, resume: bool, command: s
             if distributed.is_main():  # the run being continued is the newest again
                 write_json(output_dir / RUN_FILE, latest)
         return latest["run_id"]
+    if not resume and newest is not None and _left_unfinished(output_dir, newest) and \
+            distributed.is_main():
+        # a disconnect, then Run all without RESUME: said, as the new run trains it all again
+        log.warning("the newest run in %s (%s) did not finish; --resume continues it from where "
+                    "it stopped. Starting a new run beside it (nothing is deleted).",
+                    output_dir, newest["run_id"])
     if resume:
         # checkpoints/<scenario>.pt: a version's from before runs had ids, which this one
         # cannot continue
@@ -215,6 +228,14 @@ def start_run(output_dir: Path, index: DatasetIndex, *, resume: bool, command: s
         write_json(_record_path(output_dir, run_id), record)  # makes the run's folder
         write_json(output_dir / RUN_FILE, record)
     return run_id
+
+
+def _left_unfinished(output_dir: Path, record: dict[str, Any]) -> bool:
+    """Whether run `record` stopped with scenarios left that it had begun on; a run recorded
+    by a version that did not mark finished runs counts as finished when each has a row."""
+    done = {r["scenario"] for r in run_rows(output_dir, record["run_id"])}
+    return not record.get("finished") and bool(set(record.get("scenarios") or []) - done) \
+        and _has_progress(output_dir, record["run_id"])
 
 
 def _same_start(latest: dict[str, Any], output_dir: Path, weights: str | None,

@@ -522,6 +522,41 @@ def test_resume_continues_the_run_with_progress_past_a_newer_empty_one(tmp_path,
         "20261127-100000", "20261127-110000")
 
 
+def test_a_new_run_beside_an_interrupted_one_says_resume_would_continue_it(tmp_path, caplog):
+    """After a disconnect, Run all without RESUME trained everything again without a word:
+    a new run beside an unfinished one with progress says --resume would continue it. A run
+    that finished, or one of a version that did not mark finished runs but has a row for each
+    of its scenarios, or one stopped before its first checkpoint, is not named."""
+    from modules.results import mark_finished, start_run
+
+    def named(case: str, progress: bool = True, rows: tuple = (), finished: bool = False):
+        out = tmp_path / case
+        index = two_runs(out)
+        newest = out / "checkpoints" / "20261127-110000"
+        record = {**json.loads((newest / "run.json").read_text()),
+                  "scenarios": ["baseline", "hpo"]}
+        for path in (newest / "run.json", out / "latest_run.json"):
+            path.write_text(json.dumps(record))
+        if progress:
+            (newest / "baseline.pt").write_bytes(b"a checkpoint")
+        (out / "results.json").write_text(json.dumps(
+            [{"scenario": s, "run_id": "20261127-110000"} for s in rows]))
+        if finished:
+            mark_finished(out, "20261127-110000")
+        caplog.clear()
+        with caplog.at_level("INFO"):
+            start_run(out, index=index, resume=False, command="python pipeline.py")
+        return caplog.text
+    said = named("interrupted")
+    assert ("the newest run in" in said and "(20261127-110000) did not finish; --resume "
+            "continues it" in said and "nothing is deleted" in said)
+    assert "did not finish" in named("one row", rows=("baseline",))
+    assert "did not finish" not in named("no progress", progress=False)
+    assert "did not finish" not in named("finished", finished=True)
+    # a version that did not mark finished runs: each of its scenarios has its row
+    assert "did not finish" not in named("older version", rows=("baseline", "hpo"))
+
+
 def test_resume_continues_an_interrupted_run_past_a_newer_finished_one(tmp_path, caplog):
     """Run A was interrupted; run B, newer, finished (its rows, its checkpoints). --resume
     continued B, which has nothing left, and A could never be continued. A on other data
