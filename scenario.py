@@ -38,8 +38,8 @@ from modules.device import (apply_process_settings, autocast_dtype, process_sett
                             resolve_device, usable_cpus)
 from modules.evaluation import evaluate
 from modules.fastdata import cache_fits, keep_sizes
-from modules.files import (atomic_write_text, folder_lock, kept_file, name_folder, resolved,
-                           run_log, share_file)
+from modules.files import (atomic_write_text, folder_lock, kept_file, name_folder,
+                           refuse_if_in_use, resolved, run_log, share_file)
 from modules.hardware import max_batch_size
 from modules.models import possible_starts, start_weights, weights_file
 from modules.monitor import SystemSampler
@@ -406,6 +406,7 @@ def quick_per_class(n_classes: int) -> dict[str, int]:
 
 
 def load_data(args: RunOptions, output_dir: Path) -> DatasetIndex:
+    on_main(lambda: refuse_if_in_use(output_dir))  # before any data is read or made
     per_class = QUICK_SYNTHETIC_PER_CLASS if args.quick else SYNTHETIC_PER_CLASS
     # The generated set is local with --local-dir (an output dir on Google Drive would serve
     # the baseline's every epoch from Drive); it is the same images wherever it is made.

@@ -321,10 +321,11 @@ class _RunLog(logging.FileHandler):
 
 
 @contextlib.contextmanager
-def folder_lock(folder: Path):
+def folder_lock(folder: Path, probe: bool = False):
     """Holds folder/.lock while a run writes there: a second run into the same folder (two
     --resume of one interrupted run, say) stops with one line instead of training the same
-    again beside it. Where the filesystem has no locks (some network drives), runs unguarded."""
+    again beside it. Where the filesystem has no locks (some network drives), runs unguarded.
+    `probe`: only the refusal (refuse_if_in_use), the lock released at once."""
     # The run is yielded to outside every except block: inside one, any error of the run
     # would carry the lock's as its context ("No locks available ... During handling").
     try:
@@ -341,6 +342,11 @@ def folder_lock(folder: Path):
             holder = handle.read().strip() or "another process"
             raise UserError(f"another run is writing to {str(folder)!r} ({holder}): wait "
                             "for it to end, or give this one another --output-dir.")
+        if probe:
+            if locked:
+                _unlock(handle)
+            yield
+            return
         try:
             if locked:
                 handle.truncate(0)
@@ -354,6 +360,16 @@ def folder_lock(folder: Path):
         finally:
             if locked:
                 _unlock(handle)
+
+
+def refuse_if_in_use(folder: Path) -> None:
+    """folder_lock's refusal, before the run reads or makes its data: a second run into a
+    folder in use generated the synthetic set into it (where the first had kept it on
+    --local-dir) before the lock refused it. Not to be called while this process holds the
+    lock: closing the probe's handle would release a POSIX lock."""
+    if (Path(folder) / ".lock").exists():
+        with folder_lock(folder, probe=True):
+            pass
 
 
 # Windows' locks are mandatory: the byte locked lies past the holder's line, which a second

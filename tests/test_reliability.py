@@ -707,6 +707,28 @@ def test_a_second_run_into_a_folder_in_use_stops_in_one_line(tmp_path):
         worker.kill()
 
 
+def test_a_run_into_a_folder_in_use_is_refused_before_it_reads_or_makes_data(tmp_path):
+    """The lock was taken once the data was loaded: a second run generated the synthetic set
+    (143 s on a loaded machine) into the output dir before its refusal, and that copy then
+    took the place of the first run's --local-dir copy when it resumed."""
+    from modules.files import folder_lock, refuse_if_in_use
+    out, local = tmp_path / "out", tmp_path / "local"
+    out.mkdir()
+    with folder_lock(out):
+        other = subprocess.run(
+            [sys.executable, "pipeline.py", "--quick", "--scenarios", "baseline", "--output-dir",
+             str(out), "--local-dir", str(local), "--no-progress"],
+            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert other.returncode == 2 and "error: another run is writing to" in other.stderr
+    assert "Traceback" not in other.stderr
+    assert not (out / "data").exists() and not (local / "data").exists()
+    refuse_if_in_use(out)  # free: the probe goes ahead, and holds nothing after it
+    with folder_lock(out):
+        pass
+    refuse_if_in_use(tmp_path / "never used")  # no lock file: nothing to probe, none made
+    assert not (tmp_path / "never used").exists()
+
+
 def test_windows_locks_the_folder_with_msvcrt(tmp_path, monkeypatch):
     """Without fcntl (Windows) the folder went unlocked: a second run trained beside the
     first, and killed writes' leftovers were never swept. msvcrt's locks, emulated here as
