@@ -41,7 +41,7 @@ from modules.fastdata import cache_fits, keep_sizes
 from modules.files import (atomic_write_text, folder_lock, kept_file, name_folder,
                            refuse_if_in_use, resolved, run_log, share_file)
 from modules.hardware import max_batch_size
-from modules.models import possible_starts, start_weights, weights_file
+from modules.models import pinned_weights_file, possible_starts, start_weights, weights_file
 from modules.monitor import SystemSampler
 from modules.oom import is_out_of_memory, release
 from modules.profiler import TorchProfiler
@@ -1561,7 +1561,8 @@ def run(args: RunOptions, index: DatasetIndex | None = None) -> list[dict[str, A
     if args.storage and "hpo" in args.scenarios:
         on_main(lambda: check_storage(args.storage))  # a wrong URL stops it before training
     index = index or load_data(args, output_dir)
-    with run_lock(output_dir), process_settings_kept(), interrupts.stoppable():
+    with run_lock(output_dir), process_settings_kept(), interrupts.stoppable(), \
+            pinned_weights_file(weights_file(args.weights)):
         # Every process checks (so a refused --resume ends them all); rank 0's id is the run's.
         args.run_id = distributed.from_main(start_run(
             output_dir, index, resume=args.resume, seed=args.seed, quick=args.quick,

@@ -277,10 +277,28 @@ def strip_prefixes(key: str) -> str:
     return key
 
 
+_PINNED: dict[Path, object] = {}  # the running run's --weights file, as read at its start
+
+
+@contextlib.contextmanager
+def pinned_weights_file(path: Path | None):
+    """The run's --weights file (None: none), read once as it starts and used for every model
+    it builds: read again for each, a file another run saved over (its best model, say) would
+    start this run's later scenarios and trials from other weights under the same name."""
+    _PINNED.clear()
+    if path is not None:
+        _PINNED[Path(path).expanduser().resolve()] = read_torch_file(path, "weights file")
+    try:
+        yield
+    finally:
+        _PINNED.clear()
+
+
 def _fitting_tensors(model: nn.Module, path: Path) -> dict[str, torch.Tensor]:
     """The tensors of a weights file that fit `model`; a file that is not PyTorch's, or of
     which nothing fits, is refused in one line."""
-    state = read_torch_file(path, "weights file")
+    pinned = Path(path).expanduser().resolve()
+    state = _PINNED[pinned] if pinned in _PINNED else read_torch_file(path, "weights file")
     if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
         state = state["state_dict"]  # a file written by modules.utility.save_model
     elif isinstance(state, dict) and isinstance(state.get("model"), dict) and "config" in state:

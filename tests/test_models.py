@@ -104,6 +104,34 @@ def test_weights_from_a_file_fit_a_new_head(tmp_path):
     assert model.fc.out_features == 3
 
 
+def test_a_run_starts_every_model_from_its_weights_file_as_it_read_it_first(tmp_path,
+                                                                          monkeypatch):
+    """The file was read again for every model built: another run saving its best model over
+    it mid-run started this run's later scenarios and trials from other weights, recorded
+    under the same name. The run reads it once, as it starts."""
+    import scenario
+    from conftest import make_folder
+    import pipeline
+    first, second = build_model("squeezenet1_1", 3), build_model("squeezenet1_1", 3)
+    start = tmp_path / "start.pt"
+    torch.save(first.state_dict(), start)
+    built = []
+
+    def scenarios(args, index, output_dir, device):  # another run saves over it meanwhile
+        torch.save(second.state_dict(), start)
+        built.append(build_model("squeezenet1_1", 3, str(start)))
+        return []
+    monkeypatch.setattr(scenario, "_run_scenarios", scenarios)
+    data = make_folder(tmp_path / "d", n_train=6, n_test=2)
+    scenario.run(pipeline.parse_args(["--data-dir", str(data), "--output-dir", str(tmp_path / "o"),
+                                      "--weights", str(start), "--no-progress"]))
+    for name, tensor in first.state_dict().items():
+        torch.testing.assert_close(built[0].state_dict()[name], tensor)
+    # the run over, the file is read as it is now
+    after = build_model("squeezenet1_1", 3, str(start))
+    torch.testing.assert_close(after.features[0].weight, second.features[0].weight)
+
+
 def test_weights_for_the_same_classes_load_whole_head_included(tmp_path):
     """A tuner's trial is continued by the final run: its classifier too, not a fresh one."""
     from modules.checkpoints import save_weights
