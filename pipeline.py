@@ -35,6 +35,7 @@ from modules.config import (CPU_ALLOCATORS, DROPOUT_IMPLS, MAX_IMAGE_SIZE, MAX_S
 from modules.device import autocast_dtype
 from modules.files import resolved, user_error
 from modules.models import check_weights_file
+from modules.results import run_rows  # noqa: F401  (the notebook's run cell)
 from optuna_optimizer import PRUNERS, shown_argv
 # The library API the notebook and README call through this module.
 from scenario import (FIDELITY_FROM, FIDELITY_SCALE, MAX_EPOCH_FACTOR, N_TRIALS,  # noqa: F401
@@ -442,6 +443,11 @@ class _NotebookWords(logging.Formatter):
         return notebook_words(text) if record.levelno >= logging.WARNING else text
 
 
+# What the notebook's data and run cells set for the result cells after them: a result cell
+# run first (a new session, to see a finished run) names them in one line.
+SET_BY_RUN_CELLS = ("output_dir", "index", "plan", "rows", "RUN_ID", "REPORT_DIR")
+
+
 def quiet_user_errors() -> None:
     """In IPython (the notebook): a UserError, or a folder the run cannot write, prints as the
     command line prints it, one line without a traceback, and the Stop button says how to
@@ -451,6 +457,21 @@ def quiet_user_errors() -> None:
     except NameError:
         return
     def one_line(shell, etype, value, tb, tb_offset=None):
+        if isinstance(value, NameError):
+            name = getattr(value, "name", None)
+            frame = tb
+            while frame is not None and frame.tb_next is not None:
+                frame = frame.tb_next
+            # a cell's own line (its globals are the notebook's), not a bug in a module
+            if name in SET_BY_RUN_CELLS and frame is not None and \
+                    frame.tb_frame.f_globals is getattr(shell, "user_ns", None):
+                print(f"error: no run in this session yet ({name} is set by the cells that load "
+                      "the data and run the scenarios): run the cells from the top (Runtime > "
+                      "Run all); with RESUME ticked, a finished run shows its results without "
+                      "training again.", file=sys.stderr)
+                return
+            shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
+            return
         if isinstance(value, KeyboardInterrupt):
             print(interrupted_message(getattr(shell, "user_ns", {}).get("args"), notebook=True),
                   file=sys.stderr)
@@ -460,7 +481,7 @@ def quiet_user_errors() -> None:
             shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
         else:
             print(f"error: {notebook_words(said)}", file=sys.stderr)
-    shell.set_custom_exc((UserError, OSError, KeyboardInterrupt), one_line)
+    shell.set_custom_exc((UserError, OSError, KeyboardInterrupt, NameError), one_line)
     for handler in logging.getLogger().handlers:
         if getattr(handler, "ours", False):  # setup_logging's, not another library's
             handler.setFormatter(_NotebookWords(LOG_FORMAT))

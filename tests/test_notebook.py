@@ -155,7 +155,7 @@ def test_a_later_run_into_the_same_folder_shows_its_own_results(executed, tmp_pa
     assert this_run != before[-1]["run_id"] and rows[-1]["scenario"] == "baseline"
     saved = load_model(out / "colours_model.pt").meta["extra"]
     assert ("from this run" in text) == (saved["run_id"] == this_run)
-    assert f"from run {saved['run_id']}, an earlier run" in text or saved["run_id"] == this_run
+    assert f"from run {saved['run_id']}, another run" in text or saved["run_id"] == this_run
     tables = "".join("".join(o.get("data", {}).get("text/html", ""))
                      for c in notebook["cells"] for o in c.get("outputs", []))
     assert "Throughput (img/s)" in tables and "Step (ms)" in tables
@@ -530,18 +530,99 @@ def test_the_set_up_cell_run_again_in_one_session_follows_repo_ref(tmp_path):
     assert said.count("warning: git merge failed") == 1 and "delete its folder" in said
 
 
-def test_the_run_cell_keeps_its_run_id_when_stopped():
+def test_the_run_cell_keeps_its_run_id_and_finished_rows_when_stopped(tmp_path):
     """Stopped (or failed) after the run had started, the later cells showed an earlier run's
-    traces and model (or failed on a name never set): the run cell keeps the id however it
-    ends."""
+    traces and model (or failed on a name never set), and the rows of the run before it in
+    this session beside this run's charts: the run cell keeps the id, the scenarios it
+    finished and its own report folder however it ends."""
     import types
     cell = next(source(c) for c in cells() if "pipeline.run(args, index)" in source(c))
+    (tmp_path / "results.json").write_text(json.dumps(
+        [{"scenario": "baseline", "run_id": "20261206-160000"},
+         {"scenario": "baseline", "run_id": "20261206-170000"},
+         {"scenario": "resolution", "run_id": "20261206-170000"}]))
 
     def stopped(args, index):
         args.run_id = "20261206-170000"
         raise KeyboardInterrupt
-    names = {"pipeline": types.SimpleNamespace(run=stopped), "index": None,
-             "args": types.SimpleNamespace(run_id=None), "RUN_ID": "an earlier run"}
+    names = {"pipeline": types.SimpleNamespace(run=stopped, run_rows=pipeline.run_rows,
+                                               run_folder=pipeline.run_folder),
+             "index": None, "output_dir": tmp_path, "args": types.SimpleNamespace(run_id=None),
+             "RUN_ID": "20261206-160000", "rows": [{"scenario": "baseline",
+                                                    "run_id": "20261206-160000"}]}
     with pytest.raises(KeyboardInterrupt):
         exec(cell, names)
     assert names["RUN_ID"] == "20261206-170000"
+    assert [(r["scenario"], r["run_id"]) for r in names["rows"]] == [
+        ("baseline", "20261206-170000"), ("resolution", "20261206-170000")]
+    assert names["REPORT_DIR"] == tmp_path / "runs" / "20261206-170000" / "report"
+
+    def refused(args, index):  # before the run started: no rows, none of an earlier run
+        raise pipeline.UserError("another run is writing to ...")
+    names.update(pipeline=types.SimpleNamespace(run=refused, run_rows=pipeline.run_rows,
+                                                run_folder=pipeline.run_folder),
+                 args=types.SimpleNamespace(run_id=None))
+    with pytest.raises(pipeline.UserError):
+        exec(cell, names)
+    assert names["rows"] == [] and names["RUN_ID"] is None
+
+
+def test_a_result_cell_run_before_any_run_is_one_line(monkeypatch, capsys):
+    """In a new session, to see a finished run, a result cell run first failed with
+    NameError's traceback: one line says which cells to run. A NameError in a module (a bug)
+    keeps its traceback."""
+    handlers = {}
+    shown = []
+    shell = type("Shell", (), {
+        "set_custom_exc": lambda self, kinds, handler: handlers.update(kinds=kinds,
+                                                                       handler=handler),
+        "showtraceback": lambda self, exc_tuple, tb_offset=None: shown.append(exc_tuple)})()
+    shell.user_ns = {}
+    monkeypatch.setattr(pipeline, "get_ipython", lambda: shell, raising=False)
+    pipeline.quiet_user_errors()
+    assert NameError in handlers["kinds"]
+    try:
+        exec("print(rows)", shell.user_ns)
+    except NameError:
+        handlers["handler"](shell, *sys.exc_info())
+    said = capsys.readouterr().err
+    assert said.startswith("error: no run in this session yet (rows is set by the cells that "
+                           "load the data") and "with RESUME ticked" in said and not shown
+    try:  # a name the cells do not set: Python's own traceback, as before
+        exec("print(row)", shell.user_ns)
+    except NameError:
+        handlers["handler"](shell, *sys.exc_info())
+    assert len(shown) == 1 and capsys.readouterr().err == ""
+    # raised inside a function, whose globals are not the notebook's: a bug's traceback
+    namespace = {}
+    exec("def f():\n    return rows\n", namespace)
+    try:
+        namespace["f"]()
+    except NameError:
+        handlers["handler"](shell, *sys.exc_info())
+    assert len(shown) == 2
+
+
+def test_the_result_cells_take_from_earlier_cells_only_what_the_run_cells_set():
+    """A name a result cell reads from the data or run cells is one the handler of a result
+    cell run first names (SET_BY_RUN_CELLS); anything else it reads comes from the
+    parameters and options cells (run before the handler exists) or from itself."""
+    import ast
+    code = [source(c) for c in cells() if c["cell_type"] == "code"]
+    options = next(i for i, text in enumerate(code) if "pipeline.options(" in text)
+    data = next(i for i, text in enumerate(code) if "pipeline.load_data(" in text)
+    defined_early: set[str] = set()
+    defined_late: dict[str, int] = {}
+    for i, text in enumerate(code):
+        tree = ast.parse(re.sub(r"^(\s*)%.*$", r"\1pass", text, flags=re.M))
+        loaded = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)
+                  and isinstance(n.ctx, ast.Load)}
+        own = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)
+               and isinstance(n.ctx, ast.Store)}
+        own |= {(a.asname or a.name).split(".")[0] for n in ast.walk(tree)
+                if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+        if i > data:
+            taken = {name for name in loaded - own if name in defined_late}
+            assert taken <= set(pipeline.SET_BY_RUN_CELLS), (i, taken)
+        (defined_early.update(own) if i <= options else
+         defined_late.update(dict.fromkeys(own - defined_early, i)))
