@@ -50,7 +50,7 @@ def build_model(name: str, num_classes: int, weights: str = "none",
     if path is not None:
         # After the head is sized: a file for the same classes (a tuner's trial) loads whole;
         # one for other classes loads all but the head.
-        _load_file(model, path)
+        _load_file(model, path, name)
     if dropout_impl == "bytemask":
         _use_bytemask_dropout(model)
     return model
@@ -294,24 +294,41 @@ def pinned_weights_file(path: Path | None):
         _PINNED.clear()
 
 
-def _fitting_tensors(model: nn.Module, path: Path) -> dict[str, torch.Tensor]:
-    """The tensors of a weights file that fit `model`; a file that is not PyTorch's, or of
-    which nothing fits, is refused in one line."""
+# Where a checkpoint keeps its model's tensors: this tool's model files and Lightning's
+# ("state_dict"), the PyTorch tutorial's ("model_state_dict"), torchvision's reference
+# scripts' ("model").
+WRAPPED = ("state_dict", "model_state_dict", "model")
+
+
+def _fitting_tensors(model: nn.Module, path: Path, name: str | None = None
+                     ) -> dict[str, torch.Tensor]:
+    """The tensors of a weights file that fit `model` (torchvision's `name`); a file that is
+    not PyTorch's, of which nothing fits, or that holds more than this model (a deeper one of
+    its family), is refused in one line."""
     pinned = Path(path).expanduser().resolve()
     state = _PINNED[pinned] if pinned in _PINNED else read_torch_file(path, "weights file")
-    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
-        state = state["state_dict"]  # a file written by modules.utility.save_model
-    elif isinstance(state, dict) and isinstance(state.get("model"), dict) and "config" in state:
+    arch = state.get("arch") if isinstance(state, dict) else None
+    if name and arch in MODELS and arch != name and isinstance(state.get("state_dict"), dict):
+        raise UserError(f"--weights: {str(path)!r} is a {arch} model (saved by this tool), not "
+                        f"{name}: pass --model {arch} to start from it.")
+    if isinstance(state, dict) and isinstance(state.get("model"), dict) and "config" in state:
         # a run's checkpoint (checkpoints/<run>/<scenario>.pt): the model the run ends with,
         # its best validation epoch's, not its last epoch's
         best = state.get("best")
         state = best["state"] if isinstance(best, dict) and isinstance(best.get("state"), dict) \
             else state["model"]
+    elif isinstance(state, dict):
+        state = next((state[key] for key in WRAPPED if isinstance(state.get(key), dict)), state)
     if not isinstance(state, dict):
         raise UserError(f"--weights: {str(path)!r} does not hold a state_dict.")
+    tensors = {k: v for k, v in state.items() if isinstance(k, str) and isinstance(v, torch.Tensor)}
+    if not tensors:
+        keys = sorted(map(str, state))
+        raise UserError(f"--weights: {str(path)!r} holds no tensor by name (its keys: "
+                        f"{', '.join(keys[:5])}{', ...' if len(keys) > 5 else ''}): save the "
+                        "model's state_dict(), torch.save(model.state_dict(), path).")
     own = model.state_dict()
-    state = {strip_prefixes(k): v for k, v in state.items()
-             if isinstance(k, str) and isinstance(v, torch.Tensor)}
+    state = _named_as_own(tensors, own)
     usable = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
     if not usable:
         raise UserError(f"--weights: no tensor in {str(path)!r} fits this model; is it another "
@@ -324,7 +341,31 @@ def _fitting_tensors(model: nn.Module, path: Path) -> dict[str, torch.Tensor]:
         raise UserError(f"--weights: {str(path)!r} does not fit this model: {len(missing)} of "
                         f"its tensors are missing or another shape (first: {missing[0]}); is it "
                         "another architecture?")
+    # ResNet-34's names include all of ResNet-18's, at their shapes: its further blocks
+    # would be dropped without a word.
+    extra = [k for k, v in state.items() if k not in own and _learned(v)]
+    if extra:
+        raise UserError(f"--weights: {str(path)!r} does not fit this model: {len(extra)} of the "
+                        f"file's tensors have no place in it (first: {extra[0]}); is it another "
+                        "architecture (a deeper one of its family)?")
     return usable
+
+
+def _named_as_own(tensors: dict[str, torch.Tensor], own: dict[str, torch.Tensor]
+                  ) -> dict[str, torch.Tensor]:
+    """The file's tensors by `own`'s names: without the prefixes a wrapper adds, and where
+    more of them fit so, only those under one prefix, without it (a LightningModule's
+    `model.`; its metrics' or loss's tensors beside them are not the model's)."""
+    def fitting(state: dict[str, torch.Tensor]) -> int:
+        return sum(k in own and own[k].shape == v.shape for k, v in state.items())
+    best = {strip_prefixes(k): v for k, v in tensors.items()}
+    most = fitting(best)
+    for prefix in sorted({k.split(".", 1)[0] + "." for k in best if "." in k}):
+        under = {strip_prefixes(k[len(prefix):]): v for k, v in best.items()
+                 if k.startswith(prefix)}
+        if fitting(under) > most:
+            best, most = under, fitting(under)
+    return best
 
 
 def _head_keys(model: nn.Module) -> list[str]:
@@ -342,10 +383,13 @@ def _learned(tensor: torch.Tensor) -> bool:
 
 def check_weights_file(name: str, path: Path) -> None:
     """Refuses a --weights file this model cannot use before a run starts."""
-    _fitting_tensors(getattr(torchvision.models, name)(weights=None), path)
+    _fitting_tensors(getattr(torchvision.models, name)(weights=None), path, name)
 
 
-def _load_file(model: nn.Module, path: Path) -> None:
-    usable = _fitting_tensors(model, path)
+def _load_file(model: nn.Module, path: Path, name: str) -> None:
+    usable = _fitting_tensors(model, path, name)
     model.load_state_dict(usable, strict=False)
-    log.info("loaded %d of %d tensors from %s", len(usable), len(model.state_dict()), path)
+    fresh = [k for k in _head_keys(model) if k not in usable]
+    log.info("loaded %d of %d tensors from %s%s", len(usable), len(model.state_dict()), path,
+             f"; the classifier ({fresh[0].rsplit('.', 1)[0]}) starts new, for "
+             f"{num_classes_of(model)} classes" if fresh else "")

@@ -184,6 +184,53 @@ def test_weights_of_another_architecture_are_refused(tmp_path):
     build_model("resnet18", 5, str(tmp_path / "r.pt"))
 
 
+def test_weights_in_common_checkpoint_layouts_load(tmp_path, caplog):
+    """A Lightning checkpoint (its module's `model.` prefix, a metric's tensors beside it),
+    the PyTorch tutorial's and torchvision's reference scripts' were refused as "another
+    architecture" though they held this model's weights; the load line says the classifier
+    starts new."""
+    source = build_model("resnet18", 10)
+    layouts = {
+        "lightning.ckpt": {"epoch": 3, "state_dict": {
+            **{f"model.{k}": v for k, v in source.state_dict().items()},
+            "val_acc.correct": torch.tensor(5.0)}},
+        "tutorial.pt": {"epoch": 5, "model_state_dict": source.state_dict(),
+                        "optimizer_state_dict": {}},
+        "reference.pth": {"model": source.state_dict(), "epoch": 5, "args": None}}
+    for file, payload in layouts.items():
+        torch.save(payload, tmp_path / file)
+        with caplog.at_level(logging.INFO, logger="modules.models"):
+            model = build_model("resnet18", 3, str(tmp_path / file))
+        torch.testing.assert_close(model.conv1.weight, source.conv1.weight)
+        torch.testing.assert_close(model.layer4[1].bn2.running_var, source.layer4[1].bn2.running_var)
+    assert "loaded 120 of 122 tensors" in caplog.text
+    assert "the classifier (fc) starts new, for 3 classes" in caplog.text
+    # nothing by name at its top level: what it holds, not "another architecture"
+    torch.save({"net": [1, 2], "epoch": 5}, tmp_path / "odd.pt")
+    with pytest.raises(UserError, match=r"holds no tensor by name \(its keys: epoch, net\): "
+                                        r"save the model's state_dict\(\)"):
+        build_model("resnet18", 3, str(tmp_path / "odd.pt"))
+
+
+def test_weights_of_a_deeper_model_or_another_saved_model_are_refused(tmp_path):
+    """ResNet-34's names include ResNet-18's at their shapes: its file loaded into ResNet-18
+    as "120 of 122 tensors", its further blocks dropped without a word. A model file this tool
+    saved names its architecture."""
+    from modules.utility import save_model
+    torch.save(torchvision.models.resnet34().state_dict(), tmp_path / "r34.pt")
+    with pytest.raises(UserError, match=r"does not fit this model: \d+ of the file's tensors "
+                                        r"have no place in it \(first: layer1\.2\."):
+        build_model("resnet18", 3, str(tmp_path / "r34.pt"))
+    with pytest.raises(UserError, match="have no place in it"):
+        models.check_weights_file("resnet18", tmp_path / "r34.pt")
+    save_model(build_model("resnet18", 3), tmp_path / "best.pt", arch="resnet18",
+               class_names=["a", "b", "c"], image_size=64)
+    with pytest.raises(UserError, match=r"is a resnet18 model \(saved by this tool\), not "
+                                        r"squeezenet1_1: pass --model resnet18"):
+        models.check_weights_file("squeezenet1_1", tmp_path / "best.pt")
+    build_model("resnet18", 4, str(tmp_path / "best.pt"))  # its own architecture: loads
+
+
 def test_bytemask_dropout_keeps_dropouts_distribution_scale_and_gradient():
     torch.manual_seed(0)
     drop = models.ByteMaskDropout(0.5)
