@@ -590,7 +590,8 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
     lineage(extra.get("warm_start"), sessions, tuning_s + reused_s, reused_s,
             reused_start=bool((extra.get("hpo") or {}).get("keeps_default")))
     if name != "baseline":
-        config = fill_time(config, name, args, output_dir, index, tuned, tuning_s,
+        # the row's tuning: the reused trial counts as trained here
+        config = fill_time(config, name, args, output_dir, index, tuned, tuning_s + reused_s,
                            _epoch_seconds(name, config, extra), default_size)
         config = distributed.from_main(config)  # under torchrun: rank 0's timing decides
     same = final_to_reuse(name, config, tuned)
@@ -602,7 +603,13 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
             before = None  # a row of another final run
         if before is not None:
             keep_start_curve(extra.get("warm_start"), before)
-        tuning_s = row_tuning_s(tuning_s, reused_s, before, clock)
+        if before is None:
+            taken_s = taken_tuning_s(extra, same, reused_s)
+        else:  # its row counted them: the clock is read back from it (row_tuning_s)
+            taken_s = (before.get("hpo") or {}).get("resolution_tuning_s") or 0.0
+            if taken_s and isinstance(extra.get("hpo"), dict):
+                extra["hpo"]["resolution_tuning_s"] = taken_s
+        tuning_s = row_tuning_s(tuning_s, reused_s + taken_s, before, clock)
         forget_replaced(output_dir, args.run_id)  # no trained final run to compare
         if args.profile and distributed.is_main():
             log.info("%s: no profiler trace of its own: it trains nothing the %s scenario's "
@@ -682,7 +689,8 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
     tuning_s = row_tuning_s(tuning_s, reused_s, None if anew else carried,
                             clock if name != "baseline" else None)
     if name == "resolution":
-        tuned["final"] = {"scenario": name, "config": config, "row": copy.deepcopy(row)}
+        tuned["final"] = {"scenario": name, "config": config, "row": copy.deepcopy(row),
+                          "tuning_s": tuning_s}
     row.update(extra, run_id=args.run_id, tuning_s=tuning_s,
                total_s=tuning_s + final_run_s(row),
                start_weights=start_weights(config.model, args.weights))
@@ -729,10 +737,29 @@ def row_tuning_s(tuning_s: float, reused_s: float, before: dict[str, Any] | None
 
 
 def reused_seconds(extra: dict[str, Any]) -> float:
-    """Seconds of the search's default trial taken from the resolution scenario (0 for other
-    scenarios), from a row or the tuning's extra."""
-    seconds = ((extra.get("hpo") or {}).get("default_reused_s"))
-    return float(seconds) if isinstance(seconds, (int, float)) and seconds > 0 else 0.0
+    """Seconds the hpo row counts of the resolution scenario's tuning (0 for other
+    scenarios), from a row or the tuning's extra: its default trial, taken from there, and
+    the rest of that tuning where the row takes that scenario's model (taken_tuning_s)."""
+    summary = extra.get("hpo") or {}
+    return sum(float(s) for s in (summary.get("default_reused_s"),
+                                  summary.get("resolution_tuning_s"))
+               if isinstance(s, (int, float)) and not isinstance(s, bool) and s > 0)
+
+
+def taken_tuning_s(extra: dict[str, Any], same: dict[str, Any], reused_s: float) -> float:
+    """The resolution scenario's tuning beyond the trial the hpo scenario took from it
+    (`reused_s`: the speed knobs it measured, the other sizes it tried), when the hpo row
+    takes that scenario's model (`same`, as tuned["final"] holds it): that model came of all
+    of it, so the row counts it before its own search (`hpo.resolution_tuning_s`), the start
+    trial's curve placed after it. Without it the same model read faster in the hpo row than
+    in the resolution row wherever the search took less than the rest of that tuning."""
+    source_s = same.get("tuning_s", same["row"].get("tuning_s"))
+    rest = max(0.0, float(source_s or 0.0) - reused_s)
+    if rest > 0 and isinstance(extra.get("hpo"), dict):
+        extra["hpo"]["resolution_tuning_s"] = rest
+        for point in (extra.get("warm_start") or {}).get("curve") or []:
+            point["elapsed_s"] += rest
+    return rest
 
 
 def measured_speeds(autotune_report: dict[str, Any] | None) -> dict[str, Any]:
@@ -849,8 +876,11 @@ def own_run(row: dict[str, Any] | None, history: Any) -> dict[str, Any] | None:
         return row
     own = next((row[k] for k in ("winner_final", "default_final")
                 if isinstance(row.get(k), dict) and row[k].get("history") == history), None)
-    return None if own is None else {**{k: v for k, v in own.items() if v is not None},
-                                     "hpo": row.get("hpo")}
+    if own is None:
+        return None
+    # its own run counted only its own tuning, not that of the run taken instead
+    summary = {k: v for k, v in (row.get("hpo") or {}).items() if k != "resolution_tuning_s"}
+    return {**{k: v for k, v in own.items() if v is not None}, "hpo": summary}
 
 
 def default_if_better(row: dict[str, Any], same: dict[str, Any] | None) -> dict[str, Any]:
@@ -882,11 +912,12 @@ def default_if_better(row: dict[str, Any], same: dict[str, Any] | None) -> dict[
     kept = copy.deepcopy(same["row"])
     for key in ("warm_start", "resolution_trials"):  # the resolution scenario's own, timed
         kept.pop(key, None)                          # from its start, not the hpo scenario's
-    kept.update({k: row[k] for k in ("hpo", "autotune", "run_id", "start_weights") if k in row},
-                scenario="hpo", final_from=same["scenario"], tuning_s=row["total_s"],
-                # as same_final counts the model taken
-                total_s=row["total_s"] + final_run_s(kept),
+    kept.update({k: copy.deepcopy(row[k]) for k in ("hpo", "autotune", "run_id", "start_weights")
+                 if k in row}, scenario="hpo", final_from=same["scenario"],
                 **{f"{own}_final": gave_way(row)})
+    tuning_s = row["total_s"] + taken_tuning_s(kept, same, reused_seconds(row))
+    # as same_final counts the model taken
+    kept.update(tuning_s=tuning_s, total_s=tuning_s + final_run_s(kept))
     return kept
 
 
@@ -1098,8 +1129,6 @@ def fill_time(config: TrainConfig, name: str, args: RunOptions, output_dir: Path
     fit = int(left // epoch_s)
     epochs = min(MAX_EPOCH_FACTOR * own, max(own, fit))
     if epochs != own:
-        # the seconds are this scenario's own tuning (a trial it takes from another scenario
-        # is added to its row's after)
         log.info("%s: %d epochs instead of %d: %s in %.0f%% of the baseline's %.0f s with %.0f "
                  "s of tuning in this scenario, at %.1f s per epoch measured while tuning "
                  "(--epochs N or --no-match-time keeps the count)", name, epochs, own,

@@ -627,9 +627,30 @@ def test_hpo_takes_the_resolution_final_when_it_would_train_the_same(small, tmp_
                         "--output-dir", str(out), *more) == 0
         return {r["scenario"]: r for r in json.loads((out / "results.json").read_text())}
 
+    filled = {}
+    real_fill = scenario.fill_time
+
+    def fill(config, name, args, output_dir, index, tuned, tuning_s, *more):
+        filled[name] = tuning_s
+        return real_fill(config, name, args, output_dir, index, tuned, tuning_s, *more)
+    monkeypatch.setattr(scenario, "fill_time", fill)
     rows = scenarios(tmp_path / "once")
+    monkeypatch.setattr(scenario, "fill_time", real_fill)
     resolution, hpo = rows["resolution"], rows["hpo"]
     assert hpo["hpo"]["keeps_default"] and hpo["final_from"] == "resolution"
+    # The same model never reads faster in the hpo row: it took the resolution scenario's
+    # model, which came of all of that scenario's tuning (the speed knobs measured, the sizes
+    # compared), counted first, then its own search. Its search took less here than that
+    # tuning did beyond the trial it reused, and the row read 0.22x where the other read 0.25x.
+    taken = hpo["hpo"]["resolution_tuning_s"]
+    assert taken == pytest.approx(resolution["tuning_s"] - hpo["hpo"]["default_reused_s"])
+    assert hpo["tuning_s"] >= resolution["tuning_s"] and hpo["total_s"] >= resolution["total_s"]
+    assert hpo["warm_start"]["curve"][-1]["elapsed_s"] == pytest.approx(resolution["tuning_s"])
+    # --match-time's fill counted the tuning its row counts, the reused trial included (80% of
+    # the baseline's time, "tuning included", was overrun by that trial's seconds)
+    assert filled["hpo"] == pytest.approx(hpo["tuning_s"] - taken)
+    clock = scenario.checkpoint_file(tmp_path / "once", "hpo", scenario.CLOCK_SUFFIX,
+                                     hpo["run_id"])
     assert hpo["history"] == resolution["history"] and hpo["test_acc"] == resolution["test_acc"]
     assert hpo["total_s"] == pytest.approx(hpo["tuning_s"] + resolution["prepare_s"]
                                            + resolution["wall_s"])
@@ -659,6 +680,9 @@ def test_hpo_takes_the_resolution_final_when_it_would_train_the_same(small, tmp_
     assert again["hpo"]["tuning_s"] == pytest.approx(hpo["tuning_s"])  # nothing added twice
     assert scenarios(tmp_path / "once", "--resume")["hpo"]["tuning_s"] == \
         pytest.approx(hpo["tuning_s"])
+    # its clock, read back from the row, is its own time: a grown study adds to that
+    own = hpo["tuning_s"] - taken - hpo["hpo"]["default_reused_s"]
+    assert scenario.read_clock(clock) == pytest.approx(own)
     assert again["hpo"]["history"] == hpo["history"] and again["hpo"]["final_from"] == "resolution"
     # ... and its start trial's epochs, trained in the resolution scenario's session, stay: the
     # curve the time to the baseline's accuracy is read off
@@ -680,10 +704,17 @@ def test_hpo_takes_the_resolution_final_when_it_would_train_the_same(small, tmp_
     assert lower["history"] == both["resolution"]["history"]
     # resumed, it finds both final runs finished: its own (which gave way) read back, nothing
     # added to its seconds (each resume added its own)
+    assert lower["tuning_s"] == pytest.approx(
+        lower["default_final"]["tuning_s"] + lower["default_final"]["wall_s"]
+        + lower["default_final"]["prepare_s"] + lower["hpo"]["resolution_tuning_s"])
+    assert lower["total_s"] >= both["resolution"]["total_s"]
     for _ in range(2):
         again = scenarios(tmp_path / "lower", "--resume")["hpo"]
         assert again["tuning_s"] == pytest.approx(lower["tuning_s"])
         assert again["default_final"]["wall_s"] == lower["default_final"]["wall_s"]
+        assert scenario.read_clock(scenario.checkpoint_file(
+            tmp_path / "lower", "hpo", scenario.CLOCK_SUFFIX, lower["run_id"])) == \
+            pytest.approx(lower["default_final"]["tuning_s"] - lower["hpo"]["default_reused_s"])
     runs = run_path(tmp_path / "lower", "runs")
     assert [p.name[:12] for p in runs.glob("hpo.*")] == ["hpo.default-"]
     assert "kept the default configuration" in (tmp_path / "lower" / "report.md").read_text()
