@@ -53,7 +53,17 @@ def build_model(name: str, num_classes: int, weights: str = "none",
         _load_file(model, path, name)
     if dropout_impl == "bytemask":
         _use_bytemask_dropout(model)
+    for module in model.modules():
+        # torchvision's MobileNetV3 keeps BatchNorm's running statistics at momentum 0.01
+        # (its ImageNet recipe trains 600 epochs). In runs of a few hundred steps they lag
+        # the weights so far that evaluation, which uses them, scores chance while training
+        # learns (docs/training.md): PyTorch's default, ResNet's, follows them.
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.momentum is not None:
+            module.momentum = max(module.momentum, BN_MOMENTUM)
     return model
+
+
+BN_MOMENTUM = 0.1  # the least running-statistics momentum a BatchNorm layer trains with
 
 
 def weights_file(weights: str | None) -> Path | None:
