@@ -389,6 +389,7 @@ def test_too_few_training_images_for_the_processes_is_one_line(tmp_path, monkeyp
     index = scenario.load_data(args, tmp_path / "out")
     monkeypatch.setattr(distributed, "world_size", lambda: len(index.train) // 2 + 1)
     monkeypatch.setattr(distributed, "same_on_every_rank", lambda value: True)
+    monkeypatch.setattr(scenario, "on_main", lambda action: action())  # no process group here
     with pytest.raises(UserError, match=rf"^{len(index.train)} training images for "
                                         r"\d+ torchrun processes: .*\(--nproc-per-node\)"):
         scenario.load_data(args, tmp_path / "out")
