@@ -2,6 +2,7 @@
 when unreadable, and the run's timestamped log."""
 from __future__ import annotations
 
+import argparse
 import contextlib
 import errno
 import logging
@@ -260,7 +261,9 @@ def read_torch_file(path: Path, what: str, remedy: str = "") -> Any:
         if damaged is not None:  # torch.load reads a zip without its checksums
             raise UserError(f"{what} {str(path)!r} is damaged: {damaged} in it does not match "
                             f"its checksum (a bad copy or disk?){then}.")
-        return torch.load(path, map_location="cpu", weights_only=True)
+        # torchvision's reference scripts save their argparse options beside the model
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            return torch.load(path, map_location="cpu", weights_only=True)
     except (OSError, MemoryError) as exc:
         raise ReadFailed(f"could not read {what} {str(path)!r} ({_error_name(exc)}).") from None
     except UserError:

@@ -319,8 +319,8 @@ def _fitting_tensors(model: nn.Module, path: Path, name: str | None = None
     state = _PINNED[pinned] if pinned in _PINNED else read_torch_file(path, "weights file")
     arch = state.get("arch") if isinstance(state, dict) else None
     if name and arch in MODELS and arch != name and isinstance(state.get("state_dict"), dict):
-        raise UserError(f"--weights: {str(path)!r} is a {arch} model (saved by this tool), not "
-                        f"{name}: pass --model {arch} to start from it.")
+        raise UserError(f"--weights: {str(path)!r} holds a {arch} model, not {name}: pass "
+                        f"--model {arch} to start from it.")
     if isinstance(state, dict) and isinstance(state.get("model"), dict) and "config" in state:
         # a run's checkpoint (checkpoints/<run>/<scenario>.pt): the model the run ends with,
         # its best validation epoch's, not its last epoch's
@@ -338,7 +338,7 @@ def _fitting_tensors(model: nn.Module, path: Path, name: str | None = None
                         f"{', '.join(keys[:5])}{', ...' if len(keys) > 5 else ''}): save the "
                         "model's state_dict(), torch.save(model.state_dict(), path).")
     own = model.state_dict()
-    state = _named_as_own(tensors, own)
+    state = _named_as_own(tensors, own, path)
     usable = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
     if not usable:
         raise UserError(f"--weights: no tensor in {str(path)!r} fits this model; is it another "
@@ -352,8 +352,11 @@ def _fitting_tensors(model: nn.Module, path: Path, name: str | None = None
                         f"its tensors are missing or another shape (first: {missing[0]}); is it "
                         "another architecture?")
     # ResNet-34's names include all of ResNet-18's, at their shapes: its further blocks
-    # would be dropped without a word.
-    extra = [k for k, v in state.items() if k not in own and _learned(v)]
+    # would be dropped without a word. A classifier of other layers (fc as Dropout and
+    # Linear, a fine-tuning recipe's) starts new as any other head does.
+    top = next(iter(head)).split(".", 1)[0] + "."
+    extra = [k for k, v in state.items() if k not in own and _learned(v)
+             and not k.startswith(top)]
     if extra:
         raise UserError(f"--weights: {str(path)!r} does not fit this model: {len(extra)} of the "
                         f"file's tensors have no place in it (first: {extra[0]}); is it another "
@@ -361,21 +364,27 @@ def _fitting_tensors(model: nn.Module, path: Path, name: str | None = None
     return usable
 
 
-def _named_as_own(tensors: dict[str, torch.Tensor], own: dict[str, torch.Tensor]
-                  ) -> dict[str, torch.Tensor]:
+def _named_as_own(tensors: dict[str, torch.Tensor], own: dict[str, torch.Tensor],
+                  path: Path) -> dict[str, torch.Tensor]:
     """The file's tensors by `own`'s names: without the prefixes a wrapper adds, and where
     more of them fit so, only those under one prefix, without it (a LightningModule's
     `model.`; its metrics' or loss's tensors beside them are not the model's)."""
     def fitting(state: dict[str, torch.Tensor]) -> int:
         return sum(k in own and own[k].shape == v.shape for k, v in state.items())
-    best = {strip_prefixes(k): v for k, v in tensors.items()}
-    most = fitting(best)
-    for prefix in sorted({k.split(".", 1)[0] + "." for k in best if "." in k}):
-        under = {strip_prefixes(k[len(prefix):]): v for k, v in best.items()
-                 if k.startswith(prefix)}
-        if fitting(under) > most:
-            best, most = under, fitting(under)
-    return best
+    plain = {strip_prefixes(k): v for k, v in tensors.items()}
+    under = {prefix: {strip_prefixes(k[len(prefix):]): v for k, v in plain.items()
+                      if k.startswith(prefix)}
+             for prefix in sorted({k.split(".", 1)[0] + "." for k in plain if "." in k})}
+    fits = {prefix: fitting(state) for prefix, state in under.items()}
+    most = max(fits.values(), default=0)
+    if most <= fitting(plain):
+        return plain
+    best = [prefix for prefix, n in fits.items() if n == most]
+    if len(best) > 1:  # MoCo's encoder_q and encoder_k, a model and its EMA copy
+        raise UserError(f"--weights: {str(path)!r} holds this model {len(best)} times (under "
+                        f"{', '.join(best)}): save the one to start from on its own, "
+                        "torch.save(state_dict, path).")
+    return under[best[0]]
 
 
 def _head_keys(model: nn.Module) -> list[str]:

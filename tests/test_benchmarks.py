@@ -448,3 +448,16 @@ def test_throughput_rounds_put_every_pair_of_rows_in_both_orders():
         for b in runs:
             if a != b:
                 assert {o.index(a) < o.index(b) for o in rounds} == {True, False}, (a, b)
+
+
+def test_the_measuring_share_is_of_the_seconds_the_scenario_itself_ran():
+    """An hpo row counts the resolution scenario's trial it took, and the rest of that
+    scenario's tuning where it took its model: that scenario ran (and measured) them, and the
+    hpo row's own share of measuring read diluted (0.85% where its own was 1.7%)."""
+    ran_s = _benchmark_module("scenarios").ran_s
+    assert ran_s({"total_s": 50.0}) == 50.0
+    assert ran_s({"total_s": 50.0, "tuning_s": 20.0, "final_from": "resolution"}) == 20.0
+    took = {"total_s": 80.0, "tuning_s": 46.8, "final_from": "resolution",
+            "hpo": {"default_reused_s": 7.9, "resolution_tuning_s": 15.0}}
+    assert ran_s(took) == pytest.approx(23.9)
+    assert ran_s({"total_s": 60.0, "hpo": {"default_reused_s": 10.0}}) == 50.0

@@ -205,6 +205,27 @@ def test_weights_in_common_checkpoint_layouts_load(tmp_path, caplog):
         torch.testing.assert_close(model.layer4[1].bn2.running_var, source.layer4[1].bn2.running_var)
     assert "loaded 120 of 122 tensors" in caplog.text
     assert "the classifier (fc) starts new, for 3 classes" in caplog.text
+    # torchvision's reference scripts save their argparse options beside the model
+    import argparse
+    torch.save({"model": source.state_dict(), "epoch": 5,
+                "args": argparse.Namespace(lr=0.1, model="resnet18")}, tmp_path / "args.pth")
+    model = build_model("resnet18", 3, str(tmp_path / "args.pth"))
+    torch.testing.assert_close(model.conv1.weight, source.conv1.weight)
+    # a classifier of other layers (fine-tuning's Dropout and Linear) starts new, as any head
+    tuned = torchvision.models.resnet18()
+    tuned.fc = torch.nn.Sequential(torch.nn.Dropout(0.2), torch.nn.Linear(512, 4))
+    torch.save(tuned.state_dict(), tmp_path / "head.pt")
+    model = build_model("resnet18", 3, str(tmp_path / "head.pt"))
+    torch.testing.assert_close(model.layer4[1].conv2.weight, tuned.layer4[1].conv2.weight)
+    # the model twice (MoCo's encoders, a model and its EMA copy): which to start from is the
+    # user's to say, not the first name's
+    twice = {**{f"module.encoder_q.{k}": v for k, v in source.state_dict().items()},
+             **{f"module.encoder_k.{k}": v for k, v in tuned.state_dict().items()},
+             "module.queue": torch.zeros(4, 8)}
+    torch.save({"arch": "resnet18", "state_dict": twice}, tmp_path / "moco.pth.tar")
+    with pytest.raises(UserError, match=r"holds this model 2 times \(under encoder_k\., "
+                                        r"encoder_q\.\): save the one to start from"):
+        build_model("resnet18", 3, str(tmp_path / "moco.pth.tar"))
     # nothing by name at its top level: what it holds, not "another architecture"
     torch.save({"net": [1, 2], "epoch": 5}, tmp_path / "odd.pt")
     with pytest.raises(UserError, match=r"holds no tensor by name \(its keys: epoch, net\): "
@@ -225,8 +246,8 @@ def test_weights_of_a_deeper_model_or_another_saved_model_are_refused(tmp_path):
         models.check_weights_file("resnet18", tmp_path / "r34.pt")
     save_model(build_model("resnet18", 3), tmp_path / "best.pt", arch="resnet18",
                class_names=["a", "b", "c"], image_size=64)
-    with pytest.raises(UserError, match=r"is a resnet18 model \(saved by this tool\), not "
-                                        r"squeezenet1_1: pass --model resnet18"):
+    with pytest.raises(UserError, match=r"holds a resnet18 model, not squeezenet1_1: pass "
+                                        r"--model resnet18"):
         models.check_weights_file("squeezenet1_1", tmp_path / "best.pt")
     build_model("resnet18", 4, str(tmp_path / "best.pt"))  # its own architecture: loads
 
