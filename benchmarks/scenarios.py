@@ -191,9 +191,7 @@ def ran_s(row: dict) -> float:
     (final_from) counts that run in total_s, as if trained here, but measured only in its
     tuning; an hpo row counts the resolution scenario's trial it took, and where it took that
     scenario's model the rest of its tuning, which that scenario ran (and measured in)."""
-    search = row.get("hpo") or {}
-    taken = sum(s for s in (search.get("default_reused_s"), search.get("resolution_tuning_s"))
-                if isinstance(s, (int, float)))
+    taken = scenario.reused_seconds(row)
     own = (row.get("tuning_s") or row["total_s"]) if row.get("final_from") else row["total_s"]
     return own - taken if own > taken else own
 

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from modules import hostmem
-from modules.config import TrainConfig, UserError, first_line
+from modules.config import NO_WORKERS, TrainConfig, UserError, first_line
 from modules.device import usable_cpus
 from modules.files import atomic_write_text
 from modules.hardware import PROBE_BATCHES, max_batch_size
@@ -946,8 +946,7 @@ def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None
             knobs["num_workers"]["reason"] += (
                 "; for images streamed from disk only: the decoded-image cache starts none")
     elif cached:
-        config = dataclasses.replace(config, num_workers=0, persistent_workers=False,
-                                     prefetch_factor=None)
+        config = dataclasses.replace(config, **NO_WORKERS)
         knobs["num_workers"] = {"choice": 0, "img_s": {}, "reason": (
             "the decoded-image cache gathers and augments batches in the training process; "
             "worker processes would only copy them")}

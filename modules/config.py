@@ -52,6 +52,11 @@ def first_line(exc: BaseException, limit: int = 120) -> str:
     return lines[0] if len(lines[0]) <= limit else lines[0][:max(0, limit - 3)] + "..."
 
 
+# The loader settings of a run that starts no DataLoader worker (the decoded-image cache
+# makes its batches in the training process).
+NO_WORKERS = {"num_workers": 0, "persistent_workers": False, "prefetch_factor": None}
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Everything one training run needs. Variants come from `dataclasses.replace`."""

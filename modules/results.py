@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 
 from modules import distributed
-from modules.config import TrainConfig, UserError
+from modules.config import NO_WORKERS, TrainConfig, UserError
 from modules.dataset import DatasetIndex
 from modules.device import native_bf16_cpu, usable_cpus
 from modules.diagnosis import diagnose
@@ -324,8 +324,7 @@ def result_row(name: str, config: TrainConfig, result: TrainResult, test: dict[s
         "stopped_early": result.stopped_early, "resumed_from_epoch": result.resumed_from_epoch,
         "settings": {**config.to_dict(), **result.settings, "data_path": data_path,
                      # the cache's batches are made in the training process, whatever was asked
-                     **({"num_workers": 0, "persistent_workers": False, "prefetch_factor": None}
-                        if data_path == CachedLoader.data_path else {})},
+                     **(NO_WORKERS if data_path == CachedLoader.data_path else {})},
         "history": result.history,
     }
     if carried is not None:
