@@ -39,7 +39,8 @@ from modules.results import run_rows  # noqa: F401  (the notebook's run cell)
 from optuna_optimizer import PRUNERS, shown_argv
 # The library API the notebook and README call through this module.
 from scenario import (FIDELITY_FROM, FIDELITY_SCALE, MAX_EPOCH_FACTOR, N_TRIALS,  # noqa: F401
-                      QUICK_N_TRIALS, SCENARIOS, TIME_SHARE, RunOptions, estimate, load_data,
+                      QUICK_N_TRIALS, SCENARIOS, TIME_SHARE, RunOptions, estimate,
+                      estimate_words, load_data,
                       prepare_output_dir, resolve_device, run, run_folder, scenario_config)
 
 log = logging.getLogger("pipeline")

@@ -470,7 +470,9 @@ def tune_scenario(name: str, config: TrainConfig, args: RunOptions, index: Datas
         # share of what it does train.
         tuning = round(planned_steps(config, len(index.train), epochs=1) *
                        least_tuning_epochs(name, args, config, index, device, default_size))
-        final = planned_steps(config, len(index.train))
+        # the final run's own epochs at its size (fill_time): more below the baseline's size
+        final = planned_steps(config, len(index.train), epochs=config.epochs if args.epochs
+                              else epochs_at_size(config.epochs, config.image_size, default_size))
         # The hpo final run may be the resolution scenario's, taken rather than trained
         # (same_final): the budget is then a share of the search alone (as far as its time
         # budget reaches). compile still counts the final run's steps to pay back in, which it
@@ -1033,9 +1035,11 @@ def estimate(args: RunOptions, index: DatasetIndex) -> dict[str, Any]:
     """Before a run: about how long each scenario will take, from its planned steps and a
     speed measured now (training steps on one batch in memory, and decoding a few images for
     the per-epoch decode of the baseline and the one-time decode of the tuned scenarios),
-    with --match-time's fill of the tuned final runs. Pruning and early stopping can end runs
-    sooner, and the autotuner can make steps faster. Without a baseline in this run, an earlier
-    run's in the output dir sets the search's time budget and the fill, as in the run."""
+    with --match-time's fill of the tuned final runs. "scenarios": every tuning run trained in
+    full; "least": each stopped where it first can be (least_tuning_epochs), the fill then
+    longer. The autotuner can make a tuned scenario's steps faster than the defaults timed
+    here, and early stopping end runs sooner. Without a baseline in this run, an earlier run's
+    in the output dir sets the search's time budget and the fill, as in the run."""
     device = resolve_device(args.device)
     n_train, n_val, n_test = len(index.train), len(index.val), len(index.test)
     paths = [s[0] for s in index.train[:9]]
@@ -1047,6 +1051,7 @@ def estimate(args: RunOptions, index: DatasetIndex) -> dict[str, Any]:
         decodes.append(time.perf_counter() - started)
     decode_s = statistics.median(decodes[1:] or decodes)
     scenarios: dict[str, float] = {}
+    least: dict[str, float] = {}
     # an earlier run's until this run's baseline is estimated, as baseline_seconds decides
     baseline_s = baseline_seconds(args, Path(args.output_dir).expanduser(), index, {}, device)
     for name in args.scenarios:
@@ -1058,23 +1063,48 @@ def estimate(args: RunOptions, index: DatasetIndex) -> dict[str, Any]:
         if name == "baseline":  # it decodes its training and validation images every epoch
             scenarios[name] = config.epochs * (epoch_s + (n_train + n_val) * decode_s) + \
                 test_s + n_test * decode_s
-            baseline_s = scenarios[name]
+            baseline_s = least[name] = scenarios[name]
             continue
         runs = tuning_runs(name, args, config, device)
         decode = (runs if name == "resolution" else 1) * (n_train + n_val + n_test) * decode_s
         tuning = runs * short_budget(config) * epoch_s
+        fewest = planned_steps(config, n_train, epochs=1) * step_s * config.grad_accum_steps * \
+            least_tuning_epochs(name, args, config, index, device, config.image_size)
         if name == "hpo":  # its trials' size (search_size), and the time budget (search_budget)
             tuning *= search_cost(args, config.image_size)
             bound = search_budget(args, baseline_s)[0]
             tuning = tuning if bound is None else min(tuning, bound)
-        tuning += decode
         final = config.epochs * epoch_s
-        if args.match_time and args.epochs is None and baseline_s:
-            final = min(max(final, TIME_SHARE * baseline_s - tuning),
-                        MAX_EPOCH_FACTOR * final)  # as fill_time decides it
-        scenarios[name] = tuning + final + test_s
+        for into, spent in ((scenarios, tuning), (least, min(tuning, fewest))):
+            spent += decode
+            filled = final
+            if args.match_time and args.epochs is None and baseline_s:
+                filled = min(max(final, TIME_SHARE * baseline_s - spent),
+                             MAX_EPOCH_FACTOR * final)  # as fill_time decides it
+            into[name] = spent + filled + test_s
     return {"device": str(device), "n_train": n_train, "decode_ms": 1e3 * decode_s,
-            "scenarios": scenarios, "total_s": sum(scenarios.values())}
+            "scenarios": scenarios, "total_s": sum(scenarios.values()),
+            "least": least, "least_total_s": sum(least.values())}
+
+
+def estimate_words(plan: dict[str, Any], resumed: bool = False) -> str:
+    """The estimate as the notebook prints it: a range where the tuners' early stops make one
+    (estimate's "least" to its "scenarios")."""
+    def span(low: float, high: float) -> str:
+        unit, scale = ("min", 60) if high >= 60 else ("s", 1)
+        digits = 1 if unit == "min" else 0
+        low_words, high_words = f"{low / scale:.{digits}f}", f"{high / scale:.{digits}f}"
+        return f"{high_words} {unit}" if low_words == high_words else \
+            f"{low_words}-{high_words} {unit}"
+    least = plan.get("least", plan["scenarios"])
+    ranged = any(least[n] < s for n, s in plan["scenarios"].items())
+    return (f"about {span(plan.get('least_total_s', plan['total_s']), plan['total_s'])} on "
+            f"{plan['device']}: " + ", ".join(f"{name} {span(least[name], seconds)}"
+                                               for name, seconds in plan["scenarios"].items())
+            + ("; the shorter figure if the tuners stop every trial they can early, before the "
+               "autotuner's faster settings, which can shorten the tuned scenarios further"
+               if ranged else "")
+            + (" (the whole run: resumed, it trains only what is left)" if resumed else ""))
 
 
 def _images_per_s(config: TrainConfig, n_classes: int, device: torch.device) -> float:

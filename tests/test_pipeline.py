@@ -1383,10 +1383,17 @@ def test_the_estimate_covers_every_scenario_and_match_times_fill(small, tmp_path
     filled = pipeline.estimate(pipeline.parse_args(argv), index)
     assert list(plain["scenarios"]) == ["baseline", "resolution", "hpo"]
     assert plain["total_s"] == pytest.approx(sum(plain["scenarios"].values()))
+    assert plain["least_total_s"] == pytest.approx(sum(plain["least"].values()))
+    assert plain["least"]["baseline"] == plain["scenarios"]["baseline"]
     for name in ("resolution", "hpo"):
         assert plain["scenarios"][name] > 0
+        # tuning runs stopped where they first can be: less tuning, and (unfilled) less time;
+        # filled, the final run takes up what the tuning left of the baseline's share
+        assert 0 < plain["least"][name] <= plain["scenarios"][name]
+        assert filled["least"][name] <= filled["scenarios"][name]
         assert 1.2 * plain["scenarios"][name] < filled["scenarios"][name] \
             <= 3 * plain["scenarios"][name]
+    assert plain["least"]["hpo"] < plain["scenarios"]["hpo"]  # its trials can be pruned
     # trials at 112 px for a 150 px final run (--search-size auto) cost less than at 150 px
     at_150 = [*argv[:2], "--image-size", "150", *argv[4:], "--no-match-time", "--scenarios", "hpo"]
     auto, full = (pipeline.estimate(pipeline.parse_args(at_150 + extra), index)["scenarios"]["hpo"]
@@ -1403,6 +1410,21 @@ def test_the_estimate_covers_every_scenario_and_match_times_fill(small, tmp_path
     monkeypatch.setattr(scenario, "baseline_seconds", lambda *_: None)
     unfilled = pipeline.estimate(pipeline.parse_args(tuned), index)["scenarios"]
     assert unfilled["resolution"] == pytest.approx(plain["scenarios"]["resolution"], rel=1e-3)
+
+
+def test_the_estimate_reads_as_a_range_where_the_tuners_can_stop_early():
+    """Every trial in full alone read 1.8x what a tuned scenario took (hpo: 97 s for 55)."""
+    plan = {"device": "cpu", "scenarios": {"baseline": 75.6, "resolution": 79.0, "hpo": 96.7},
+            "total_s": 251.3, "least": {"baseline": 75.6, "resolution": 79.0, "hpo": 41.0},
+            "least_total_s": 195.6}
+    words = pipeline.estimate_words(plan)
+    assert words.startswith("about 3.3-4.2 min on cpu: baseline 1.3 min, resolution 1.3 min, "
+                            "hpo 0.7-1.6 min; the shorter figure if the tuners stop")
+    single = {"device": "cuda", "scenarios": {"baseline": 30.0}, "total_s": 30.0,
+              "least": {"baseline": 30.0}, "least_total_s": 30.0}
+    assert pipeline.estimate_words(single, resumed=True) == (
+        "about 30 s on cuda: baseline 30 s (the whole run: resumed, it trains only what is "
+        "left)")
 
 
 def test_the_estimate_times_a_batch_too_large_for_the_gpu_in_halves(monkeypatch):
@@ -1683,6 +1705,34 @@ def test_the_hpo_measuring_budget_is_a_share_of_its_search_when_its_final_may_be
     assert planned == same and alone == 0  # compile still counts the final run's steps
     assert unbudgeted == scenario.planned_steps(config, len(index.train))
     assert planned - unbudgeted == scenario.planned_steps(config, len(index.train), epochs=1) * 4
+
+
+def test_the_hpo_final_steps_planned_below_the_baseline_size_are_its_own_epochs(
+        small, tmp_path, monkeypatch):
+    """At a size below the baseline's the final run trains the epochs that cost what the
+    baseline's do (fill_time): planned at the baseline's count, the autotuner's "final run"
+    and compile's payback horizon were 432 steps where it trained 756."""
+    seen = []
+    monkeypatch.setattr(scenario, "autotune_scenario", lambda config, args, index, planned,
+                        saved, capped, unbudgeted, finished: seen.append(unbudgeted)
+                        or (config, None))
+    monkeypatch.setattr(scenario, "tune_hyperparameters", lambda config, *a, **k: (config, {}))
+    monkeypatch.setattr(scenario, "least_tuning_epochs", lambda *a, **k: 4)
+    argv = ["--data-dir", str(small), "--quick", "--scenarios", "resolution,hpo",  # 64 px
+            "--n-trials", "2", "--output-dir", str(tmp_path / "out")]
+    epochs = []
+    for extra in ([], ["--epochs", "8"]):
+        args = pipeline.parse_args(argv + extra)
+        index = pipeline.load_data(args, tmp_path / "out")
+        config = scenario.scenario_config("hpo", args, scenario.torch.device("cpu"))
+        epochs.append(config.epochs)
+        scenario.tune_scenario("hpo", config, args, index, tmp_path / "out",
+                               scenario.torch.device("cpu"),
+                               {"image_size": 32, "final": {"scenario": "resolution"}})
+    at_32 = dataclasses.replace(config, image_size=32)
+    # (64 / 32)^2 = 4 times the baseline's epochs; --epochs N keeps N
+    assert seen == [scenario.planned_steps(at_32, len(index.train), epochs=4 * epochs[0]),
+                    scenario.planned_steps(at_32, len(index.train), epochs=8)]
 
 
 def test_the_steps_planned_under_torchrun_are_one_processs_share(monkeypatch):
