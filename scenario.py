@@ -31,7 +31,7 @@ from modules.autotune import MEASURE_SHARE, ComputeProbe, autotune, machine_key
 from modules.checkpoints import check_format, saved_config
 from modules.config import (DEFAULTS, DISPLAY_ONLY, SPEED_ONLY, TrainConfig, UserError,
                             first_line)
-from modules.dataset import (SKIPPED_LIST, DatasetIndex, data_path_of, index_dataset,
+from modules.dataset import (COPIES_LIST, SKIPPED_LIST, DatasetIndex, data_path_of, index_dataset,
                              index_subset, load_rgb, make_loader, resolve_source,
                              train_transform)
 from modules.device import (apply_process_settings, autocast_dtype, process_settings_kept,
@@ -1659,19 +1659,23 @@ def launcher() -> list[str]:
 
 def data_record(index: DatasetIndex, folder: Path) -> list[str]:
     """What run.log says of the data, which was read before the log could be opened; every
-    skipped file goes to folder/SKIPPED_LIST (the warning names three)."""
+    skipped file goes to folder/SKIPPED_LIST (the warning names three), every copy left out
+    to folder/COPIES_LIST (it names two)."""
     lines = [f"data: {index.summary()} in {index.root}"
              + (f" (listed and checked in {index.read_s:.1f} s)" if index.read_s >= 1 else "")]
     lines += [imbalance] if (imbalance := index.imbalance()) is not None else []
-    if index.skipped:
+    for listed, name, what in (
+            (index.skipped_lines(), SKIPPED_LIST, "undecodable image file(s)"),
+            (index.copy_lines(), COPIES_LIST, "copies of validation or test images left out")):
+        if not listed:
+            continue
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            atomic_write_text("".join(f"{line}\n" for line in index.skipped_lines()),
-                              folder / SKIPPED_LIST)
-            lines.append(f"skipped {index.skipped_files} undecodable image file(s): listed in "
-                         f"{SKIPPED_LIST}")
+            atomic_write_text("".join(f"{line}\n" for line in listed), folder / name)
+            lines.append(f"{'skipped ' if name == SKIPPED_LIST else ''}{len(listed)} {what}: "
+                         f"listed in {name}")
         except (OSError, UserError) as exc:  # the run goes on: the warning named some
-            log.warning("could not write %s (%s)", folder / SKIPPED_LIST, first_line(exc))
+            log.warning("could not write %s (%s)", folder / name, first_line(exc))
     return lines
 
 

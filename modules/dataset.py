@@ -218,6 +218,8 @@ class DatasetIndex:
     # files not read, by what they are: an extension (".heic") or "outside a class folder"
     ignored: dict[str, int] = field(default_factory=dict)
     sizes: dict[str, int] = field(default_factory=dict)  # bytes of each listed image, by path
+    # (path left out, the held-out image it is a byte-identical copy of): left_out_copies
+    copies: list[tuple[str, str]] = field(default_factory=list)
     read_s: float = field(default=0.0, compare=False)  # seconds listing and checking it took
 
     @property
@@ -266,6 +268,12 @@ class DatasetIndex:
         return [printable(f"{os.path.relpath(p, self.root)}\t{reason}")
                 for p, reason in self.skipped]
 
+    def copy_lines(self) -> list[str]:
+        """Each copy left out and the held-out image it copies, by their paths inside the
+        data folder."""
+        return [printable(f"{os.path.relpath(p, self.root)}\t"
+                          f"{os.path.relpath(kept, self.root)}") for p, kept in self.copies]
+
     def imbalance(self) -> str | None:
         """A line for training classes 3x apart or more: what the accuracy then hides."""
         counts = Counter(label for _, label in self.train)  # every class has some
@@ -285,6 +293,8 @@ class DatasetIndex:
         return (f"{self.name}: {len(self.classes)} classes, {len(self.train)} train / "
                 f"{len(self.val)} val / {len(self.test)} test images ({self.layout} layout)"
                 + (f", {self.skipped_files} skipped" if self.skipped else "")
+                + (f", {len(self.copies)} copies of held-out images left out" if self.copies
+                   else "")
                 + (f", {sum(self.ignored.values())} other files ignored" if self.ignored else ""))
 
 
@@ -368,6 +378,7 @@ def resolve_source(dataset: str, data_dir: str | os.PathLike | None, cache_dir: 
 # ----------------------------------------------------------------------------- indexing
 
 SKIPPED_LIST = "skipped_files.txt"  # in the run's folder: every skipped file and why
+COPIES_LIST = "left_out_copies.txt"  # in the run's folder: each copy left out, and of what
 
 # The folder names each split is read from (in any case).
 TRAIN_NAMES, TEST_NAMES = ("train", "training"), ("test", "testing")
@@ -716,6 +727,75 @@ def _val_share(per_class: dict[str, list[Path]], fraction: float) -> float:
     return max(fraction, min(MAX_VAL_FRACTION, MIN_VAL_IMAGES / max(1, n)))
 
 
+HELD_OUT_ORDER = ("test", "val", "train")  # the most held out first
+
+
+def _digest_file(path: str) -> str | None:
+    digest = hashlib.sha1()
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+        return digest.hexdigest()
+    except OSError:
+        return None  # gone since it was checked: training says so when it reads it
+
+
+def identical_files(paths: list[str], sizes: dict[str, int]) -> list[list[str]]:
+    """Groups of two or more paths whose files hold the same bytes. Only files whose size
+    another file shares are read (sizes: bytes by path, as check_image records them)."""
+    by_size: dict[int, list[str]] = {}
+    for path in paths:
+        if path in sizes:
+            by_size.setdefault(sizes[path], []).append(path)
+    shared = [p for group in by_size.values() if len(group) > 1 for p in group]
+    with ThreadPoolExecutor(max_workers=min(8, usable_cpus() * 2)) as pool:
+        digests = dict(zip(shared, pool.map(_digest_file, shared)))
+    groups: dict[tuple[int, str], list[str]] = {}
+    for path, digest in digests.items():
+        if digest is not None:
+            groups.setdefault((sizes[path], digest), []).append(path)
+    return [group for group in groups.values() if len(group) > 1]
+
+
+def leave_out_copies(index: DatasetIndex) -> DatasetIndex:
+    """The index without the images that are byte-identical copies of an image in a more
+    held-out split (a training copy of a test image, of a validation image; a validation copy
+    of a test image), whatever their labels: trained on, or chosen by, such a copy, the test
+    (validation) accuracy counts it as unseen. Each left out is recorded in index.copies with
+    the image it copies, and said."""
+    split_of = {path: split for split in HELD_OUT_ORDER for path, _ in getattr(index, split)}
+    left_out: dict[str, str] = {}
+    for group in identical_files(list(split_of), index.sizes):
+        kept = min(group, key=lambda p: (HELD_OUT_ORDER.index(split_of[p]), _path_order(Path(p))))
+        rank = HELD_OUT_ORDER.index(split_of[kept])
+        left_out.update({p: kept for p in group if HELD_OUT_ORDER.index(split_of[p]) > rank})
+    if not left_out:
+        return index
+    copies = sorted(left_out.items(), key=lambda pair: _path_order(Path(pair[0])))
+    counts = Counter(split_of[p] for p in left_out)
+    rel = lambda path: os.path.relpath(path, index.root)  # noqa: E731
+    held = {split_of[kept] for kept in left_out.values()}
+    log.warning("left out %s: byte-identical copies of %s images (e.g. %s), so that those "
+                "measure images the model was not trained or chosen on; listed in the run's %s",
+                " and ".join(f"{counts[s]} {SPLIT_ADJECTIVES[s]} image(s)" for s in ("train", "val")
+                             if counts[s]),
+                " or ".join(SPLIT_ADJECTIVES[s] for s in ("val", "test") if s in held),
+                "; ".join(f"{rel(p)} = {rel(k)}" for p, k in copies[:2]), COPIES_LIST)
+    kept = replace(index, copies=copies, **{
+        split: [s for s in getattr(index, split) if s[0] not in left_out]
+        for split in ("train", "val")})
+    bare = sorted(set(range(len(index.classes))) - {label for _, label in kept.train})
+    if bare:
+        raise UserError(f"every training image of class {index.classes[bare[0]]!r} is a "
+                        "byte-identical copy of a validation or test image; give it images of "
+                        "its own.")
+    return kept
+
+
+SPLIT_ADJECTIVES = {"train": "training", "val": "validation", "test": "test"}
+
+
 def index_dataset(root: Path, name: str | None = None, *, seed: int = 0, check: bool = True,
                   val_fraction: float = VAL_FRACTION,
                   numbered_below: dict[str, int] | None = None) -> DatasetIndex:
@@ -778,7 +858,10 @@ def index_dataset(root: Path, name: str | None = None, *, seed: int = 0, check: 
     index = DatasetIndex(name=name or root.name, root=root, layout=layout, classes=classes,
                          train=to_samples(scanned["train"]), val=to_samples(scanned["val"]),
                          test=to_samples(scanned["test"]), skipped=skipped, ignored=ignored,
-                         sizes=sizes, read_s=time.perf_counter() - started)
+                         sizes=sizes)
+    if check:  # the sizes of every image are known: copies are found by reading few files
+        index = leave_out_copies(index)
+    index.read_s = time.perf_counter() - started
     for split, what in (("val", "validation"), ("test", "test")):
         if not getattr(index, split):  # nothing to choose by or report: refused before training
             need = "at least 3 images" if layout == "class folders" else \
@@ -901,7 +984,9 @@ def index_subset(root: Path, name: str | None, per_class: Callable[[int], dict[s
                                 "no usable images (its undecodable files skipped).")
     skipped = [(p, r) for p, r in reasons.items() if r is not None]
     _say_skipped(Path(root), skipped)
-    return replace(drawn, sizes=sizes, skipped=skipped, read_s=time.perf_counter() - started)
+    drawn = leave_out_copies(replace(drawn, sizes=sizes, skipped=skipped))
+    drawn.read_s = time.perf_counter() - started
+    return drawn
 
 
 # ----------------------------------------------------------------------------- loading

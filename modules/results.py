@@ -320,6 +320,7 @@ def result_row(name: str, config: TrainConfig, result: TrainResult, test: dict[s
         "energy_j": system.get("energy_j"),
         "wall_s": result.wall_s, "time_to_best_s": result.time_to_best_s,
         "skipped_files": index.skipped_files, "ignored_files": sum(index.ignored.values()),
+        "left_out_copies": len(index.copies),
         "nonfinite_steps": result.nonfinite_steps,
         "stopped_early": result.stopped_early, "resumed_from_epoch": result.resumed_from_epoch,
         "settings": {**config.to_dict(), **result.settings, "data_path": data_path,

@@ -26,8 +26,12 @@ if "OMP_NUM_THREADS" not in os.environ:  # a caller that sets it wins
 
 
 def write_image(path: Path, colour: tuple[int, int, int], size: int = 32, mode: str = "RGB",
-                fmt: str | None = None, seed: int = 0) -> Path:
-    """A noisy image whose dominant colour carries its class."""
+                fmt: str | None = None, seed: int | None = None) -> Path:
+    """A noisy image whose dominant colour carries its class; its noise seeded by the path's
+    last three parts unless `seed` is given (the same seed writes the same image: indexing
+    leaves out a training copy of a test image)."""
+    if seed is None:
+        seed = zlib.crc32(os.fsencode("/".join(Path(path).parts[-3:])))
     rng = np.random.default_rng(seed)
     arr = np.clip(np.array(colour)[None, None, :] + rng.normal(0, 25, (size, size, 3)), 0, 255)
     img = Image.fromarray(arr.astype(np.uint8))
@@ -50,7 +54,7 @@ def make_folder(root: Path, layout: str = "train/test", n_train: int = 12, n_tes
     for split, n in splits.items():
         for c in classes:
             for i in range(n):
-                write_image(root / split / c / f"{i}.jpg", COLOURS[c], seed=zlib.crc32(f"{split}/{c}/{i}".encode()) % 1000)
+                write_image(root / split / c / f"{i}.jpg", COLOURS[c], seed=zlib.crc32(f"{split}/{c}/{i}".encode()))
     return root
 
 

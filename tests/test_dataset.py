@@ -88,13 +88,13 @@ def test_split_folders_named_with_a_set_word_or_doubled_are_splits_not_classes(
 def test_a_class_whose_name_starts_with_a_split_word_stays_a_class(tmp_path, caplog):
     for c in ("test_tube", "beaker", "Test Set"):  # Test Set/ of images: a class, not a split
         for i in range(6):
-            write_image(tmp_path / "lab" / c / f"{i}.png", COLOURS["red"], seed=i)
+            write_image(tmp_path / "lab" / c / f"{i}.png", COLOURS["red"])
     assert index_dataset(tmp_path / "lab").classes == ["Test Set", "beaker", "test_tube"]
     # an unlabelled val_images/ of loose images beside train/ and test/: not the val split
     # (it was refused as "the val folder has no class folders"), named and left unused
     root = make_folder(tmp_path / "d", n_train=4, n_test=2)
     for i in range(3):
-        write_image(root / "val_images" / f"{i}.png", COLOURS["red"], seed=i)
+        write_image(root / "val_images" / f"{i}.png", COLOURS["red"])
     with caplog.at_level(logging.WARNING):
         index = index_dataset(root)
     assert index.layout == "train/test" and "val_images/ beside train/ and test/" in caplog.text
@@ -141,7 +141,7 @@ def test_class_folders_split_a_fifth_of_each_class_for_test_and_a_share_for_vali
     sizes = {"red": 15, "green": 10, "blue": 2}
     for c, n in sizes.items():
         for i in range(n):
-            write_image(tmp_path / "d" / c / f"{i}.png", COLOURS[c], size=8, seed=i)
+            write_image(tmp_path / "d" / c / f"{i}.png", COLOURS[c], size=8)
     with caplog.at_level(logging.WARNING):
         index = index_dataset(tmp_path / "d", seed=2)
     assert index.layout == "class folders"
@@ -628,7 +628,7 @@ def test_folder_mistakes_a_new_user_makes_are_named(tmp_path, caplog):
     reach validation or test says its accuracy is not measured."""
     def images(folder, n):
         for i in range(n):
-            write_image(folder / f"{i}.jpg", COLOURS["red"], seed=i)
+            write_image(folder / f"{i}.jpg", COLOURS["red"])
 
     for name in ("cat", "_other", "__MACOSX"):
         images(tmp_path / "under" / name, 6)
@@ -675,11 +675,11 @@ def test_class_names_in_other_unicode_forms_are_one_class_per_split(tmp_path):
     for split, name in (("train", composed), ("test", decomposed)):
         for cls in (name, "tea"):
             for i in range(4):
-                write_image(root / split / cls / f"{i}.jpg", COLOURS["red"], seed=i)
+                write_image(root / split / cls / f"{i}.jpg", COLOURS["red"])
     index = index_dataset(root)
     assert index.classes == [composed, "tea"] and len(index.test) == 8
     for i in range(4):
-        write_image(root / "train" / decomposed / f"{i}.jpg", COLOURS["red"], seed=i)
+        write_image(root / "train" / decomposed / f"{i}.jpg", COLOURS["red"])
     with pytest.raises(UserError, match=r"has two class folders named 'café' \(the same "
                                         r"letters in other Unicode forms\); rename one"):
         index_dataset(root)
@@ -691,7 +691,7 @@ def test_split_folders_among_classes_are_refused_or_named(tmp_path, caplog):
     def classes(root, names, n=4):
         for name in names:
             for i in range(n):
-                write_image(root / name / f"{i}.jpg", COLOURS["red"], seed=i)
+                write_image(root / name / f"{i}.jpg", COLOURS["red"])
         return root
 
     beside = classes(classes(tmp_path / "beside", ["cat", "dog"]) / "test", ["cat", "dog"]).parent
@@ -761,7 +761,7 @@ def test_one_wrapping_folder_with_a_name_that_is_not_utf8_gets_the_one_line(tmp_
     for name in ("cat", "dog"):
         for i in range(3):
             write_image(Path(os.fsdecode(os.path.join(wrapper, name.encode()))) / f"{i}.jpg",
-                        COLOURS["red"], seed=i)
+                        COLOURS["red"])
     with pytest.raises(UserError, match=r"has one, 'Fotos_caf\\\\xe9'; if the folders in it "
                                         r"\(cat, dog\) are the classes, pass --data-dir .*, "
                                         r"renamed: its name is not UTF-8\.$"):
@@ -777,7 +777,7 @@ def test_files_that_are_not_read_are_counted_and_named(tmp_path, caplog):
     (root / "train" / "red" / "IMG_0002.HEIC").write_bytes(b"\0" * 64)
     (root / "test" / "blue" / "notes.txt").write_text("labels checked")
     for i in range(2):
-        write_image(root / "train" / f"loose{i}.jpg", COLOURS["green"], seed=i)
+        write_image(root / "train" / f"loose{i}.jpg", COLOURS["green"])
     with caplog.at_level(logging.WARNING):
         index = index_dataset(root)
     assert any(p.endswith("extra.jpe") for p, _ in index.train + index.val)
@@ -869,7 +869,7 @@ def test_images_beside_the_split_folders_are_counted_too(tmp_path, caplog):
     counted and named, as images beside the class folders are."""
     root = make_folder(tmp_path / "tt", "train/test", n_train=6, n_test=3)
     for i in range(2):
-        write_image(root / f"unsorted{i}.png", COLOURS["green"], seed=i)
+        write_image(root / f"unsorted{i}.png", COLOURS["green"])
     with caplog.at_level(logging.WARNING):
         assert index_dataset(root).ignored == {"images outside a class folder": 2}
     assert "ignored 2 image(s) outside the class folders" in caplog.text
@@ -885,7 +885,7 @@ def test_a_class_named_with_double_underscores_is_a_class(tmp_path):
     root = make_folder(tmp_path / "data", "train/test", n_train=6, n_test=3)
     for split, n in (("train", 6), ("test", 3)):
         for i in range(n):
-            write_image(root / split / "__background__" / f"{i}.png", COLOURS["green"], seed=i)
+            write_image(root / split / "__background__" / f"{i}.png", COLOURS["green"])
         write_image(root / split / "__MACOSX" / "._0.png", COLOURS["green"], seed=0)
     assert "__background__" in index_dataset(root).classes
     assert "__MACOSX" not in index_dataset(root).classes
@@ -901,3 +901,57 @@ def test_a_class_of_only_unread_formats_says_which(tmp_path):
     with pytest.raises(UserError, match=r"class 'phone' in the train split has no usable images "
                                         r"\(it holds 3 \.heic; this reads .*\.jpg"):
         index_dataset(root)
+
+
+def _copy_pairs(index):
+    """(split, path) pairs of images whose bytes another split's image holds."""
+    held = {}
+    for split in ("train", "val", "test"):
+        for path, _ in getattr(index, split):
+            held.setdefault(Path(path).read_bytes(), set()).add(split)
+    return [splits for splits in held.values() if len(splits) > 1]
+
+
+def test_copies_of_held_out_images_are_left_out_of_training(tmp_path, caplog):
+    """Each image saved twice under two names: the split put 72 of 120 test images' copies
+    in training, and a model that memorised random labels tested at 78% (chance 33%)."""
+    root = tmp_path / "dups"
+    for c, colour in COLOURS.items():
+        for i in range(20):
+            image = write_image(root / c / f"{i}.png", colour, seed=100 + i)
+            (root / c / f"{i} (1).png").write_bytes(image.read_bytes())
+    with caplog.at_level(logging.WARNING, logger="modules.dataset"):
+        index = index_dataset(root, "dups", seed=3)
+    assert _copy_pairs(index) == []
+    assert index.copies and index.n_images() + len(index.copies) == 120
+    kept = {p for split in ("val", "test") for p, _ in getattr(index, split)}
+    assert all(k in kept for _, k in index.copies)
+    said = [r.getMessage() for r in caplog.records if "byte-identical" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("left out ") and " = " in said[0]
+    assert f"{len(index.copies)} copies of held-out images left out" in index.summary()
+    import scenario  # the run's folder lists every copy, and run.log says so
+    lines = scenario.data_record(index, tmp_path / "run")
+    assert lines[-1] == f"{len(index.copies)} copies of validation or test images left out: " \
+        "listed in left_out_copies.txt"
+    listed = (tmp_path / "run" / "left_out_copies.txt").read_text().splitlines()
+    assert listed == index.copy_lines() and listed[0].count("\t") == 1
+    # --quick's draw checks only what it draws, and leaves its copies out the same way
+    quick = index_subset(root, "dups", lambda n: {"train": 20, "val": 5, "test": 8}, seed=3)
+    assert _copy_pairs(quick) == [] and quick.copies
+
+
+def test_a_test_folder_of_training_copies_keeps_the_test_images(tmp_path):
+    """The user's test/ split stays as given; the training copies of its images are left
+    out, and a class whose every training image is one is refused in one line."""
+    root = make_folder(tmp_path / "tt", n_train=6, n_test=3)
+    for c in COLOURS:
+        (root / "test" / c / "copied.jpg").write_bytes((root / "train" / c / "0.jpg").read_bytes())
+    index = index_dataset(root, "tt")
+    assert len(index.test) == 12 and _copy_pairs(index) == []
+    assert sorted(Path(p).parts[-3:] for p, _ in index.copies) == [
+        ("train", c, "0.jpg") for c in sorted(COLOURS)]
+    for path in (root / "train" / "red").iterdir():
+        (root / "test" / "red" / f"c{path.name}").write_bytes(path.read_bytes())
+    with pytest.raises(UserError, match="every training image of class 'red' is a "
+                                        "byte-identical copy"):
+        index_dataset(root, "tt")

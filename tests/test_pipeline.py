@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -522,7 +523,9 @@ def test_quick_keeps_validation_and_test_large_enough_with_few_classes(tmp_path)
             folder = tmp_path / "data" / split / label
             folder.mkdir(parents=True)
             for i in range(n):
-                Image.new("L", (4, 4), i % 250).save(folder / f"{i}.png")
+                # 16 bytes of its own: a copy of another split's image would be left out
+                Image.frombytes("L", (4, 4), hashlib.md5(f"{split}{label}{i}".encode())
+                                .digest()).save(folder / f"{i}.png")
     out = tmp_path / "out"
     args = pipeline.parse_args(["--quick", "--data-dir", str(tmp_path / "data"), "--output-dir", str(out)])
     index = scenario.load_data(args, out)
@@ -772,7 +775,9 @@ def test_large_jpegs_for_a_tiny_input_are_diagnosed_input_bound(tmp_path):
             for i in range(n):
                 if not (data / split / c / f"{i}.jpg").exists():
                     (data / split / c).mkdir(parents=True, exist_ok=True)
-                    shutil.copyfile(first, data / split / c / f"{i}.jpg")
+                    # bytes after the JPEG's end: the same image, not a copy left out
+                    (data / split / c / f"{i}.jpg").write_bytes(
+                        first.read_bytes() + f"{split}{i}".encode())
     out = tmp_path / "out"
     assert run_main("--data-dir", str(data), "--epochs", "1", "--image-size", "24",
                     "--batch-size", "4", "--weights", "none", "--no-progress",

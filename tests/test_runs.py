@@ -9,7 +9,7 @@ import torch
 
 import pipeline
 import scenario
-from conftest import make_folder, run_path
+from conftest import COLOURS, make_folder, run_path, write_image
 from modules.config import TrainConfig
 from modules.dataset import index_dataset
 from modules.models import build_model
@@ -155,7 +155,7 @@ def test_resume_with_another_seed_names_the_seed_to_pass(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "split with --seed 42" in err and "--seed 7)" in err
     assert "pass --seed 42 to continue it, or drop --resume" in err
-    (data / "red" / "extra.jpg").write_bytes((data / "red" / "0.jpg").read_bytes())
+    write_image(data / "red" / "extra.jpg", COLOURS["red"])
     assert pipeline.main(["--data-dir", str(data), "--output-dir", str(out), "--resume",
                           "--seed", "7", *RUN]) == 2  # other images too: the seed is not enough
     err = capsys.readouterr().err.strip().splitlines()[-1]

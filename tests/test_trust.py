@@ -298,7 +298,8 @@ def test_symlink_loops_in_a_data_folder_list_each_image_once(tmp_path):
 @pytest.mark.skipif(os.name == "nt", reason="POSIX links")
 def test_a_hard_linked_image_is_listed_once_where_first_found(tmp_path, caplog):
     """A hard link is a second name of the same file (DVC's hardlink cache, `cp -al`): listed
-    again, one image trained on was tested on as well. A plain copy is another file."""
+    again, one image trained on was tested on as well. A plain copy is another file, tested
+    on; the training image it copies is left out (leave_out_copies)."""
     root = make_folder(tmp_path / "d", n_train=4, n_test=2)
     first = sorted((root / "train" / "red").iterdir())[0]
     os.link(first, root / "test" / "red" / "hardlink.jpg")
@@ -307,7 +308,8 @@ def test_a_hard_linked_image_is_listed_once_where_first_found(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="modules.dataset"):
         index = index_dataset(root, seed=0)
     listed = [str(p) for p, _ in index.train + index.val + index.test]
-    assert len(listed) == 3 * 6 + 1 and str(first) in listed
+    assert len(listed) == 3 * 6 and str(first) not in listed
+    assert [(p, Path(kept).name) for p, kept in index.copies] == [(str(first), "copy.jpg")]
     names = {Path(p).name for p, _ in index.test}
     assert "hardlink.jpg" not in names and "symlink.jpg" not in names and "copy.jpg" in names
     assert "reaches 2 image file(s) a second time through links" in caplog.text
