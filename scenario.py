@@ -41,7 +41,9 @@ from modules.fastdata import cache_fits, keep_sizes
 from modules.files import (atomic_write_text, folder_lock, kept_file, name_folder,
                            refuse_if_in_use, resolved, run_log, share_file)
 from modules.hardware import max_batch_size
-from modules.models import pinned_weights_file, possible_starts, start_weights, weights_file
+from modules.model_files import FORMAT_NAME as MODEL_FORMAT
+from modules.models import (pinned_file, pinned_weights_file, possible_starts, start_weights,
+                            weights_file)
 from modules.monitor import SystemSampler
 from modules.oom import is_out_of_memory, release
 from modules.profiler import TorchProfiler
@@ -1622,6 +1624,7 @@ def run(args: RunOptions, index: DatasetIndex | None = None) -> list[dict[str, A
     index = index or load_data(args, output_dir)
     with run_lock(output_dir), process_settings_kept(), interrupts.stoppable(), \
             pinned_weights_file(weights_file(args.weights)):
+        check_start_split(weights_file(args.weights), index)
         # Every process checks (so a refused --resume ends them all); rank 0's id is the run's.
         args.run_id = distributed.from_main(start_run(
             output_dir, index, resume=args.resume, seed=args.seed, quick=args.quick,
@@ -1655,6 +1658,31 @@ def launcher() -> list[str]:
     nodes = distributed.world_size() // max(1, distributed.local_world_size())
     return ["torchrun", *(["--standalone"] if nodes == 1 else [f"--nnodes={nodes}"]),
             f"--nproc-per-node={distributed.local_world_size()}"]
+
+
+def check_start_split(path: Path | None, index: DatasetIndex) -> None:
+    """A --weights model this tool saved from the same images split otherwise (another
+    --seed) trained on some of the images this run holds out. Where the seed draws the test
+    split (class folders) its test accuracy would count them as new: refused. Where the folder
+    fixes test/, only validation holds them: said, as it then reads high."""
+    state = pinned_file(path)
+    extra = state.get("extra") if isinstance(state, dict) and \
+        state.get("format") == MODEL_FORMAT else None
+    if not isinstance(extra, dict) or index.same_data(extra.get("data_fingerprint")) or \
+            extra.get("images_fingerprint") != index.images_fingerprint():
+        return
+    seed = extra.get("seed")
+    trained = (f"--seed {seed}" if seed is not None else "the --seed") + \
+        f" of run {extra.get('run_id')}"
+    if index.layout == "class folders":
+        raise UserError(f"--weights {str(path)!r} is a model of these images split with "
+                        f"another --seed: it trained on some of this run's test images, whose "
+                        f"accuracy would read high; pass {trained}, or start from other "
+                        "weights.")
+    log.warning("--weights %s is a model of these images with another validation split: it "
+                "trained on some of this run's validation images, so validation (which picks "
+                "epochs and settings) reads high; test/ is unchanged. %s splits them as it did.",
+                path, trained[0].upper() + trained[1:])
 
 
 def data_record(index: DatasetIndex, folder: Path) -> list[str]:

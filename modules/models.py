@@ -304,6 +304,11 @@ def pinned_weights_file(path: Path | None):
         _PINNED.clear()
 
 
+def pinned_file(path: Path | None):
+    """What the run's --weights file held as pinned_weights_file read it (None: none)."""
+    return None if path is None else _PINNED.get(Path(path).expanduser().resolve())
+
+
 # Where a checkpoint keeps its model's tensors: this tool's model files and Lightning's
 # ("state_dict"), the PyTorch tutorial's ("model_state_dict"), torchvision's reference
 # scripts' ("model").

@@ -397,6 +397,7 @@ def keep_best_model(result: TrainResult, config: TrainConfig, index: DatasetInde
                extra={"scenario": row["scenario"], "dataset": index.name,
                       "data_fingerprint": fingerprint, "run_id": row.get("run_id"),
                       "images_fingerprint": index.images_fingerprint(),
+                      "seed": (row.get("settings") or {}).get("seed"),
                       "test_acc": row["test_acc"], "val_acc": row["val_acc"],
                       "per_class_test_acc": row["per_class_test_acc"],
                       "confusion_matrix": row["confusion_matrix"],

@@ -401,3 +401,42 @@ def test_a_new_run_tries_the_weights_again_and_a_stalled_fetch_times_out(tmp_pat
     models.keep_random_start(None)  # the next run starts
     assert models.resolved_start("squeezenet1_1", "imagenet") == "imagenet"
     assert timeouts == [models.FETCH_TIMEOUT_S] * 2 and socket.getdefaulttimeout() is None
+
+
+@pytest.mark.parametrize("layout", ["class folders", "train/test"])
+def test_a_start_model_of_these_images_split_otherwise_is_refused_or_said(tmp_path, layout,
+                                                                           caplog):
+    """The tool's own model, saved by a run with another --seed, started a run whose test
+    images it had trained on: 66.7% on random labels, chance 33%, with no word said."""
+    from conftest import make_folder
+    import scenario
+    from modules.dataset import index_dataset
+    from modules.model_files import save_model
+    root = make_folder(tmp_path / "d", layout=layout, n_train=8, n_test=3)
+    trained = index_dataset(root, "d", seed=1)
+    path = save_model(build_model("squeezenet1_1", 3, "none"), tmp_path / "d_model.pt",
+                      arch="squeezenet1_1", class_names=trained.classes, image_size=32,
+                      extra={"data_fingerprint": trained.fingerprint(), "run_id": "r1",
+                             "images_fingerprint": trained.images_fingerprint(), "seed": 1})
+    with models.pinned_weights_file(path):
+        scenario.check_start_split(path, trained)  # its own split: nothing to say
+        assert not caplog.records
+        other = index_dataset(root, "d", seed=2)
+        if layout == "class folders":  # the seed draws the test split
+            with pytest.raises(UserError, match=r"model of these images split with another "
+                                                r"--seed: it trained on some of this run's "
+                                                r"test images.*pass --seed 1 of run r1"):
+                scenario.check_start_split(path, other)
+        else:
+            with caplog.at_level(logging.WARNING):
+                scenario.check_start_split(path, other)
+            assert "some of this run's validation images" in caplog.text
+            assert "test/ is unchanged. --seed 1 of run r1 splits them" in caplog.text
+    if layout == "class folders":  # and the run says so before it trains
+        import pipeline
+        args = pipeline.parse_args(["--data-dir", str(root), "--seed", "2", "--weights",
+                                    str(path), "--image-size", "32", "--epochs", "1",
+                                    "--scenarios", "baseline", "--output-dir",
+                                    str(tmp_path / "out")])
+        with pytest.raises(UserError, match="split with another --seed"):
+            pipeline.run(args)
