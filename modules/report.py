@@ -355,7 +355,9 @@ def render_report(rows: list[dict[str, Any]], charts: list[str],
               "(MiB: 2^20 bytes) on a CPU is the "
               "process's peak RSS, which holds what the run's earlier scenarios left; n/a = "
               "not measured on this hardware, or no baseline to compare with; never = its "
-              "validation never reached the baseline's.", ""]
+              "validation never reached the baseline's. Val Acc chose each model's epoch (and "
+              "in the tuned scenarios its size and settings), so it reads high; Test Acc, on "
+              "images nothing was chosen by, is the estimate of accuracy on new images.", ""]
     source = baseline_source_lines(rows)
     lines += [*source, ""] if source else []
     lines += ["## Diagnosis", ""]
