@@ -782,15 +782,15 @@ def leave_out_copies(index: DatasetIndex) -> DatasetIndex:
                              if counts[s]),
                 " or ".join(SPLIT_ADJECTIVES[s] for s in ("val", "test") if s in held),
                 "; ".join(f"{rel(p)} = {rel(k)}" for p, k in copies[:2]), COPIES_LIST)
-    kept = replace(index, copies=copies, **{
+    unseen = replace(index, copies=copies, **{
         split: [s for s in getattr(index, split) if s[0] not in left_out]
         for split in ("train", "val")})
-    bare = sorted(set(range(len(index.classes))) - {label for _, label in kept.train})
+    bare = sorted(set(range(len(index.classes))) - {label for _, label in unseen.train})
     if bare:
         raise UserError(f"every training image of class {index.classes[bare[0]]!r} is a "
                         "byte-identical copy of a validation or test image; give it images of "
                         "its own.")
-    return kept
+    return unseen
 
 
 SPLIT_ADJECTIVES = {"train": "training", "val": "validation", "test": "test"}
