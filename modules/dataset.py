@@ -785,11 +785,16 @@ def leave_out_copies(index: DatasetIndex) -> DatasetIndex:
     unseen = replace(index, copies=copies, **{
         split: [s for s in getattr(index, split) if s[0] not in left_out]
         for split in ("train", "val")})
-    bare = sorted(set(range(len(index.classes))) - {label for _, label in unseen.train})
-    if bare:
-        raise UserError(f"every training image of class {index.classes[bare[0]]!r} is a "
-                        "byte-identical copy of a validation or test image; give it images of "
-                        "its own.")
+    for split, of in (("train", "a validation or test image"), ("val", "a test image")):
+        had = {label for _, label in getattr(index, split)}
+        bare = sorted(had - {label for _, label in getattr(unseen, split)})
+        if bare:  # a val/ copied from test/ would choose every model by the test images
+            raise UserError(f"every {SPLIT_ADJECTIVES[split]} image of class "
+                            f"{index.classes[bare[0]]!r} is a byte-identical copy of {of}; "
+                            "give it images of its own" + (
+                                "; if a val folder copies the test folder, remove it "
+                                "(validation is then held out of train)" if split == "val"
+                                else "") + ".")
     return unseen
 
 

@@ -955,3 +955,23 @@ def test_a_test_folder_of_training_copies_keeps_the_test_images(tmp_path):
     with pytest.raises(UserError, match="every training image of class 'red' is a "
                                         "byte-identical copy"):
         index_dataset(root, "tt")
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_a_val_folder_copied_from_test_is_refused_in_one_line(tmp_path, quick):
+    """val/ made by `cp -r test val`: leaving its copies out emptied validation; a full run
+    then blamed too few training images, and --quick trained on, validated at nan and ended
+    in a TypeError."""
+    import shutil
+    root = make_folder(tmp_path / "v", n_train=12, n_test=4)
+    shutil.copytree(root / "test" / "red", root / "val" / "red")
+    for c in ("green", "blue"):
+        for i in range(3):
+            write_image(root / "val" / c / f"v{i}.jpg", COLOURS[c])
+    with pytest.raises(UserError, match=r"every validation image of class 'red' is a "
+                                        r"byte-identical copy of a test image; .* if a val "
+                                        r"folder copies the test folder, remove it"):
+        if quick:
+            index_subset(root, "v", lambda n: {"train": 10, "val": 3, "test": 4})
+        else:
+            index_dataset(root, "v")
