@@ -1070,8 +1070,16 @@ def estimate(args: RunOptions, index: DatasetIndex) -> dict[str, Any]:
         runs = tuning_runs(name, args, config, device)
         decode = (runs if name == "resolution" else 1) * (n_train + n_val + n_test) * decode_s
         tuning = runs * short_budget(config) * epoch_s
-        fewest = planned_steps(config, n_train, epochs=1) * step_s * config.grad_accum_steps * \
-            least_tuning_epochs(name, args, config, index, device, config.image_size)
+        train_epoch_s = planned_steps(config, n_train, epochs=1) * step_s * \
+            config.grad_accum_steps
+        fewest = train_epoch_s * least_tuning_epochs(name, args, config, index, device,
+                                                     config.image_size)
+        # After the resolution scenario the search may take its trial as the default's and
+        # its final run as its own (same_final): neither trained again.
+        taken = name == "hpo" and "resolution" in args.scenarios
+        if taken:
+            fewest -= train_epoch_s * search_epochs(config, config.image_size) * \
+                search_cost(args, config.image_size)
         if name == "hpo":  # its trials' size (search_size), and the time budget (search_budget)
             tuning *= search_cost(args, config.image_size)
             bound = search_budget(args, baseline_s)[0]
@@ -1083,7 +1091,7 @@ def estimate(args: RunOptions, index: DatasetIndex) -> dict[str, Any]:
             if args.match_time and args.epochs is None and baseline_s:
                 filled = min(max(final, TIME_SHARE * baseline_s - spent),
                              MAX_EPOCH_FACTOR * final)  # as fill_time decides it
-            into[name] = spent + filled + test_s
+            into[name] = spent + (0.0 if taken and into is least else filled) + test_s
     return {"device": str(device), "n_train": n_train, "decode_ms": 1e3 * decode_s,
             "scenarios": scenarios, "total_s": sum(scenarios.values()),
             "least": least, "least_total_s": sum(least.values())}
