@@ -1039,7 +1039,8 @@ def estimate(args: RunOptions, index: DatasetIndex) -> dict[str, Any]:
     the per-epoch decode of the baseline and the one-time decode of the tuned scenarios),
     with --match-time's fill of the tuned final runs. "scenarios": every tuning run trained in
     full; "least": each stopped where it first can be (least_tuning_epochs), the fill then
-    longer. The autotuner can make a tuned scenario's steps faster than the defaults timed
+    longer, and a search after the resolution scenario taking that scenario's trial and
+    final run. The autotuner can make a tuned scenario's steps faster than the defaults timed
     here, and early stopping end runs sooner. Without a baseline in this run, an earlier run's
     in the output dir sets the search's time budget and the fill, as in the run."""
     device = resolve_device(args.device)
@@ -1632,7 +1633,7 @@ def run(args: RunOptions, index: DatasetIndex | None = None) -> list[dict[str, A
     index = index or load_data(args, output_dir)
     with run_lock(output_dir), process_settings_kept(), interrupts.stoppable(), \
             pinned_weights_file(weights_file(args.weights)):
-        check_start_split(weights_file(args.weights), index)
+        check_start_split(weights_file(args.weights), index, args.seed)
         # Every process checks (so a refused --resume ends them all); rank 0's id is the run's.
         args.run_id = distributed.from_main(start_run(
             output_dir, index, resume=args.resume, seed=args.seed, quick=args.quick,
@@ -1668,7 +1669,8 @@ def launcher() -> list[str]:
             f"--nproc-per-node={distributed.local_world_size()}"]
 
 
-def check_start_split(path: Path | None, index: DatasetIndex) -> None:
+def check_start_split(path: Path | None, index: DatasetIndex, seed: int | None = None
+                      ) -> None:
     """A --weights model this tool saved from the same images split otherwise (another
     --seed) trained on some of the images this run holds out. Where the seed draws the test
     split (class folders) its test accuracy would count them as new: refused. Where the folder
@@ -1679,14 +1681,18 @@ def check_start_split(path: Path | None, index: DatasetIndex) -> None:
     if not isinstance(extra, dict) or index.same_data(extra.get("data_fingerprint")) or \
             extra.get("images_fingerprint") != index.images_fingerprint():
         return
-    seed = extra.get("seed")
-    trained = (f"--seed {seed}" if seed is not None else "the --seed") + \
-        f" of run {extra.get('run_id')}"
+    same_seed = extra.get("seed") is not None and extra.get("seed") == seed
+    trained = (f"--seed {extra['seed']}" if extra.get("seed") is not None else "the --seed") \
+        + f" of run {extra.get('run_id')}"
     if index.layout == "class folders":
-        raise UserError(f"--weights {str(path)!r} is a model of these images split with "
-                        f"another --seed: it trained on some of this run's test images, whose "
-                        f"accuracy would read high; pass {trained}, or start from other "
-                        "weights.")
+        raise UserError(f"--weights {str(path)!r} is a model of these images split "
+                        + ("otherwise (with --quick, or before a file was added, removed or "
+                           "found undecodable)" if same_seed else "with another --seed")
+                        + ": it trained on some of this run's test images, whose accuracy "
+                        "would read high; " + ("" if same_seed else f"pass {trained}, or ")
+                        + "start from other weights.")
+    if same_seed:
+        return  # test/ is the folder's; validation differs by the files, not the seed
     log.warning("--weights %s is a model of these images with another validation split: it "
                 "trained on some of this run's validation images, so validation (which picks "
                 "epochs and settings) reads high; test/ is unchanged. %s splits them as it did.",

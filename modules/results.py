@@ -168,7 +168,11 @@ def start_run(output_dir: Path, index: DatasetIndex, *, resume: bool, command: s
                 f"{index.name!r} ({index.n_images()} images"
                 + (f", --seed {now}" if seeds else "") + "): "
                 + (f"pass --seed {before} to continue it, or " if seeds else
-                   "other images or another --seed's split; ")
+                   "other images or another --seed's split"
+                   + (f" (or the {len(index.copies)} copies of held-out images now left out, "
+                      "which versions before be37e88 trained on)" if index.copies and
+                      latest.get("n_images") == index.n_images() + len(index.copies) else "")
+                   + "; ")
                 + "drop --resume to start a new run beside it (nothing is deleted).")
         if None not in (latest.get("weights"), weights) and latest["weights"] != weights:
             raise UserError(

@@ -426,7 +426,11 @@ def test_a_start_model_of_these_images_split_otherwise_is_refused_or_said(tmp_pa
             with pytest.raises(UserError, match=r"model of these images split with another "
                                                 r"--seed: it trained on some of this run's "
                                                 r"test images.*pass --seed 1 of run r1"):
-                scenario.check_start_split(path, other)
+                scenario.check_start_split(path, other, 2)
+            # split otherwise with the seed given: passing it again would not help
+            with pytest.raises(UserError, match=r"split otherwise \(with --quick, or before "
+                                                r"a file .*; start from other weights\.$"):
+                scenario.check_start_split(path, other, 1)
         else:
             with caplog.at_level(logging.WARNING):
                 scenario.check_start_split(path, other)

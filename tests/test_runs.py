@@ -280,3 +280,23 @@ def test_a_model_file_that_cannot_be_read_now_stays_and_is_not_replaced(tmp_path
 def test_a_model_of_the_decoded_cache_says_so_for_predict(tmp_path):
     assert _keep(tmp_path, 0.5, "baseline")["decode"] == "full"
     assert _keep(tmp_path, 0.9, "resolution", data_path="decoded cache")["decode"] == "draft"
+
+
+def test_a_resume_across_copies_now_left_out_names_them(tmp_path, capsys, monkeypatch):
+    """A run started by a version that trained on copies of held-out images cannot resume
+    once they are left out: the refusal said "other images or another --seed's split" of the
+    same folder and seed."""
+    from modules import dataset
+    data = make_folder(tmp_path / "d", n_train=8, n_test=3)
+    for c in ("red", "green"):
+        (data / "train" / c / "copy.jpg").write_bytes((data / "test" / c / "0.jpg").read_bytes())
+    out = tmp_path / "out"
+    with monkeypatch.context() as older:
+        older.setattr(dataset, "leave_out_copies", lambda index: index)
+        assert pipeline.main(["--data-dir", str(data), "--output-dir", str(out), *RUN]) == 0
+    capsys.readouterr()
+    assert pipeline.main(["--data-dir", str(data), "--output-dir", str(out), "--resume",
+                          *RUN]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "(or the 2 copies of held-out images now left out, which versions before be37e88 " \
+        "trained on)" in err
