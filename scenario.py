@@ -1060,8 +1060,9 @@ def estimate(args: RunOptions, index: DatasetIndex) -> dict[str, Any]:
     for name in args.scenarios:
         config = scenario_config(name, args, device)
         step_s = config.batch_size / _images_per_s(config, len(index.classes), device)
-        epoch_s = planned_steps(config, n_train, epochs=1) * step_s * config.grad_accum_steps
-        epoch_s += n_val / config.batch_size * step_s / 3  # validation: a forward pass only
+        train_epoch_s = planned_steps(config, n_train, epochs=1) * step_s * \
+            config.grad_accum_steps
+        epoch_s = train_epoch_s + n_val / config.batch_size * step_s / 3  # validation: forward
         test_s = n_test / config.batch_size * step_s / 3   # the test set, once at the end
         if name == "baseline":  # it decodes its training and validation images every epoch
             scenarios[name] = config.epochs * (epoch_s + (n_train + n_val) * decode_s) + \
@@ -1071,8 +1072,6 @@ def estimate(args: RunOptions, index: DatasetIndex) -> dict[str, Any]:
         runs = tuning_runs(name, args, config, device)
         decode = (runs if name == "resolution" else 1) * (n_train + n_val + n_test) * decode_s
         tuning = runs * short_budget(config) * epoch_s
-        train_epoch_s = planned_steps(config, n_train, epochs=1) * step_s * \
-            config.grad_accum_steps
         fewest = train_epoch_s * least_tuning_epochs(name, args, config, index, device,
                                                      config.image_size)
         # After the resolution scenario the search may take its trial as the default's and
@@ -1707,15 +1706,14 @@ def data_record(index: DatasetIndex, folder: Path) -> list[str]:
              + (f" (listed and checked in {index.read_s:.1f} s)" if index.read_s >= 1 else "")]
     lines += [imbalance] if (imbalance := index.imbalance()) is not None else []
     for listed, name, what in (
-            (index.skipped_lines(), SKIPPED_LIST, "undecodable image file(s)"),
-            (index.copy_lines(), COPIES_LIST, "copies of validation or test images left out")):
+            (index.skipped_lines(), SKIPPED_LIST, "skipped {} undecodable image file(s)"),
+            (index.copy_lines(), COPIES_LIST, "{} copies of validation or test images left out")):
         if not listed:
             continue
         try:
             folder.mkdir(parents=True, exist_ok=True)
             atomic_write_text("".join(f"{line}\n" for line in listed), folder / name)
-            lines.append(f"{'skipped ' if name == SKIPPED_LIST else ''}{len(listed)} {what}: "
-                         f"listed in {name}")
+            lines.append(f"{what.format(len(listed))}: listed in {name}")
         except (OSError, UserError) as exc:  # the run goes on: the warning named some
             log.warning("could not write %s (%s)", folder / name, first_line(exc))
     return lines

@@ -644,10 +644,15 @@ def check_image(path: Path, sizes: dict[str, int] | None = None) -> str | None:
 CHECK_SAID_FROM = 2000  # images in a split: checking or decoding them is said as it starts
 
 
+def _in_threads(read: Callable, paths: list) -> dict:
+    """{path: read(path)}, the files read in threads (their I/O overlaps)."""
+    with ThreadPoolExecutor(max_workers=min(8, usable_cpus() * 2)) as pool:
+        return dict(zip(paths, pool.map(read, paths)))
+
+
 def _check_images(paths: list, sizes: dict[str, int]) -> dict:
     """check_image of each path (a Path or its str), in threads, by the path as given."""
-    with ThreadPoolExecutor(max_workers=min(8, usable_cpus() * 2)) as pool:
-        return dict(zip(paths, pool.map(lambda p: check_image(Path(p), sizes), paths)))
+    return _in_threads(lambda p: check_image(Path(p), sizes), paths)
 
 
 def _scan_split(folder: Path, split: str, check: bool, seen: dict[str, Path],
@@ -728,6 +733,7 @@ def _val_share(per_class: dict[str, list[Path]], fraction: float) -> float:
 
 
 HELD_OUT_ORDER = ("test", "val", "train")  # the most held out first
+SPLIT_ADJECTIVES = {"train": "training", "val": "validation", "test": "test"}
 
 
 def _digest_file(path: str) -> str | None:
@@ -749,8 +755,7 @@ def identical_files(paths: list[str], sizes: dict[str, int]) -> list[list[str]]:
         if path in sizes:
             by_size.setdefault(sizes[path], []).append(path)
     shared = [p for group in by_size.values() if len(group) > 1 for p in group]
-    with ThreadPoolExecutor(max_workers=min(8, usable_cpus() * 2)) as pool:
-        digests = dict(zip(shared, pool.map(_digest_file, shared)))
+    digests = _in_threads(_digest_file, shared)
     groups: dict[tuple[int, str], list[str]] = {}
     for path, digest in digests.items():
         if digest is not None:
@@ -796,9 +801,6 @@ def leave_out_copies(index: DatasetIndex) -> DatasetIndex:
                                 "(validation is then held out of train)" if split == "val"
                                 else "") + ".")
     return unseen
-
-
-SPLIT_ADJECTIVES = {"train": "training", "val": "validation", "test": "test"}
 
 
 def index_dataset(root: Path, name: str | None = None, *, seed: int = 0, check: bool = True,

@@ -320,8 +320,9 @@ def _fitting_tensors(model: nn.Module, path: Path, name: str | None = None
     """The tensors of a weights file that fit `model` (torchvision's `name`); a file that is
     not PyTorch's, of which nothing fits, or that holds more than this model (a deeper one of
     its family), is refused in one line."""
-    pinned = Path(path).expanduser().resolve()
-    state = _PINNED[pinned] if pinned in _PINNED else read_torch_file(path, "weights file")
+    state = pinned_file(path)
+    if state is None:  # not the run's pinned --weights (a check before the run starts)
+        state = read_torch_file(path, "weights file")
     arch = state.get("arch") if isinstance(state, dict) else None
     if name and arch in MODELS and arch != name and isinstance(state.get("state_dict"), dict):
         raise UserError(f"--weights: {str(path)!r} holds a {arch} model, not {name}: pass "
