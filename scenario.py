@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 
-from modules import distributed, interrupts
+from modules import distributed, interrupts, membership
 from modules.autotune import MEASURE_SHARE, ComputeProbe, autotune, machine_key
 from modules.checkpoints import check_format, saved_config
 from modules.config import (DEFAULTS, DISPLAY_ONLY, SPEED_ONLY, TrainConfig, UserError,
@@ -1632,7 +1632,7 @@ def run(args: RunOptions, index: DatasetIndex | None = None) -> list[dict[str, A
     index = index or load_data(args, output_dir)
     with run_lock(output_dir), process_settings_kept(), interrupts.stoppable(), \
             pinned_weights_file(weights_file(args.weights)):
-        check_start_split(weights_file(args.weights), index, args.seed)
+        carried = check_start_split(weights_file(args.weights), index, args.seed)
         # Every process checks (so a refused --resume ends them all); rank 0's id is the run's.
         args.run_id = distributed.from_main(start_run(
             output_dir, index, resume=args.resume, seed=args.seed, quick=args.quick,
@@ -1644,6 +1644,7 @@ def run(args: RunOptions, index: DatasetIndex | None = None) -> list[dict[str, A
                 f"start weights: {start_weights(args.model, args.weights)}"])
               if distributed.is_main()
               else contextlib.nullcontext()):
+            on_main(lambda: record_trained_on(output_dir, args.run_id, index, args, carried))
             log.info("run %s: outputs in %s (earlier runs stay in results.json)", args.run_id,
                      output_dir)
             try:
@@ -1669,12 +1670,55 @@ def launcher() -> list[str]:
 
 
 def check_start_split(path: Path | None, index: DatasetIndex, seed: int | None = None
-                      ) -> None:
-    """A --weights model this tool saved from the same images split otherwise (another
-    --seed) trained on some of the images this run holds out. Where the seed draws the test
-    split (class folders) its test accuracy would count them as new: refused. Where the folder
-    fixes test/, only validation holds them: said, as it then reads high."""
+                      ) -> set[bytes]:
+    """A --weights model that trained on some of the images this run tests on would have its
+    test accuracy count them as new: refused. One that trained on some of its validation
+    images (another split of the same folder, a --quick run's model, a run's own checkpoint)
+    is said, as validation then reads high. Returns what the start had trained on, which this
+    run's models carry on (membership.record)."""
     state = pinned_file(path)
+    recorded = membership.of_start(path, state, MODEL_FORMAT) if path is not None else None
+    if recorded is None:
+        _check_unrecorded_start(path, state, index, seed)
+        return set()
+    seen, about = recorded
+    # another seed's split of these very images: that seed splits them as the model saw them
+    other_seed = about.get("seed") is not None and about.get("seed") != seed and \
+        about.get("images_fingerprint") == index.images_fingerprint()
+    run = f"run {about.get('run_id')}" + (f", --seed {about['seed']}" if about.get("seed")
+                                          is not None else "") + \
+        (", --quick" if about.get("quick") else "")
+    if n := membership.count_seen(index.test, seen):
+        raise UserError(f"--weights {str(path)!r} trained on {n} of this run's {len(index.test)} "
+                        f"test images ({run}): their accuracy would read high; "
+                        + (f"pass --seed {about['seed']}, or " if other_seed else "")
+                        + "start from other weights.")
+    if n := membership.count_seen(index.val, seen):
+        log.warning("--weights %s trained on %d of this run's %d validation images (%s): "
+                    "validation, which picks epochs and settings, reads high; the test images "
+                    "are new to it.%s", path, n, len(index.val), run,
+                    f" --seed {about['seed']} splits them as it did." if other_seed else "")
+    return seen
+
+
+def record_trained_on(output_dir: Path, run_id: str, index: DatasetIndex, args: RunOptions,
+                      carried: set[bytes]) -> None:
+    """The run's membership record, which its saved models and checkpoints are checked by
+    when a later run starts from them; the time reading the images takes is said when felt."""
+    started = time.perf_counter()
+    membership.record(run_folder(output_dir, "checkpoints", run_id), index, {
+        "run_id": run_id, "seed": args.seed, "quick": args.quick,
+        "images_fingerprint": index.images_fingerprint()}, carried)
+    if (took := time.perf_counter() - started) >= 1:
+        log.info("noted which of the images this run trains on (%d, in %.1f s), so that a run "
+                 "starting from its models can tell the images they have seen", len(index.train),
+                 took)
+
+
+def _check_unrecorded_start(path: Path | None, state: Any, index: DatasetIndex,
+                            seed: int | None) -> None:
+    """check_start_split for a model file of a version that recorded the images' split, not
+    the images it trained on: another --seed's split of the same images is known."""
     extra = state.get("extra") if isinstance(state, dict) and \
         state.get("format") == MODEL_FORMAT else None
     if not isinstance(extra, dict) or index.same_data(extra.get("data_fingerprint")) or \

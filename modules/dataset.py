@@ -644,7 +644,7 @@ def check_image(path: Path, sizes: dict[str, int] | None = None) -> str | None:
 CHECK_SAID_FROM = 2000  # images in a split: checking or decoding them is said as it starts
 
 
-def _in_threads(read: Callable, paths: list) -> dict:
+def in_threads(read: Callable, paths: list) -> dict:
     """{path: read(path)}, the files read in threads (their I/O overlaps)."""
     with ThreadPoolExecutor(max_workers=min(8, usable_cpus() * 2)) as pool:
         return dict(zip(paths, pool.map(read, paths)))
@@ -652,7 +652,7 @@ def _in_threads(read: Callable, paths: list) -> dict:
 
 def _check_images(paths: list, sizes: dict[str, int]) -> dict:
     """check_image of each path (a Path or its str), in threads, by the path as given."""
-    return _in_threads(lambda p: check_image(Path(p), sizes), paths)
+    return in_threads(lambda p: check_image(Path(p), sizes), paths)
 
 
 def _scan_split(folder: Path, split: str, check: bool, seen: dict[str, Path],
@@ -755,7 +755,7 @@ def identical_files(paths: list[str], sizes: dict[str, int]) -> list[list[str]]:
         if path in sizes:
             by_size.setdefault(sizes[path], []).append(path)
     shared = [p for group in by_size.values() if len(group) > 1 for p in group]
-    digests = _in_threads(_digest_file, shared)
+    digests = in_threads(_digest_file, shared)
     groups: dict[tuple[int, str], list[str]] = {}
     for path, digest in digests.items():
         if digest is not None:

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from modules import distributed
+from modules import distributed, membership
 from modules.config import NO_WORKERS, TrainConfig, UserError
 from modules.dataset import DatasetIndex
 from modules.device import native_bf16_cpu, usable_cpus
@@ -64,10 +64,11 @@ def _record_path(output_dir: Path, run_id: str) -> Path:
 
 def _has_progress(output_dir: Path, run_id: str) -> bool:
     """Whether a run left anything to continue: a checkpoint, a journal, weights or rows (a
-    tuning clock alone is not: a scenario refused at its start leaves one)."""
+    tuning clock or the record of what it trains on alone is not: a scenario refused at its
+    start leaves them)."""
     folder = run_folder(output_dir, "checkpoints", run_id)
-    return any(p.name != RUN_RECORD and not p.name.endswith(CLOCK_SUFFIX)
-               for p in folder.glob("*")) or any(
+    return any(p.name not in (RUN_RECORD, membership.FILE_NAME) and
+               not p.name.endswith(CLOCK_SUFFIX) for p in folder.glob("*")) or any(
         r.get("run_id") == run_id for r in earlier_rows(Path(output_dir) / "results.json"))
 
 
@@ -402,6 +403,8 @@ def keep_best_model(result: TrainResult, config: TrainConfig, index: DatasetInde
                       "data_fingerprint": fingerprint, "run_id": row.get("run_id"),
                       "images_fingerprint": index.images_fingerprint(),
                       "seed": (row.get("settings") or {}).get("seed"),
+                      # what it trained on, its start's included (membership)
+                      "trained_on": _trained_on(output_dir, row.get("run_id"), index),
                       "test_acc": row["test_acc"], "val_acc": row["val_acc"],
                       "per_class_test_acc": row["per_class_test_acc"],
                       "confusion_matrix": row["confusion_matrix"],
@@ -410,6 +413,13 @@ def keep_best_model(result: TrainResult, config: TrainConfig, index: DatasetInde
                       CachedLoader.data_path else "full"})
     log.info("saved %s: the best validation accuracy so far on %s (%s, %s; test %.1f%%)", path,
              index.name, mine_shown, row["scenario"], 100 * row["test_acc"])
+
+
+def _trained_on(output_dir: Path, run_id: str | None, index: DatasetIndex) -> str:
+    """The images run `run_id` trains on, as its record says (the start's included), else
+    as this index holds them."""
+    kept = membership.read(run_folder(output_dir, "checkpoints", run_id)) if run_id else None
+    return kept["trained_on"] if kept else membership.encode(membership.of_images(index.train))
 
 
 def json_safe(value):

@@ -403,6 +403,88 @@ def test_a_new_run_tries_the_weights_again_and_a_stalled_fetch_times_out(tmp_pat
     assert timeouts == [models.FETCH_TIMEOUT_S] * 2 and socket.getdefaulttimeout() is None
 
 
+def _train_once(root, out, seed, weights=None):
+    """One short baseline run; its saved model and the run's folder of checkpoints."""
+    import pipeline
+    pipeline.run(pipeline.parse_args(
+        ["--data-dir", str(root), "--seed", str(seed), "--image-size", "32", "--epochs", "1",
+         "--scenarios", "baseline", "--output-dir", str(out), "--no-progress"]
+        + (["--weights", str(weights)] if weights else [])))
+    run_id = __import__("json").loads((out / "latest_run.json").read_text())["run_id"]
+    return out / f"{root.name}_model.pt", out / "checkpoints" / run_id
+
+
+def test_a_start_that_trained_on_test_images_is_refused_however_it_was_split(tmp_path):
+    """A model trained on images this run tests on was let start it unless it was the same
+    folder split with another --seed: a --quick run's model, a run's own checkpoint, a model
+    of a renamed copy of the folder, or one started from such a model, tested on images it
+    had trained on, with no word said. Each trained image is recorded by its bytes now."""
+    import shutil
+    import scenario
+    from conftest import make_folder
+    from modules.dataset import index_dataset
+    root = make_folder(tmp_path / "d", layout="class folders", n_train=8, n_test=3)
+    model, checkpoints = _train_once(root, tmp_path / "out1", seed=1)
+    assert (checkpoints / "trained_on.json").exists() and (checkpoints / "baseline.pt").exists()
+    other = index_dataset(root, "d", seed=2)
+    for start in (model, checkpoints / "baseline.pt"):
+        with models.pinned_weights_file(start), pytest.raises(
+                UserError, match=r"trained on \d+ of this run's \d+ test images \(run \S+, "
+                                 r"--seed 1\): their accuracy would read high; pass --seed 1, "
+                                 r"or start from other weights\.$"):
+            scenario.check_start_split(start, other, 2)
+        with models.pinned_weights_file(start):  # its own split: nothing seen, nothing said
+            assert len(scenario.check_start_split(start, index_dataset(root, "d", seed=1), 1)) \
+                == len(index_dataset(root, "d", seed=1).train)
+    # the same images under other names, split by another seed: counted by their bytes
+    renamed = tmp_path / "renamed"
+    for path in sorted(root.rglob("*.jpg")):
+        target = renamed / path.parent.name / f"copy-{path.name}"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, target)
+    with models.pinned_weights_file(model), pytest.raises(
+            UserError, match=r"test images \(run \S+, --seed 1\): their accuracy would read "
+                             r"high; start from other weights"):
+        scenario.check_start_split(model, index_dataset(renamed, "renamed", seed=2), 2)
+    # a model started from it, trained on other images, carries what it had seen
+    elsewhere = make_folder(tmp_path / "e", layout="class folders", n_train=6, n_test=2,
+                            classes=("red", "green", "blue"))
+    for path in elsewhere.rglob("*.jpg"):  # other images: each pixel nudged
+        from PIL import Image
+        with Image.open(path) as img:
+            img.point(lambda v: max(0, v - 1)).save(path.with_suffix(".png"))
+        path.unlink()
+    carried, _ = _train_once(elsewhere, tmp_path / "out2", seed=1, weights=model)
+    with models.pinned_weights_file(carried), pytest.raises(UserError, match="test images"):
+        scenario.check_start_split(carried, other, 2)
+
+
+def test_a_start_that_trained_on_validation_images_is_said(tmp_path, caplog):
+    """Where test/ is the folder's, a start trained on some of this run's validation images
+    (another split of the same train/) is let start, with the count said."""
+    import json
+    import scenario
+    from conftest import make_folder
+    from modules import membership
+    from modules.dataset import index_dataset
+    root = make_folder(tmp_path / "d", layout="train/test", n_train=8, n_test=3)
+    trained, now = index_dataset(root, "d", seed=1), index_dataset(root, "d", seed=2)
+    folder = tmp_path / "checkpoints" / "r1"
+    membership.record(folder, trained, {"run_id": "r1", "seed": 1, "quick": True,
+                                        "images_fingerprint": "a subset's"})
+    assert json.loads((folder / membership.FILE_NAME).read_text())["images"] == \
+        len(trained.train)
+    start = folder / "baseline.pt"
+    torch.save({"state_dict": build_model("squeezenet1_1", 3, "none").state_dict()}, start)
+    seen = len({p for p, _ in now.val} & {p for p, _ in trained.train})
+    assert seen > 0
+    with models.pinned_weights_file(start), caplog.at_level(logging.WARNING):
+        scenario.check_start_split(start, now, 2)
+    assert f"trained on {seen} of this run's {len(now.val)} validation images (run r1, " \
+           "--seed 1, --quick): validation, which picks epochs and settings, reads high; the " \
+           "test images are new to it." in caplog.text
+
+
 @pytest.mark.parametrize("layout", ["class folders", "train/test"])
 def test_a_start_model_of_these_images_split_otherwise_is_refused_or_said(tmp_path, layout,
                                                                            caplog):

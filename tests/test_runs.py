@@ -174,7 +174,7 @@ def _keep(out: Path, test_acc: float, scenario: str, data: str = "same data",
            "confusion_matrix": [[1, 0], [0, 1]], "settings": {"data_path": data_path}}
     keep_best_model(SimpleNamespace(model=model),
                     TrainConfig(model="squeezenet1_1", image_size=32),
-                    SimpleNamespace(name="d", classes=list(classes),
+                    SimpleNamespace(name="d", classes=list(classes), train=[],
                                     same_data=lambda recorded: recorded == data,
                                     images_fingerprint=lambda: images or data), row, out)
     return load_model(out / "d_model.pt").meta["extra"]
