@@ -1060,9 +1060,8 @@ def estimate(args: RunOptions, index: DatasetIndex) -> dict[str, Any]:
     for name in args.scenarios:
         config = scenario_config(name, args, device)
         step_s = config.batch_size / _images_per_s(config, len(index.classes), device)
-        train_epoch_s = planned_steps(config, n_train, epochs=1) * step_s * \
-            config.grad_accum_steps
-        epoch_s = train_epoch_s + n_val / config.batch_size * step_s / 3  # validation: forward
+        epoch_s = planned_steps(config, n_train, epochs=1) * step_s * config.grad_accum_steps \
+            + n_val / config.batch_size * step_s / 3  # validation: forward only
         test_s = n_test / config.batch_size * step_s / 3   # the test set, once at the end
         if name == "baseline":  # it decodes its training and validation images every epoch
             scenarios[name] = config.epochs * (epoch_s + (n_train + n_val) * decode_s) + \
@@ -1072,13 +1071,13 @@ def estimate(args: RunOptions, index: DatasetIndex) -> dict[str, Any]:
         runs = tuning_runs(name, args, config, device)
         decode = (runs if name == "resolution" else 1) * (n_train + n_val + n_test) * decode_s
         tuning = runs * short_budget(config) * epoch_s
-        fewest = train_epoch_s * least_tuning_epochs(name, args, config, index, device,
-                                                     config.image_size)
+        fewest = epoch_s * least_tuning_epochs(name, args, config, index, device,
+                                               config.image_size)
         # After the resolution scenario the search may take its trial as the default's and
         # its final run as its own (same_final): neither trained again.
         taken = name == "hpo" and "resolution" in args.scenarios
         if taken:
-            fewest -= train_epoch_s * search_epochs(config, config.image_size) * \
+            fewest -= epoch_s * search_epochs(config, config.image_size) * \
                 search_cost(args, config.image_size)
         if name == "hpo":  # its trials' size (search_size), and the time budget (search_budget)
             tuning *= search_cost(args, config.image_size)

@@ -1399,6 +1399,14 @@ def test_the_estimate_covers_every_scenario_and_match_times_fill(small, tmp_path
         assert 1.2 * plain["scenarios"][name] < filled["scenarios"][name] \
             <= 3 * plain["scenarios"][name]
     assert plain["least"]["hpo"] < plain["scenarios"]["hpo"]  # its trials can be pruned
+    # where no trial could stop early, the two ends meet: each epoch validates in both
+    with monkeypatch.context() as patch:
+        patch.setattr(scenario, "least_tuning_epochs", lambda name, args, config, *_: (
+            scenario.tuning_runs(name, args, config, torch.device("cpu"))
+            * scenario.short_budget(config)))
+        closed = pipeline.estimate(pipeline.parse_args(
+            argv + ["--no-match-time", "--scenarios", "baseline,resolution"]), index)
+    assert closed["least"]["resolution"] == pytest.approx(closed["scenarios"]["resolution"])
     # after the resolution scenario the search may take its trial and final run (a run of
     # 110 s read 3.1-3.3 min: hpo, which took both, 17 s against 1.0-1.1 min)
     searched = pipeline.estimate(pipeline.parse_args(
