@@ -41,8 +41,7 @@ from modules.fastdata import cache_fits, keep_sizes
 from modules.files import (atomic_write_text, folder_lock, kept_file, name_folder,
                            refuse_if_in_use, resolved, run_log, share_file)
 from modules.hardware import max_batch_size
-from modules.model_files import FORMAT_NAME as MODEL_FORMAT
-from modules.models import (pinned_file, pinned_weights_file, possible_starts, start_weights,
+from modules.models import (pinned_weights_file, possible_starts, start_weights,
                             weights_file)
 from modules.monitor import SystemSampler
 from modules.oom import is_out_of_memory, release
@@ -1631,7 +1630,7 @@ def run(args: RunOptions, index: DatasetIndex | None = None) -> list[dict[str, A
     index = index or load_data(args, output_dir)
     with run_lock(output_dir), process_settings_kept(), interrupts.stoppable(), \
             pinned_weights_file(weights_file(args.weights)):
-        carried = check_start_split(weights_file(args.weights), index, args.seed)
+        carried = membership.check_start(weights_file(args.weights), index, args.seed)
         # Every process checks (so a refused --resume ends them all); rank 0's id is the run's.
         args.run_id = distributed.from_main(start_run(
             output_dir, index, resume=args.resume, seed=args.seed, quick=args.quick,
@@ -1668,38 +1667,6 @@ def launcher() -> list[str]:
             f"--nproc-per-node={distributed.local_world_size()}"]
 
 
-def check_start_split(path: Path | None, index: DatasetIndex, seed: int | None = None
-                      ) -> set[bytes]:
-    """A --weights model that trained on some of the images this run tests on would have its
-    test accuracy count them as new: refused. One that trained on some of its validation
-    images (another split of the same folder, a --quick run's model, a run's own checkpoint)
-    is said, as validation then reads high. Returns what the start had trained on, which this
-    run's models carry on (membership.record)."""
-    state = pinned_file(path)
-    recorded = membership.of_start(path, state, MODEL_FORMAT) if path is not None else None
-    if recorded is None:
-        _check_unrecorded_start(path, state, index, seed)
-        return set()
-    seen, about = recorded
-    # another seed's split of these very images: that seed splits them as the model saw them
-    other_seed = about.get("seed") is not None and about.get("seed") != seed and \
-        about.get("images_fingerprint") == index.images_fingerprint()
-    run = f"run {about.get('run_id')}" + (f", --seed {about['seed']}" if about.get("seed")
-                                          is not None else "") + \
-        (", --quick" if about.get("quick") else "")
-    if n := membership.count_seen(index.test, seen):
-        raise UserError(f"--weights {str(path)!r} trained on {n} of this run's {len(index.test)} "
-                        f"test images ({run}): their accuracy would read high; "
-                        + (f"pass --seed {about['seed']}, or " if other_seed else "")
-                        + "start from other weights.")
-    if n := membership.count_seen(index.val, seen):
-        log.warning("--weights %s trained on %d of this run's %d validation images (%s): "
-                    "validation, which picks epochs and settings, reads high; the test images "
-                    "are new to it.%s", path, n, len(index.val), run,
-                    f" --seed {about['seed']} splits them as it did." if other_seed else "")
-    return seen
-
-
 def record_trained_on(output_dir: Path, run_id: str, index: DatasetIndex, args: RunOptions,
                       carried: set[bytes]) -> None:
     """The run's membership record, which its saved models and checkpoints are checked by
@@ -1712,33 +1679,6 @@ def record_trained_on(output_dir: Path, run_id: str, index: DatasetIndex, args: 
         log.info("noted which of the images this run trains on (%d, in %.1f s), so that a run "
                  "starting from its models can tell the images they have seen", len(index.train),
                  took)
-
-
-def _check_unrecorded_start(path: Path | None, state: Any, index: DatasetIndex,
-                            seed: int | None) -> None:
-    """check_start_split for a model file of a version that recorded the images' split, not
-    the images it trained on: another --seed's split of the same images is known."""
-    extra = state.get("extra") if isinstance(state, dict) and \
-        state.get("format") == MODEL_FORMAT else None
-    if not isinstance(extra, dict) or index.same_data(extra.get("data_fingerprint")) or \
-            extra.get("images_fingerprint") != index.images_fingerprint():
-        return
-    same_seed = extra.get("seed") is not None and extra.get("seed") == seed
-    trained = (f"--seed {extra['seed']}" if extra.get("seed") is not None else "the --seed") \
-        + f" of run {extra.get('run_id')}"
-    if index.layout == "class folders":
-        raise UserError(f"--weights {str(path)!r} is a model of these images split "
-                        + ("otherwise (with --quick, or before a file was added, removed or "
-                           "found undecodable)" if same_seed else "with another --seed")
-                        + ": it trained on some of this run's test images, whose accuracy "
-                        "would read high; " + ("" if same_seed else f"pass {trained}, or ")
-                        + "start from other weights.")
-    if same_seed:
-        return  # test/ is the folder's; validation differs by the files, not the seed
-    log.warning("--weights %s is a model of these images with another validation split: it "
-                "trained on some of this run's validation images, so validation (which picks "
-                "epochs and settings) reads high; test/ is unchanged. %s splits them as it did.",
-                path, trained[0].upper() + trained[1:])
 
 
 def data_record(index: DatasetIndex, folder: Path) -> list[str]:

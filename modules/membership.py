@@ -8,12 +8,18 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import logging
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from modules.config import UserError
 from modules.dataset import DatasetIndex, Sample, in_threads
 from modules.files import atomic_write_text
+from modules.model_files import FORMAT_NAME as MODEL_FORMAT
+from modules.models import pinned_file
+
+log = logging.getLogger(__name__)
 
 DIGEST_BYTES = 8  # 2**-64 a chance that two different images share one
 FILE_NAME = "trained_on.json"
@@ -82,19 +88,82 @@ def read(folder: Path) -> dict[str, Any] | None:
         else None
 
 
-def of_start(path: Path, state: Any, model_format: str) -> tuple[set[bytes], dict] | None:
+def of_start(path: Path, state: Any) -> tuple[set[bytes], dict] | None:
     """What a --weights file records of the images behind it, and of their run: a model file
     this tool saved says it in its extra; a checkpoint or a trial's weights in a run's
     checkpoints folder, by that run's record. None: nothing recorded (another tool's file, or
     an older version's)."""
-    extra = state.get("extra") if isinstance(state, dict) and \
-        state.get("format") == model_format else None
-    if isinstance(extra, dict) and (seen := decode(extra.get("trained_on"))) is not None:
+    extra = _model_extra(state)
+    if extra is not None and (seen := decode(extra.get("trained_on"))) is not None:
         return seen, extra
     kept = read(Path(path).parent)
     return None if kept is None else (decode(kept["trained_on"]), kept)
 
 
+def _model_extra(state: Any) -> dict[str, Any] | None:
+    """What a model file this tool saved says of its run; None for any other file."""
+    extra = state.get("extra") if isinstance(state, dict) and \
+        state.get("format") == MODEL_FORMAT else None
+    return extra if isinstance(extra, dict) else None
+
+
 def count_seen(samples: list[Sample], seen: set[bytes]) -> int:
     """How many of `samples` are images in `seen`."""
     return sum(d in seen for d in digests(samples) if d is not None) if seen else 0
+
+
+def check_start(path: Path | None, index: DatasetIndex, seed: int | None = None) -> set[bytes]:
+    """A --weights model that trained on some of the images this run tests on would have its
+    test accuracy count them as new: refused. One that trained on some of its validation
+    images (another split of the same folder, a --quick run's model, a run's own checkpoint)
+    is said, as validation then reads high. Returns what the start had trained on, which this
+    run's models carry on (record)."""
+    state = pinned_file(path)
+    recorded = of_start(path, state) if path is not None else None
+    if recorded is None:
+        _check_unrecorded_start(path, state, index, seed)
+        return set()
+    seen, about = recorded
+    # another seed's split of these very images: that seed splits them as the model saw them
+    other_seed = about.get("seed") is not None and about.get("seed") != seed and \
+        about.get("images_fingerprint") == index.images_fingerprint()
+    run = f"run {about.get('run_id')}" + (f", --seed {about['seed']}" if about.get("seed")
+                                          is not None else "") + \
+        (", --quick" if about.get("quick") else "")
+    if n := count_seen(index.test, seen):
+        raise UserError(f"--weights {str(path)!r} trained on {n} of this run's {len(index.test)} "
+                        f"test images ({run}): their accuracy would read high; "
+                        + (f"pass --seed {about['seed']}, or " if other_seed else "")
+                        + "start from other weights.")
+    if n := count_seen(index.val, seen):
+        log.warning("--weights %s trained on %d of this run's %d validation images (%s): "
+                    "validation, which picks epochs and settings, reads high; the test images "
+                    "are new to it.%s", path, n, len(index.val), run,
+                    f" --seed {about['seed']} splits them as it did." if other_seed else "")
+    return seen
+
+
+def _check_unrecorded_start(path: Path | None, state: Any, index: DatasetIndex,
+                            seed: int | None) -> None:
+    """check_start for a model file of a version that recorded the images' split, not
+    the images it trained on: another --seed's split of the same images is known."""
+    extra = _model_extra(state)
+    if extra is None or index.same_data(extra.get("data_fingerprint")) or \
+            extra.get("images_fingerprint") != index.images_fingerprint():
+        return
+    same_seed = extra.get("seed") is not None and extra.get("seed") == seed
+    trained = (f"--seed {extra['seed']}" if extra.get("seed") is not None else "the --seed") \
+        + f" of run {extra.get('run_id')}"
+    if index.layout == "class folders":
+        raise UserError(f"--weights {str(path)!r} is a model of these images split "
+                        + ("otherwise (with --quick, or before a file was added, removed or "
+                           "found undecodable)" if same_seed else "with another --seed")
+                        + ": it trained on some of this run's test images, whose accuracy "
+                        "would read high; " + ("" if same_seed else f"pass {trained}, or ")
+                        + "start from other weights.")
+    if same_seed:
+        return  # test/ is the folder's; validation differs by the files, not the seed
+    log.warning("--weights %s is a model of these images with another validation split: it "
+                "trained on some of this run's validation images, so validation (which picks "
+                "epochs and settings) reads high; test/ is unchanged. %s splits them as it did.",
+                path, trained[0].upper() + trained[1:])

@@ -404,7 +404,7 @@ def keep_best_model(result: TrainResult, config: TrainConfig, index: DatasetInde
                       "images_fingerprint": index.images_fingerprint(),
                       "seed": (row.get("settings") or {}).get("seed"),
                       # what it trained on, its start's included (membership)
-                      "trained_on": _trained_on(output_dir, row.get("run_id"), index),
+                      **_trained_on(output_dir, row.get("run_id"), index),
                       "test_acc": row["test_acc"], "val_acc": row["val_acc"],
                       "per_class_test_acc": row["per_class_test_acc"],
                       "confusion_matrix": row["confusion_matrix"],
@@ -415,11 +415,12 @@ def keep_best_model(result: TrainResult, config: TrainConfig, index: DatasetInde
              index.name, mine_shown, row["scenario"], 100 * row["test_acc"])
 
 
-def _trained_on(output_dir: Path, run_id: str | None, index: DatasetIndex) -> str:
-    """The images run `run_id` trains on, as its record says (the start's included), else
-    as this index holds them."""
+def _trained_on(output_dir: Path, run_id: str | None, index: DatasetIndex) -> dict[str, Any]:
+    """The images run `run_id` trains on, as its record says (the start's included), and
+    whether it took them --quick; else as this index holds them."""
     kept = membership.read(run_folder(output_dir, "checkpoints", run_id)) if run_id else None
-    return kept["trained_on"] if kept else membership.encode(membership.of_images(index.train))
+    return {"trained_on": kept["trained_on"], "quick": kept.get("quick")} if kept else \
+        {"trained_on": membership.encode(membership.of_images(index.train))}
 
 
 def json_safe(value):

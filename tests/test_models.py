@@ -7,7 +7,7 @@ import pytest
 import torch
 import torchvision
 
-from modules import models
+from modules import membership, models
 from modules.config import UserError
 from modules.models import build_model
 
@@ -420,7 +420,6 @@ def test_a_start_that_trained_on_test_images_is_refused_however_it_was_split(tmp
     of a renamed copy of the folder, or one started from such a model, tested on images it
     had trained on, with no word said. Each trained image is recorded by its bytes now."""
     import shutil
-    import scenario
     from conftest import make_folder
     from modules.dataset import index_dataset
     root = make_folder(tmp_path / "d", layout="class folders", n_train=8, n_test=3)
@@ -432,9 +431,9 @@ def test_a_start_that_trained_on_test_images_is_refused_however_it_was_split(tmp
                 UserError, match=r"trained on \d+ of this run's \d+ test images \(run \S+, "
                                  r"--seed 1\): their accuracy would read high; pass --seed 1, "
                                  r"or start from other weights\.$"):
-            scenario.check_start_split(start, other, 2)
+            membership.check_start(start, other, 2)
         with models.pinned_weights_file(start):  # its own split: nothing seen, nothing said
-            assert len(scenario.check_start_split(start, index_dataset(root, "d", seed=1), 1)) \
+            assert len(membership.check_start(start, index_dataset(root, "d", seed=1), 1)) \
                 == len(index_dataset(root, "d", seed=1).train)
     # the same images under other names, split by another seed: counted by their bytes
     renamed = tmp_path / "renamed"
@@ -445,7 +444,7 @@ def test_a_start_that_trained_on_test_images_is_refused_however_it_was_split(tmp
     with models.pinned_weights_file(model), pytest.raises(
             UserError, match=r"test images \(run \S+, --seed 1\): their accuracy would read "
                              r"high; start from other weights"):
-        scenario.check_start_split(model, index_dataset(renamed, "renamed", seed=2), 2)
+        membership.check_start(model, index_dataset(renamed, "renamed", seed=2), 2)
     # a model started from it, trained on other images, carries what it had seen
     elsewhere = make_folder(tmp_path / "e", layout="class folders", n_train=6, n_test=2,
                             classes=("red", "green", "blue"))
@@ -456,16 +455,14 @@ def test_a_start_that_trained_on_test_images_is_refused_however_it_was_split(tmp
         path.unlink()
     carried, _ = _train_once(elsewhere, tmp_path / "out2", seed=1, weights=model)
     with models.pinned_weights_file(carried), pytest.raises(UserError, match="test images"):
-        scenario.check_start_split(carried, other, 2)
+        membership.check_start(carried, other, 2)
 
 
 def test_a_start_that_trained_on_validation_images_is_said(tmp_path, caplog):
     """Where test/ is the folder's, a start trained on some of this run's validation images
     (another split of the same train/) is let start, with the count said."""
     import json
-    import scenario
     from conftest import make_folder
-    from modules import membership
     from modules.dataset import index_dataset
     root = make_folder(tmp_path / "d", layout="train/test", n_train=8, n_test=3)
     trained, now = index_dataset(root, "d", seed=1), index_dataset(root, "d", seed=2)
@@ -479,7 +476,7 @@ def test_a_start_that_trained_on_validation_images_is_said(tmp_path, caplog):
     seen = len({p for p, _ in now.val} & {p for p, _ in trained.train})
     assert seen > 0
     with models.pinned_weights_file(start), caplog.at_level(logging.WARNING):
-        scenario.check_start_split(start, now, 2)
+        membership.check_start(start, now, 2)
     assert f"trained on {seen} of this run's {len(now.val)} validation images (run r1, " \
            "--seed 1, --quick): validation, which picks epochs and settings, reads high; the " \
            "test images are new to it." in caplog.text
@@ -491,7 +488,6 @@ def test_a_start_model_of_these_images_split_otherwise_is_refused_or_said(tmp_pa
     """The tool's own model, saved by a run with another --seed, started a run whose test
     images it had trained on: 66.7% on random labels, chance 33%, with no word said."""
     from conftest import make_folder
-    import scenario
     from modules.dataset import index_dataset
     from modules.model_files import save_model
     root = make_folder(tmp_path / "d", layout=layout, n_train=8, n_test=3)
@@ -501,21 +497,21 @@ def test_a_start_model_of_these_images_split_otherwise_is_refused_or_said(tmp_pa
                       extra={"data_fingerprint": trained.fingerprint(), "run_id": "r1",
                              "images_fingerprint": trained.images_fingerprint(), "seed": 1})
     with models.pinned_weights_file(path):
-        scenario.check_start_split(path, trained)  # its own split: nothing to say
+        membership.check_start(path, trained)  # its own split: nothing to say
         assert not caplog.records
         other = index_dataset(root, "d", seed=2)
         if layout == "class folders":  # the seed draws the test split
             with pytest.raises(UserError, match=r"model of these images split with another "
                                                 r"--seed: it trained on some of this run's "
                                                 r"test images.*pass --seed 1 of run r1"):
-                scenario.check_start_split(path, other, 2)
+                membership.check_start(path, other, 2)
             # split otherwise with the seed given: passing it again would not help
             with pytest.raises(UserError, match=r"split otherwise \(with --quick, or before "
                                                 r"a file .*; start from other weights\.$"):
-                scenario.check_start_split(path, other, 1)
+                membership.check_start(path, other, 1)
         else:
             with caplog.at_level(logging.WARNING):
-                scenario.check_start_split(path, other)
+                membership.check_start(path, other)
             assert "some of this run's validation images" in caplog.text
             assert "test/ is unchanged. --seed 1 of run r1 splits them" in caplog.text
     if layout == "class folders":  # and the run says so before it trains
