@@ -50,7 +50,8 @@ from modules.report import (baseline_source_lines, plot_comparison, results_tabl
                             write_report)
 from modules.results import (CLOCK_SUFFIX, checkpoint_file, compare_to_baseline, forget_refused_run,
                              json_safe, keep_best_model, mark_finished, merge_results,
-                             previous_row, result_row, run_folder, start_run, write_json)
+                             previous_row, result_row, run_folder, run_record_beside,
+                             start_run, write_json)
 from modules.trainer import TIMING_WARMUP_STEPS, load_checkpoint, prepare, train
 from optuna_optimizer import (BATCH_SIZES, EarlierTrial, OptunaTuner, check_storage, end_trials,
                               follow_trials, shown_argv)
@@ -1630,7 +1631,6 @@ def run(args: RunOptions, index: DatasetIndex | None = None) -> list[dict[str, A
     index = index or load_data(args, output_dir)
     with run_lock(output_dir), process_settings_kept(), interrupts.stoppable(), \
             pinned_weights_file(weights_file(args.weights)):
-        carried = membership.check_start(weights_file(args.weights), index, args.seed)
         # Every process checks (so a refused --resume ends them all); rank 0's id is the run's.
         args.run_id = distributed.from_main(start_run(
             output_dir, index, resume=args.resume, seed=args.seed, quick=args.quick,
@@ -1642,11 +1642,16 @@ def run(args: RunOptions, index: DatasetIndex | None = None) -> list[dict[str, A
                 f"start weights: {start_weights(args.model, args.weights)}"])
               if distributed.is_main()
               else contextlib.nullcontext()):
-            on_main(lambda: record_trained_on(output_dir, args.run_id, index, args, carried))
-            log.info("run %s: outputs in %s (earlier runs stay in results.json)", args.run_id,
-                     output_dir)
             try:
-                rows = _run_scenarios(args, index, output_dir, device)
+                # after start_run, whose refusal of a --resume with other options comes first
+                carried = membership.check_start(weights_file(args.weights), index, args.seed,
+                                                 beside=run_record_beside(weights_file(args.weights)))
+                record = distributed.main_computes(
+                    lambda: record_trained_on(output_dir, args.run_id, index, args, carried))
+                log.info("run %s: outputs in %s (earlier runs stay in results.json)",
+                         args.run_id, output_dir)
+                with membership.stamping(record):
+                    rows = _run_scenarios(args, index, output_dir, device)
                 mark_finished(output_dir, args.run_id)
                 return rows
             except UserError:
@@ -1668,17 +1673,19 @@ def launcher() -> list[str]:
 
 
 def record_trained_on(output_dir: Path, run_id: str, index: DatasetIndex, args: RunOptions,
-                      carried: set[bytes]) -> None:
-    """The run's membership record, which its saved models and checkpoints are checked by
-    when a later run starts from them; the time reading the images takes is said when felt."""
+                      carried: set[bytes]) -> dict[str, Any]:
+    """The run's membership record, which its saved models, checkpoints and trials' weights
+    carry, to be checked by when a later run starts from them; the time reading the images
+    takes is said when felt."""
     started = time.perf_counter()
-    membership.record(run_folder(output_dir, "checkpoints", run_id), index, {
+    record = membership.record(run_folder(output_dir, "checkpoints", run_id), index, {
         "run_id": run_id, "seed": args.seed, "quick": args.quick,
         "images_fingerprint": index.images_fingerprint()}, carried)
     if (took := time.perf_counter() - started) >= 1:
         log.info("noted which of the images this run trains on (%d, in %.1f s), so that a run "
                  "starting from its models can tell the images they have seen", len(index.train),
                  took)
+    return record
 
 
 def data_record(index: DatasetIndex, folder: Path) -> list[str]:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from modules import distributed
+from modules import distributed, membership
 from modules.config import DEFAULTS, TrainConfig, UserError, first_line
 from modules.files import atomic_torch_save, read_torch_file
 from modules.oom import is_out_of_memory
@@ -163,7 +163,7 @@ class CheckpointSaver:
             "best": progress.best, "bad_epochs": progress.bad_epochs,
             "nonfinite_steps": progress.nonfinite_steps,
             "consecutive_bad": progress.consecutive_bad, "timing": timing,
-            "layout": self.layout})
+            "layout": self.layout, **membership.stamp()})
 
 
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
@@ -251,5 +251,5 @@ def save_weights(model: nn.Module, path: Path) -> Path:
     final run can start where the chosen trial ended instead of from the beginning."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_torch_save({"state_dict": cpu_state(model)}, path)
+    atomic_torch_save({"state_dict": cpu_state(model), **membership.stamp()}, path)
     return path

@@ -1,15 +1,17 @@
 """Which images a model trained on, so that a run starting from it can count the images it
 would test or choose on that the model has already seen: a short digest of each training
-image's bytes, kept with the run (checkpoints/<run>/trained_on.json, beside its checkpoints and
-trials' weights) and in the model file it saves. By content, not by name: a moved, renamed or
-re-split copy of an image is the same image; a resized or re-encoded one is not counted."""
+image's bytes, kept with the run (checkpoints/<run>/trained_on.json) and in every file it
+saves that --weights reads (its model file, checkpoints and trials' weights), so that a copy
+elsewhere carries it. By content, not by name: a moved, renamed or re-split copy of an image is
+the same image; a resized or re-encoded one is not counted."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,8 @@ DIGEST_BYTES = 8  # 2**-64 a chance that two different images share one
 FILE_NAME = "trained_on.json"
 # What a record says of the run behind it, as a model file's extra says it too
 ABOUT = ("run_id", "seed", "quick", "images_fingerprint")
+KEY = "membership"  # where a checkpoint or a trial's weights file keeps the run's record
+_STAMP: dict[str, Any] = {}  # the record of the run now training (stamping)
 
 
 def _digest(path: str) -> bytes | None:
@@ -71,8 +75,11 @@ def record(folder: Path, index: DatasetIndex, about: dict[str, Any],
     kept = read(path.parent)
     if kept is not None:
         return kept
-    mine = of_images(index.train) | set(carried)
-    written = {**{k: about.get(k) for k in ABOUT}, "images": len(mine), "trained_on": encode(mine)}
+    mine = of_images(index.train)
+    # "carried": images the start had seen beyond this run's own, whose split no --seed of
+    # this run's gives back
+    written = {**{k: about.get(k) for k in ABOUT}, "images": len(mine | set(carried)),
+               "carried": len(set(carried) - mine), "trained_on": encode(mine | set(carried))}
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(json.dumps(written), path)
     return written
@@ -81,21 +88,42 @@ def record(folder: Path, index: DatasetIndex, about: dict[str, Any],
 def read(folder: Path) -> dict[str, Any] | None:
     """The record in a run's folder; None when there is none that reads."""
     try:
-        kept = json.loads((Path(folder) / FILE_NAME).read_text())
+        return _valid(json.loads((Path(folder) / FILE_NAME).read_text()))
     except (OSError, ValueError):
         return None
+
+
+def _valid(kept: Any) -> dict[str, Any] | None:
     return kept if isinstance(kept, dict) and decode(kept.get("trained_on")) is not None \
         else None
 
 
+@contextlib.contextmanager
+def stamping(kept: dict[str, Any] | None) -> Iterator[None]:
+    """While a run trains, every checkpoint and trial's weights it saves carries its record
+    (stamp): a copy of one, given as --weights elsewhere, is checked as its run's model is."""
+    _STAMP.clear()
+    _STAMP.update(kept or {})
+    try:
+        yield
+    finally:
+        _STAMP.clear()
+
+
+def stamp() -> dict[str, Any]:
+    """{KEY: the record of the run now training}, to save beside a file's tensors; {} outside
+    a run (a library caller's own training)."""
+    return {KEY: dict(_STAMP)} if _STAMP else {}
+
+
 def of_start(path: Path, state: Any) -> tuple[set[bytes], dict] | None:
     """What a --weights file records of the images behind it, and of their run: a model file
-    this tool saved says it in its extra; a checkpoint or a trial's weights in a run's
-    checkpoints folder, by that run's record. None: nothing recorded (another tool's file, or
-    an older version's)."""
-    extra = _model_extra(state)
-    if extra is not None and (seen := decode(extra.get("trained_on"))) is not None:
-        return seen, extra
+    this tool saved says it in its extra, a checkpoint or a trial's weights under KEY, and
+    one of a run that began before they did, in the run's folder. None: nothing recorded
+    (another tool's file, or an older version's)."""
+    for kept in (_model_extra(state), state.get(KEY) if isinstance(state, dict) else None):
+        if _valid(kept) is not None:
+            return decode(kept["trained_on"]), kept
     kept = read(Path(path).parent)
     return None if kept is None else (decode(kept["trained_on"]), kept)
 
@@ -112,24 +140,26 @@ def count_seen(samples: list[Sample], seen: set[bytes]) -> int:
     return sum(d in seen for d in digests(samples) if d is not None) if seen else 0
 
 
-def check_start(path: Path | None, index: DatasetIndex, seed: int | None = None) -> set[bytes]:
+def check_start(path: Path | None, index: DatasetIndex, seed: int | None = None,
+                beside: dict[str, Any] | None = None) -> set[bytes]:
     """A --weights model that trained on some of the images this run tests on would have its
     test accuracy count them as new: refused. One that trained on some of its validation
     images (another split of the same folder, a --quick run's model, a run's own checkpoint)
     is said, as validation then reads high. Returns what the start had trained on, which this
-    run's models carry on (record)."""
+    run's models carry on (record). `beside`: the record of the run whose checkpoints folder
+    holds the file, if one does (an older version's run, which recorded no images)."""
     state = pinned_file(path)
     recorded = of_start(path, state) if path is not None else None
     if recorded is None:
-        _check_unrecorded_start(path, state, index, seed)
+        _check_unrecorded_start(path, state, index, seed, beside)
         return set()
     seen, about = recorded
-    # another seed's split of these very images: that seed splits them as the model saw them
+    # another seed's split of these very images, and nothing else: that seed splits them as
+    # the model saw them
     other_seed = about.get("seed") is not None and about.get("seed") != seed and \
-        about.get("images_fingerprint") == index.images_fingerprint()
-    run = f"run {about.get('run_id')}" + (f", --seed {about['seed']}" if about.get("seed")
-                                          is not None else "") + \
-        (", --quick" if about.get("quick") else "")
+        about.get("images_fingerprint") == index.images_fingerprint() and \
+        not about.get("carried")
+    run = _run_words(about)
     if n := count_seen(index.test, seen):
         raise UserError(f"--weights {str(path)!r} trained on {n} of this run's {len(index.test)} "
                         f"test images ({run}): their accuracy would read high; "
@@ -143,11 +173,25 @@ def check_start(path: Path | None, index: DatasetIndex, seed: int | None = None)
     return seen
 
 
+def _run_words(about: dict[str, Any]) -> str:
+    """A run as a record names it: "run <id>, --seed <seed>[, --quick]"."""
+    return f"run {about.get('run_id')}" + (
+        f", --seed {about['seed']}" if about.get("seed") is not None else "") + (
+        ", --quick" if about.get("quick") else "")
+
+
 def _check_unrecorded_start(path: Path | None, state: Any, index: DatasetIndex,
-                            seed: int | None) -> None:
-    """check_start for a model file of a version that recorded the images' split, not
-    the images it trained on: another --seed's split of the same images is known."""
+                            seed: int | None, beside: dict[str, Any] | None) -> None:
+    """check_start for a file of a version that recorded the images' split, not the images it
+    trained on: for a model file another --seed's split of the same images is known; a
+    checkpoint's run recorded only its split, which can be told to differ."""
     extra = _model_extra(state)
+    if extra is None and beside is not None and beside.get("dataset") == index.name and \
+            not index.same_data(beside.get("data_fingerprint")):
+        log.warning("--weights %s is a file of %s, which an earlier version made without "
+                    "noting the images it trained on; its data was split otherwise than this "
+                    "run's, so test accuracy reads high if those included this run's test "
+                    "images", path, _run_words(beside))
     if extra is None or index.same_data(extra.get("data_fingerprint")) or \
             extra.get("images_fingerprint") != index.images_fingerprint():
         return

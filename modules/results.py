@@ -58,6 +58,12 @@ def _run_record(path: Path) -> dict[str, Any] | None:
     return record if isinstance(record, dict) and record.get("run_id") else None
 
 
+def run_record_beside(path: Path | None) -> dict[str, Any] | None:
+    """The record of the run whose checkpoints folder holds file `path` (a checkpoint, a
+    trial's weights); None for a file anywhere else."""
+    return None if path is None else _run_record(Path(path).parent / RUN_RECORD)
+
+
 def _record_path(output_dir: Path, run_id: str) -> Path:
     return run_folder(output_dir, "checkpoints", run_id) / RUN_RECORD
 
@@ -416,10 +422,10 @@ def keep_best_model(result: TrainResult, config: TrainConfig, index: DatasetInde
 
 
 def _trained_on(output_dir: Path, run_id: str | None, index: DatasetIndex) -> dict[str, Any]:
-    """The images run `run_id` trains on, as its record says (the start's included), and
-    whether it took them --quick; else as this index holds them."""
+    """The images run `run_id` trains on, as its record says (the start's included, and
+    counted), and whether it took them --quick; else as this index holds them."""
     kept = membership.read(run_folder(output_dir, "checkpoints", run_id)) if run_id else None
-    return {"trained_on": kept["trained_on"], "quick": kept.get("quick")} if kept else \
+    return {k: kept.get(k) for k in ("trained_on", "quick", "carried")} if kept else \
         {"trained_on": membership.encode(membership.of_images(index.train))}
 
 

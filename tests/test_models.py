@@ -426,7 +426,10 @@ def test_a_start_that_trained_on_test_images_is_refused_however_it_was_split(tmp
     model, checkpoints = _train_once(root, tmp_path / "out1", seed=1)
     assert (checkpoints / "trained_on.json").exists() and (checkpoints / "baseline.pt").exists()
     other = index_dataset(root, "d", seed=2)
-    for start in (model, checkpoints / "baseline.pt"):
+    copied = tmp_path / "elsewhere" / "baseline.pt"  # as the refusal of one in --output-dir says
+    copied.parent.mkdir()
+    shutil.copyfile(checkpoints / "baseline.pt", copied)
+    for start in (model, checkpoints / "baseline.pt", copied):
         with models.pinned_weights_file(start), pytest.raises(
                 UserError, match=r"trained on \d+ of this run's \d+ test images \(run \S+, "
                                  r"--seed 1\): their accuracy would read high; pass --seed 1, "
@@ -456,6 +459,62 @@ def test_a_start_that_trained_on_test_images_is_refused_however_it_was_split(tmp
     carried, _ = _train_once(elsewhere, tmp_path / "out2", seed=1, weights=model)
     with models.pinned_weights_file(carried), pytest.raises(UserError, match="test images"):
         membership.check_start(carried, other, 2)
+
+
+def test_a_start_carries_its_record_and_older_runs_files_are_said(tmp_path, caplog):
+    """A trial's weights copied out of its run's folder are checked as its model is; the
+    seed is advised only where it gives the start's split back (not for a start that carried
+    images from a start of its own); a checkpoint of a run made before the images were
+    recorded, of this data split otherwise, is said."""
+    import json
+    from conftest import make_folder
+    from modules.checkpoints import save_weights
+    from modules.dataset import index_dataset
+    from modules.results import run_record_beside
+    root = make_folder(tmp_path / "d", layout="class folders", n_train=8, n_test=3)
+    trained, other = index_dataset(root, "d", seed=1), index_dataset(root, "d", seed=2)
+    about = {"run_id": "r1", "seed": 1, "images_fingerprint": trained.images_fingerprint()}
+    net = build_model("squeezenet1_1", 3, "none")
+    for carried, advice in ((set(), "pass --seed 1, or "), ({b"elsewhe."}, "")):
+        kept = membership.record(tmp_path / f"run-{len(carried)}", trained, about, carried)
+        assert kept["carried"] == len(carried)
+        with membership.stamping(kept):
+            path = save_weights(net, tmp_path / f"copy-{len(carried)}" / "trial.weights.pt")
+        assert membership.stamp() == {}  # only while the run trains
+        with models.pinned_weights_file(path), pytest.raises(
+                UserError, match=rf"test images \(run r1, --seed 1\): their accuracy would "
+                                 rf"read high; {advice}start from other weights\.$"):
+            membership.check_start(path, other, 2)
+    # an earlier version's run: its record, no images
+    folder = tmp_path / "old" / "checkpoints" / "r0"
+    folder.mkdir(parents=True)
+    (folder / "run.json").write_text(json.dumps({
+        "run_id": "r0", "dataset": "d", "seed": 1, "data_fingerprint": trained.fingerprint()}))
+    old = save_weights(net, folder / "baseline.weights.pt")
+    for index, said in ((trained, False), (other, True)):
+        caplog.clear()
+        with models.pinned_weights_file(old), caplog.at_level(logging.WARNING):
+            membership.check_start(old, index, 2, beside=run_record_beside(old))
+        assert ("is a file of run r0, --seed 1, which an earlier version made without noting "
+                "the images it trained on; its data was split otherwise" in caplog.text) == said
+
+
+def test_a_resume_with_another_start_is_refused_for_that_first(tmp_path):
+    """--resume --weights M --seed S, where M is not what the run started from, was refused for
+    the images M had seen, advising another --seed, which the resume then refused: the two
+    refusals sent the user round in a circle, and neither named the real change."""
+    import pipeline
+    from conftest import make_folder
+    root = make_folder(tmp_path / "d", layout="class folders", n_train=8, n_test=3)
+    seven, _ = _train_once(root, tmp_path / "out7", seed=7)
+    out = tmp_path / "out1"
+    _train_once(root, out, seed=1)
+    argv = ["--data-dir", str(root), "--seed", "1", "--image-size", "32", "--epochs", "1",
+            "--scenarios", "baseline", "--output-dir", str(out), "--no-progress", "--resume",
+            "--weights", str(seven)]
+    with pytest.raises(UserError) as refused:
+        pipeline.run(pipeline.parse_args(argv))
+    assert "--weights" in str(refused.value) and "trained on" not in str(refused.value)
 
 
 def test_a_start_that_trained_on_validation_images_is_said(tmp_path, caplog):
