@@ -1631,11 +1631,20 @@ def run(args: RunOptions, index: DatasetIndex | None = None) -> list[dict[str, A
     index = index or load_data(args, output_dir)
     with run_lock(output_dir), process_settings_kept(), interrupts.stoppable(), \
             pinned_weights_file(weights_file(args.weights)):
+        start = weights_file(args.weights)
+        try:
+            begun = membership.check_start(start, index, args.seed, run_record_beside(start))
+        except UserError:
+            if not args.resume:
+                raise
+            # A --resume with another start is refused for that (start_run) before the
+            # images the start had seen are counted: advised another --seed here, it would
+            # be refused for that.
+            begun = None
         # Every process checks (so a refused --resume ends them all); rank 0's id is the run's.
         args.run_id = distributed.from_main(start_run(
             output_dir, index, resume=args.resume, seed=args.seed, quick=args.quick,
-            weights=str(weights_file(args.weights).resolve()) if weights_file(args.weights)
-            else args.weights, model=args.model, scenarios=list(args.scenarios),
+            weights=str(start.resolve()) if start else args.weights, model=args.model, scenarios=list(args.scenarios),
             command=args.command or shlex.join(launcher() + shown_argv(sys.argv))))
         runs = run_folder(output_dir, "runs", args.run_id)
         with (run_log(runs / "run.log", data_record(index, runs) + [
@@ -1643,11 +1652,11 @@ def run(args: RunOptions, index: DatasetIndex | None = None) -> list[dict[str, A
               if distributed.is_main()
               else contextlib.nullcontext()):
             try:
-                # after start_run, whose refusal of a --resume with other options comes first
-                carried = membership.check_start(weights_file(args.weights), index, args.seed,
-                                                 beside=run_record_beside(weights_file(args.weights)))
+                if begun is None:  # refused above, and start_run had nothing against it
+                    begun = membership.check_start(start, index, args.seed,
+                                                   run_record_beside(start))
                 record = distributed.main_computes(
-                    lambda: record_trained_on(output_dir, args.run_id, index, args, carried))
+                    lambda: record_trained_on(output_dir, args.run_id, index, args, begun))
                 log.info("run %s: outputs in %s (earlier runs stay in results.json)",
                          args.run_id, output_dir)
                 with membership.stamping(record):
@@ -1673,14 +1682,14 @@ def launcher() -> list[str]:
 
 
 def record_trained_on(output_dir: Path, run_id: str, index: DatasetIndex, args: RunOptions,
-                      carried: set[bytes]) -> dict[str, Any]:
+                      begun: membership.Start) -> dict[str, Any]:
     """The run's membership record, which its saved models, checkpoints and trials' weights
     carry, to be checked by when a later run starts from them; the time reading the images
     takes is said when felt."""
     started = time.perf_counter()
     record = membership.record(run_folder(output_dir, "checkpoints", run_id), index, {
         "run_id": run_id, "seed": args.seed, "quick": args.quick,
-        "images_fingerprint": index.images_fingerprint()}, carried)
+        "images_fingerprint": index.images_fingerprint()}, begun)
     if (took := time.perf_counter() - started) >= 1:
         log.info("noted which of the images this run trains on (%d, in %.1f s), so that a run "
                  "starting from its models can tell the images they have seen", len(index.train),

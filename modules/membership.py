@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -66,20 +67,32 @@ def decode(text: Any) -> set[bytes] | None:
     return {raw[i:i + DIGEST_BYTES] for i in range(0, len(raw), DIGEST_BYTES)}
 
 
+@dataclass
+class Start:
+    """What a run's start model had seen (check_start), which the run's models carry on."""
+    seen: set[bytes] = field(default_factory=set)
+    # an earlier version's file of this data split otherwise, somewhere in the start's
+    # lineage, which noted no images: {"dataset", "what"}, said again for every descendant
+    unrecorded: dict[str, str] | None = None
+
+
 def record(folder: Path, index: DatasetIndex, about: dict[str, Any],
-           carried: set[bytes] = frozenset()) -> dict[str, Any]:
+           start: Start | None = None) -> dict[str, Any]:
     """Write what a run trains on into its folder (kept when there already: a resumed run's)
-    and return it: its training images, and `carried`, what the model it starts from had
-    trained on, which its weights carry on."""
+    and return it: its training images, and what the model it starts from had trained on,
+    which its weights carry on."""
     path = Path(folder) / FILE_NAME
     kept = read(path.parent)
     if kept is not None:
         return kept
+    start = start or Start()
     mine = of_images(index.train)
-    # "carried": images the start had seen beyond this run's own, whose split no --seed of
-    # this run's gives back
-    written = {**{k: about.get(k) for k in ABOUT}, "images": len(mine | set(carried)),
-               "carried": len(set(carried) - mine), "trained_on": encode(mine | set(carried))}
+    carried = start.seen - mine
+    written = {**{k: about.get(k) for k in ABOUT}, "images": len(mine | carried),
+               "carried": len(carried),
+               # of those, images of this folder: no --seed gives back the split they had
+               "carried_here": count_seen(index.val + index.test, carried),
+               "unrecorded": start.unrecorded, "trained_on": encode(mine | carried)}
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(json.dumps(written), path)
     return written
@@ -141,7 +154,7 @@ def count_seen(samples: list[Sample], seen: set[bytes]) -> int:
 
 
 def check_start(path: Path | None, index: DatasetIndex, seed: int | None = None,
-                beside: dict[str, Any] | None = None) -> set[bytes]:
+                beside: dict[str, Any] | None = None) -> Start:
     """A --weights model that trained on some of the images this run tests on would have its
     test accuracy count them as new: refused. One that trained on some of its validation
     images (another split of the same folder, a --quick run's model, a run's own checkpoint)
@@ -151,14 +164,19 @@ def check_start(path: Path | None, index: DatasetIndex, seed: int | None = None,
     state = pinned_file(path)
     recorded = of_start(path, state) if path is not None else None
     if recorded is None:
-        _check_unrecorded_start(path, state, index, seed, beside)
-        return set()
+        return Start(unrecorded=_check_unrecorded_start(path, state, index, seed, beside))
     seen, about = recorded
-    # another seed's split of these very images, and nothing else: that seed splits them as
-    # the model saw them
+    unrecorded = about.get("unrecorded")
+    if isinstance(unrecorded, dict) and unrecorded.get("dataset") == index.name:
+        log.warning("--weights %s was trained from %s, which an earlier version made without "
+                    "noting the images it trained on, of this data split otherwise: test "
+                    "accuracy reads high if those included this run's test images", path,
+                    unrecorded.get("what"))
+    # another seed's split of these very images, and no other image of them: that seed
+    # splits them as the model saw them
     other_seed = about.get("seed") is not None and about.get("seed") != seed and \
         about.get("images_fingerprint") == index.images_fingerprint() and \
-        not about.get("carried")
+        not about.get("carried_here", about.get("carried"))
     run = _run_words(about)
     if n := count_seen(index.test, seen):
         raise UserError(f"--weights {str(path)!r} trained on {n} of this run's {len(index.test)} "
@@ -170,7 +188,7 @@ def check_start(path: Path | None, index: DatasetIndex, seed: int | None = None,
                     "validation, which picks epochs and settings, reads high; the test images "
                     "are new to it.%s", path, n, len(index.val), run,
                     f" --seed {about['seed']} splits them as it did." if other_seed else "")
-    return seen
+    return Start(seen, unrecorded if isinstance(unrecorded, dict) else None)
 
 
 def _run_words(about: dict[str, Any]) -> str:
@@ -181,20 +199,30 @@ def _run_words(about: dict[str, Any]) -> str:
 
 
 def _check_unrecorded_start(path: Path | None, state: Any, index: DatasetIndex,
-                            seed: int | None, beside: dict[str, Any] | None) -> None:
+                            seed: int | None, beside: dict[str, Any] | None
+                            ) -> dict[str, str] | None:
     """check_start for a file of a version that recorded the images' split, not the images it
     trained on: for a model file another --seed's split of the same images is known; a
-    checkpoint's run recorded only its split, which can be told to differ."""
+    checkpoint's run recorded only its split, which can be told to differ, and a checkpoint
+    copied out of its run's folder only its seed. Returns what was said of the file, for its
+    descendants (Start.unrecorded)."""
     extra = _model_extra(state)
+    config = state.get("config") if isinstance(state, dict) and "model" in state else None
+    what = None
     if extra is None and beside is not None and beside.get("dataset") == index.name and \
             not index.same_data(beside.get("data_fingerprint")):
-        log.warning("--weights %s is a file of %s, which an earlier version made without "
-                    "noting the images it trained on; its data was split otherwise than this "
-                    "run's, so test accuracy reads high if those included this run's test "
-                    "images", path, _run_words(beside))
+        what = f"{path} ({_run_words(beside)})"
+    elif extra is None and beside is None and isinstance(config, dict) and \
+            config.get("seed") not in (None, seed):
+        what = f"{path} (a checkpoint, --seed {config['seed']})"
+    if what is not None:
+        log.warning("--weights %s, which an earlier version made without noting the images "
+                    "it trained on, was split otherwise than this run's data: test accuracy "
+                    "reads high if those included this run's test images", what)
+        return {"dataset": index.name, "what": what}
     if extra is None or index.same_data(extra.get("data_fingerprint")) or \
             extra.get("images_fingerprint") != index.images_fingerprint():
-        return
+        return None
     same_seed = extra.get("seed") is not None and extra.get("seed") == seed
     trained = (f"--seed {extra['seed']}" if extra.get("seed") is not None else "the --seed") \
         + f" of run {extra.get('run_id')}"
@@ -206,8 +234,9 @@ def _check_unrecorded_start(path: Path | None, state: Any, index: DatasetIndex,
                         "would read high; " + ("" if same_seed else f"pass {trained}, or ")
                         + "start from other weights.")
     if same_seed:
-        return  # test/ is the folder's; validation differs by the files, not the seed
+        return None  # test/ is the folder's; validation differs by the files, not the seed
     log.warning("--weights %s is a model of these images with another validation split: it "
                 "trained on some of this run's validation images, so validation (which picks "
                 "epochs and settings) reads high; test/ is unchanged. %s splits them as it did.",
                 path, trained[0].upper() + trained[1:])
+    return None

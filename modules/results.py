@@ -425,7 +425,8 @@ def _trained_on(output_dir: Path, run_id: str | None, index: DatasetIndex) -> di
     """The images run `run_id` trains on, as its record says (the start's included, and
     counted), and whether it took them --quick; else as this index holds them."""
     kept = membership.read(run_folder(output_dir, "checkpoints", run_id)) if run_id else None
-    return {k: kept.get(k) for k in ("trained_on", "quick", "carried")} if kept else \
+    return {k: kept.get(k) for k in ("trained_on", "quick", "carried", "carried_here",
+                                     "unrecorded")} if kept else \
         {"trained_on": membership.encode(membership.of_images(index.train))}
 
 

@@ -436,7 +436,7 @@ def test_a_start_that_trained_on_test_images_is_refused_however_it_was_split(tmp
                                  r"or start from other weights\.$"):
             membership.check_start(start, other, 2)
         with models.pinned_weights_file(start):  # its own split: nothing seen, nothing said
-            assert len(membership.check_start(start, index_dataset(root, "d", seed=1), 1)) \
+            assert len(membership.check_start(start, index_dataset(root, "d", seed=1), 1).seen) \
                 == len(index_dataset(root, "d", seed=1).train)
     # the same images under other names, split by another seed: counted by their bytes
     renamed = tmp_path / "renamed"
@@ -464,9 +464,11 @@ def test_a_start_that_trained_on_test_images_is_refused_however_it_was_split(tmp
 def test_a_start_carries_its_record_and_older_runs_files_are_said(tmp_path, caplog):
     """A trial's weights copied out of its run's folder are checked as its model is; the
     seed is advised only where it gives the start's split back (not for a start that carried
-    images from a start of its own); a checkpoint of a run made before the images were
-    recorded, of this data split otherwise, is said."""
+    images of this folder from a start of its own); a file an earlier version made, which
+    noted no images, of this data split otherwise, is said, in its run's folder or copied out,
+    and so is every model trained from it."""
     import json
+    import shutil
     from conftest import make_folder
     from modules.checkpoints import save_weights
     from modules.dataset import index_dataset
@@ -475,28 +477,48 @@ def test_a_start_carries_its_record_and_older_runs_files_are_said(tmp_path, capl
     trained, other = index_dataset(root, "d", seed=1), index_dataset(root, "d", seed=2)
     about = {"run_id": "r1", "seed": 1, "images_fingerprint": trained.images_fingerprint()}
     net = build_model("squeezenet1_1", 3, "none")
-    for carried, advice in ((set(), "pass --seed 1, or "), ({b"elsewhe."}, "")):
-        kept = membership.record(tmp_path / f"run-{len(carried)}", trained, about, carried)
-        assert kept["carried"] == len(carried)
+    here = membership.of_images(trained.test[:1])  # a test image of seed 1's: in this folder
+    for n, (carried, advice) in enumerate(((set(), "pass --seed 1, or "),
+                                           ({b"elsewhe."}, "pass --seed 1, or "),
+                                           (here, ""))):
+        kept = membership.record(tmp_path / f"run-{n}", trained, about,
+                                 membership.Start(carried))
+        assert (kept["carried"], kept["carried_here"]) == (len(carried), len(carried & here))
         with membership.stamping(kept):
-            path = save_weights(net, tmp_path / f"copy-{len(carried)}" / "trial.weights.pt")
+            path = save_weights(net, tmp_path / f"copy-{n}" / "trial.weights.pt")
         assert membership.stamp() == {}  # only while the run trains
         with models.pinned_weights_file(path), pytest.raises(
                 UserError, match=rf"test images \(run r1, --seed 1\): their accuracy would "
                                  rf"read high; {advice}start from other weights\.$"):
             membership.check_start(path, other, 2)
-    # an earlier version's run: its record, no images
+    # an earlier version's run: its record, no images; its checkpoint there and copied out
     folder = tmp_path / "old" / "checkpoints" / "r0"
     folder.mkdir(parents=True)
     (folder / "run.json").write_text(json.dumps({
         "run_id": "r0", "dataset": "d", "seed": 1, "data_fingerprint": trained.fingerprint()}))
-    old = save_weights(net, folder / "baseline.weights.pt")
-    for index, said in ((trained, False), (other, True)):
+    old = folder / "baseline.pt"
+    torch.save({"format": 1, "config": {"seed": 1}, "model": net.state_dict()}, old)
+    copied = tmp_path / "old-copy.pt"
+    shutil.copyfile(old, copied)
+    warned = "which an earlier version made without noting the images it trained on, was " \
+             "split otherwise than this run's data"
+    for start, index, said in ((old, trained, False), (old, other, True),
+                               (copied, trained, False), (copied, other, True)):
         caplog.clear()
-        with models.pinned_weights_file(old), caplog.at_level(logging.WARNING):
-            membership.check_start(old, index, 2, beside=run_record_beside(old))
-        assert ("is a file of run r0, --seed 1, which an earlier version made without noting "
-                "the images it trained on; its data was split otherwise" in caplog.text) == said
+        with models.pinned_weights_file(start), caplog.at_level(logging.WARNING):
+            begun = membership.check_start(start, index, index is trained and 1 or 2,
+                                           run_record_beside(start))
+        assert (warned in caplog.text) == said and (begun.unrecorded is not None) == said
+    assert "old-copy.pt (a checkpoint, --seed 1)" in caplog.text
+    # a model trained from it says so too, wherever it goes
+    kept = membership.record(tmp_path / "run-from-old", other, about, begun)
+    with membership.stamping(kept):
+        child = save_weights(net, tmp_path / "child" / "trial.weights.pt")
+    caplog.clear()
+    with models.pinned_weights_file(child), caplog.at_level(logging.WARNING):
+        assert membership.check_start(child, other, 2).unrecorded == begun.unrecorded
+    assert f"was trained from {copied} (a checkpoint, --seed 1), which an earlier version" \
+        in caplog.text
 
 
 def test_a_resume_with_another_start_is_refused_for_that_first(tmp_path):
@@ -515,6 +537,12 @@ def test_a_resume_with_another_start_is_refused_for_that_first(tmp_path):
     with pytest.raises(UserError) as refused:
         pipeline.run(pipeline.parse_args(argv))
     assert "--weights" in str(refused.value) and "trained on" not in str(refused.value)
+    # without --resume, refused before the run begins: nothing of it is left
+    fresh = tmp_path / "fresh"
+    with pytest.raises(UserError, match="trained on"):
+        pipeline.run(pipeline.parse_args([*argv[:11], str(fresh), "--no-progress",
+                                          "--weights", str(seven)]))
+    assert not (fresh / "checkpoints").exists() and not (fresh / "latest_run.json").exists()
 
 
 def test_a_start_that_trained_on_validation_images_is_said(tmp_path, caplog):
