@@ -412,7 +412,8 @@ def _unlock(handle) -> None:
             msvcrt.locking(handle.fileno(), msvcrt.LK_UNLCK, 1)
 
 
-UNFINISHED = re.compile(r"^\..+\.[0-9a-f]{8}\.(tmp|link)$")  # _create_temp's, share_file's
+# _create_temp's, share_file's; Kineto's trace (profiler.PARTIAL_TRACE)
+UNFINISHED = re.compile(r"^(\..+\.[0-9a-f]{8}\.(tmp|link)|.+\.pt\.trace\.json\.tmp)$")
 UNFINISHED_AFTER_S = 600.0  # no write takes this long; a younger file may be a live writer's
 
 

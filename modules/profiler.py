@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 
 
 KEY_AVERAGES_TXT = "key_averages.txt"
+PARTIAL_TRACE = "*.pt.trace.json.tmp"  # Kineto's trace while it is written
 
 
 # ----------------------------------------------------------------------------- torch.profiler
@@ -117,8 +118,16 @@ class TorchProfiler:
     def _trace_ready(self, prof: torch.profiler.profile) -> None:
         # Written with each trace (not only at exit) so the table always matches the latest trace
         # on disk, even if the run dies later.
+        before = set(self.trace_dir.glob(PARTIAL_TRACE))
         try:
             self._handler(prof)
+            # Kineto writes the trace to <name>.tmp and renames it when whole; a write that
+            # failed (a full disk) raises nothing and leaves the .tmp, as large as the trace
+            partial = set(self.trace_dir.glob(PARTIAL_TRACE)) - before
+            if partial:
+                for path in partial:
+                    path.unlink(missing_ok=True)
+                raise OSError("the trace file was not written whole: is the disk full?")
             self.traces_written += 1
             sort_by = "self_cuda_time_total" if self._cuda else "self_cpu_time_total"
             self.averages = prof.key_averages()
@@ -126,6 +135,6 @@ class TorchProfiler:
             atomic_write_text(table + "\n", self.trace_dir / KEY_AVERAGES_TXT)
             log.info("profiler: trace of steps up to %d written to %s", self._steps,
                      self.trace_dir)
-        except Exception as err:
-            log.warning("profiler: could not write the trace to %s (%s: %s)", self.trace_dir,
-                        type(err).__name__, err)
+        except Exception as err:  # the first clause of a UserError: its advice is a run's
+            log.warning("profiler: could not write the trace to %s (%s); training goes on "
+                        "without it", self.trace_dir, first_line(err).split("; ")[0])

@@ -121,6 +121,34 @@ def test_a_session_that_trained_nothing_points_at_the_earlier_trace(tmp_path, ca
     assert "no trace written" not in caplog.text
 
 
+def test_a_trace_a_full_disk_cut_short_is_removed_and_said(tmp_path, caplog, monkeypatch):
+    """Kineto writes a trace to <name>.tmp and renames it when whole; on a full disk it raised
+    nothing and left the .tmp (10 MB on a 10 MB disk), which no run removed and which made the
+    --resume run out of space too. The warning named key_averages.txt and advised a rerun of a
+    run that went on."""
+    import modules.profiler as profiler
+    from modules.files import sweep_unfinished_writes
+
+    def kineto_on_a_full_disk(folder, *args, **kwargs):
+        def handler(prof):
+            (Path(folder) / "host_1.123.pt.trace.json.tmp").write_bytes(b"{" * 4096)
+        return handler
+    monkeypatch.setattr(profiler.torch.profiler, "tensorboard_trace_handler",
+                        kineto_on_a_full_disk)
+    with caplog.at_level(logging.INFO, logger="modules.profiler"):
+        with TorchProfiler(tmp_path, wait=1, warmup=1, active=3) as prof:
+            run_steps(tiny_loader(), tiny_model(), 6, prof)
+    assert not list(tmp_path.glob("*.tmp")) and prof.traces_written == 0
+    assert f"could not write the trace to {tmp_path} (the trace file was not written whole: " \
+        "is the disk full?); training goes on without it" in caplog.text
+    # one left by a process killed while it wrote: swept as the tool's own are
+    stale = tmp_path / "host_2.456.pt.trace.json.tmp"
+    stale.write_bytes(b"{")
+    os.utime(stale, (0, 0))
+    sweep_unfinished_writes(tmp_path)
+    assert not stale.exists()
+
+
 def test_a_profiler_that_cannot_start_leaves_the_run_to_train(tmp_path, caplog):
     """A file where the trace folder goes: one warning, and the steps train untraced (the
     trace is a side product, as when it cannot be finished)."""
