@@ -49,9 +49,9 @@ from modules.profiler import TorchProfiler
 from modules.report import (baseline_source_lines, plot_comparison, results_table, table_markdown,
                             write_report)
 from modules.results import (CLOCK_SUFFIX, checkpoint_file, compare_to_baseline, forget_refused_run,
-                             json_safe, keep_best_model, mark_finished, merge_results,
-                             previous_row, result_row, run_folder, run_record_beside,
-                             start_run, write_json)
+                             footprint, json_safe, keep_best_model, mark_finished, merge_results,
+                             previous_row, result_row, run_folder, run_record_beside, start_run,
+                             write_json)
 from modules.trainer import TIMING_WARMUP_STEPS, load_checkpoint, prepare, train
 from optuna_optimizer import (BATCH_SIZES, EarlierTrial, OptunaTuner, check_storage, end_trials,
                               follow_trials, shown_argv)
@@ -1662,6 +1662,11 @@ def run(args: RunOptions, index: DatasetIndex | None = None) -> list[dict[str, A
                 with membership.stamping(record):
                     rows = _run_scenarios(args, index, output_dir, device)
                 mark_finished(output_dir, args.run_id)
+                if distributed.is_main():
+                    log.info("run %s keeps %s in %s: its checkpoints are what --resume and "
+                             "--weights read; remove a finished run's folders when you no "
+                             "longer need them", args.run_id,
+                             footprint(output_dir, args.run_id), output_dir)
                 return rows
             except UserError:
                 if distributed.is_main():  # refused before it made anything: not a run to resume

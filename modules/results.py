@@ -3,6 +3,7 @@ rows of every run merged (none lost), the run's id and folders, and the best mod
 set, replaced only by a better one."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -267,6 +268,20 @@ def _same_start(latest: dict[str, Any], output_dir: Path, weights: str | None,
             f"cannot resume: the newest run in {output_dir} ({latest['run_id']}) started from "
             f"the ImageNet weights, which this session cannot fetch (above): resume where they "
             "can be fetched, or drop --resume to start a new run beside it (nothing is deleted).")
+
+
+def footprint(output_dir: Path, run_id: str) -> str:
+    """What run `run_id` keeps on disk, folder by folder ("checkpoints/<run> 35 MiB, ...")."""
+    parts = []
+    for kind in ("checkpoints", "runs", "profiler"):
+        size = 0
+        for path in run_folder(output_dir, kind, run_id).rglob("*"):
+            with contextlib.suppress(OSError):  # gone meanwhile, or unreadable: not counted
+                size += path.stat().st_size if path.is_file() else 0
+        if size:
+            mib = size / 2**20
+            parts.append(f"{kind}/{run_id} {mib:.{1 if mib < 10 else 0}f} MiB")
+    return ", ".join(parts)
 
 
 def mark_finished(output_dir: Path, run_id: str) -> None:

@@ -300,3 +300,16 @@ def test_a_resume_across_copies_now_left_out_names_them(tmp_path, capsys, monkey
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "(or the 2 copies of held-out images now left out, which versions before be37e88 " \
         "trained on)" in err
+
+
+def test_a_run_says_what_it_keeps_on_disk(tmp_path):
+    """A run's checkpoints are several times its model (the best epoch's weights and the
+    optimizer's state beside the last weights): 0.7 GB a run for resnet18, and nothing said
+    it, on a 15 GB Drive that ten runs fill."""
+    from modules.results import footprint
+    for kind, size in (("checkpoints", 12 * 2**20), ("runs", 300 * 2**10)):
+        (tmp_path / kind / "r1" / "deep").mkdir(parents=True)
+        (tmp_path / kind / "r1" / "deep" / "f").write_bytes(b"x" * size)
+    (tmp_path / "checkpoints" / "r2").mkdir()
+    (tmp_path / "checkpoints" / "r2" / "other run").write_bytes(b"x" * 2**20)
+    assert footprint(tmp_path, "r1") == "checkpoints/r1 12 MiB, runs/r1 0.3 MiB"
