@@ -497,13 +497,18 @@ class OptunaTuner:
         trial.set_user_attr("wall_s", result.wall_s)
         trial.set_user_attr("epoch_end_at", ended)
         trial.set_user_attr("worker", self.worker)
-        self._keep_weights(trial, result, curve)
+        try:
+            self._keep_weights(trial, result, curve)
+        except UserError:  # not written (a full disk): the rerun the error advises trains it
+            self._retry_interrupted(trial)
+            raise
         return result.best_val_acc
 
     def _retry_interrupted(self, trial) -> None:
-        """A trial stopped by Ctrl-C (Colab's Stop) is FAIL, as Optuna marks it: queued again
-        with its parameters, so --resume trains it, as it does one cut off by a lost session
-        (_retry_cut_off). The default trial is queued again by run() already."""
+        """A trial stopped by Ctrl-C (Colab's Stop), or whose weights could not be kept, is
+        FAIL, as Optuna marks it: queued again with its parameters, so --resume trains it, as
+        it does one cut off by a lost session (_retry_cut_off). The default trial is queued
+        again by run() already."""
         if trial.user_attrs.get("default"):
             return
         try:  # run() copies the study to the mirror once Optuna has marked this one FAIL

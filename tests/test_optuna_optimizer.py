@@ -115,13 +115,17 @@ def test_resume_runs_the_trials_it_lacks_and_only_overwrite_starts_over(index, t
                  overwrite=True).run()["n_trials"] == 1
 
 
-@pytest.mark.parametrize("where", ["training", "keeping its weights"])
+@pytest.mark.parametrize("where", ["training", "keeping its weights", "a full disk"])
 def test_an_interrupted_search_resumes_with_what_it_lacks_and_new_points(index, tmp_path,
                                                                           monkeypatch, where):
     """Run all again after a disconnect: the search ends with the trials it was asked for, and
     the new process's sampler does not draw the points the first one tried again. Ctrl-C after
     a trial's last epoch (saving its weights, seconds on Drive) left it FAIL, not queued again:
-    --resume drew new parameters in its place."""
+    --resume drew new parameters in its place. So did a full disk there, whose error advises
+    the --resume."""
+    stop = UserError("no space left on the device holding 'w.pt'; free some space, then "
+                     "rerun (with --resume to continue)") if where == "a full disk" \
+        else KeyboardInterrupt()
     calls = []
 
     def interrupted(idx, config, on_epoch):
@@ -135,10 +139,10 @@ def test_an_interrupted_search_resumes_with_what_it_lacks_and_new_points(index, 
     def keep_weights(self, trial, result, curve):
         if len(calls) == 3 and where != "training" and not stopped:
             stopped.append(trial.number)  # once: the resume's trials keep theirs
-            raise KeyboardInterrupt
+            raise stop
         return keep(self, trial, result, curve)
     monkeypatch.setattr(OptunaTuner, "_keep_weights", keep_weights)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(type(stop)):
         tuner(index, tmp_path, n_trials=4).run()
     monkeypatch.setattr(optuna_optimizer, "fit", fake_fit)
     t = tuner(index, tmp_path, n_trials=4, resume=True)
