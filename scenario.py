@@ -41,8 +41,7 @@ from modules.fastdata import cache_fits, keep_sizes
 from modules.files import (atomic_write_text, folder_lock, kept_file, name_folder,
                            refuse_if_in_use, resolved, run_log, share_file)
 from modules.hardware import max_batch_size
-from modules.models import (pinned_weights_file, possible_starts, start_weights,
-                            weights_file)
+from modules.models import pinned_weights_file, possible_starts, start_weights, weights_file
 from modules.monitor import SystemSampler
 from modules.oom import is_out_of_memory, release
 from modules.profiler import TorchProfiler
