@@ -40,6 +40,9 @@ IMAGE_EXTS = {".jpg", ".jpeg", ".jpe", ".png", ".bmp", ".gif", ".tif", ".tiff", 
               ".pgm", ".pbm", ".jfif"} | ({".avif"} if "avif" in features.modules and
                                          features.check_module("avif") else set())
 OUTSIDE_CLASSES = "images outside a class folder"
+# The split's seed where a library caller gives none: the pipeline's (--seed), so that the same
+# folder splits alike, and a pipeline model's test images are the library's
+DEFAULT_SEED = TrainConfig.seed
 VAL_FRACTION = 0.1  # share of each train class held out for validation when no val/ split exists
 # ... raised for a small training set, up to MAX_VAL_FRACTION, so that validation holds about
 # MIN_VAL_IMAGES: fewer cannot separate candidates (500 images: +-2.2 points at 50% accuracy).
@@ -803,7 +806,8 @@ def leave_out_copies(index: DatasetIndex) -> DatasetIndex:
     return unseen
 
 
-def index_dataset(root: Path, name: str | None = None, *, seed: int = 0, check: bool = True,
+def index_dataset(root: Path, name: str | None = None, *, seed: int = DEFAULT_SEED,
+                  check: bool = True,
                   val_fraction: float = VAL_FRACTION,
                   numbered_below: dict[str, int] | None = None) -> DatasetIndex:
     """Find the layout, list and check every image, and split train/val/test.
@@ -928,7 +932,7 @@ def _one_level_deeper(root: Path, parent: Path, only: str) -> str:
         f"{str(root / only)!r}{rename}"
 
 
-def subset(index: DatasetIndex, per_class: dict[str, int], seed: int = 0,
+def subset(index: DatasetIndex, per_class: dict[str, int], seed: int = DEFAULT_SEED,
            usable: Callable[[str], bool] | None = None) -> DatasetIndex:
     """n images of each class in each split, e.g. {"train": 60, "val": 12, "test": 30}: a
     seeded sample, in the split's order (the first n by name could be one camera's, one
@@ -962,7 +966,8 @@ def subset(index: DatasetIndex, per_class: dict[str, int], seed: int = 0,
 
 
 def index_subset(root: Path, name: str | None, per_class: Callable[[int], dict[str, int]], *,
-                 seed: int = 0, numbered_below: dict[str, int] | None = None) -> DatasetIndex:
+                 seed: int = DEFAULT_SEED, numbered_below: dict[str, int] | None = None
+                 ) -> DatasetIndex:
     """subset(index, per_class(classes), seed) of an index of the folder, checking only the
     images it draws (--quick on a 60,000-image folder spent 17 of its 24 s checking images it
     then left out), an undecodable one replaced from its class (subset's `usable`): the same

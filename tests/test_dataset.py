@@ -31,6 +31,16 @@ def test_layouts_are_found_and_split(tmp_path, layout):
     assert not {p for p, _ in index.train} & {p for p, _ in index.val}
 
 
+def test_a_library_caller_splits_as_the_pipeline_does(tmp_path):
+    """index_dataset(root) split with seed 0 where the pipeline's --seed is 42: a library
+    caller testing the pipeline's model on index_dataset(root).test counted 8 of 18 images it
+    had trained on."""
+    import pipeline
+    root = make_folder(tmp_path / "d", layout="class folders", n_train=8, n_test=3)
+    args = pipeline.parse_args(["--data-dir", str(root), "--output-dir", str(tmp_path / "o")])
+    assert index_dataset(root, "d") == pipeline.load_data(args, tmp_path / "o")
+
+
 def test_intel_s_unlabelled_seg_pred_is_said_to_be_unused(tmp_path, caplog):
     """Intel's download holds seg_pred/ (7,301 images without labels) beside the two splits:
     nothing said it was left out."""
