@@ -81,12 +81,15 @@ def cache_bytes(n_images: int, size: int) -> int:
 
 
 def _key(samples: list[Sample], size: int) -> tuple[str, int]:
-    """The samples' files, by path, size and modification time: images rewritten under the
-    same names (a notebook re-run on fixed or other data) are decoded again. Stated once per
-    split list (an index makes new lists), not at every trial: on a network drive a stat of
-    every image costs seconds."""
+    """The samples' files, in order, by path, size and modification time: images rewritten
+    under the same names (a notebook re-run on fixed or other data) are decoded again. The
+    files are stated once per split list as it stands (an index makes new lists; a list
+    shuffled or changed in place, as a library caller may, is stated again), not at every
+    trial: on a network drive a stat of every image costs seconds."""
+    paths = "\n".join(p for p, _ in samples)
+    order = hashlib.sha1(os.fsencode(paths)).hexdigest()
     held = _STAMPS.get(id(samples))
-    if held is None or held[0] is not samples or held[1] != len(samples):
+    if held is None or held[0] is not samples or held[1] != order:
         def stamp(path: str) -> str:
             try:
                 st = os.stat(path)
@@ -94,14 +97,14 @@ def _key(samples: list[Sample], size: int) -> tuple[str, int]:
             except OSError:
                 return path
         digest = hashlib.sha1(os.fsencode("\n".join(stamp(p) for p, _ in samples))).hexdigest()
-        held = _STAMPS[id(samples)] = (samples, len(samples), digest)
+        held = _STAMPS[id(samples)] = (samples, order, digest)
         while len(_STAMPS) > 16:  # the newest indexes' splits; each entry holds its list
             _STAMPS.pop(next(iter(_STAMPS)))
     return held[2], size
 
 
-# id(split list) -> (the list, its length, the digest of its files): see _key
-_STAMPS: dict[int, tuple[list, int, str]] = {}
+# id(split list) -> (the list, the digest of its paths in order, that of its files): _key
+_STAMPS: dict[int, tuple[list, str, str]] = {}
 
 
 def image_means(images: torch.Tensor) -> torch.Tensor:

@@ -416,6 +416,19 @@ def test_images_rewritten_under_the_same_names_are_decoded_again(folder):
     assert after.shape[1] == 3 and after.is_contiguous()  # NCHW, decoded in place
 
 
+def test_a_split_list_changed_in_place_is_decoded_in_its_new_order(folder):
+    """A library caller who shuffled index.train in place got the images of the old order
+    with the labels of the new: 38 of 54 training images carried another class's label."""
+    import random
+    index = index_dataset(folder, seed=1)
+    before, _ = fastdata.decoded_images(index.train, 16)
+    order = list(range(len(index.train)))
+    random.Random(0).shuffle(order)
+    index.train[:] = [index.train[i] for i in order]
+    after, _ = fastdata.decoded_images(index.train, 16)
+    assert torch.equal(after, before[order])
+
+
 def test_under_torchrun_the_ranks_cache_or_stream_together_and_count_every_ranks_cache(
         folder, monkeypatch):
     """Two processes on the machine: the caches both already hold count as free to take again
