@@ -323,7 +323,10 @@ class OptunaTuner:
         self.worker = f"{socket.gethostname()}:{os.getpid()}:{time.time()}"
         self.run_name = run_name or self.worker
         self.study_name, self.pruner = study_name, pruner
-        self.data_fingerprint, self.overwrite = data_fingerprint, overwrite
+        # a library caller's study is checked against its data as the pipeline's is
+        self.data_fingerprint = data_fingerprint if data_fingerprint is not None else \
+            getattr(index, "fingerprint", lambda: None)()
+        self.overwrite = overwrite
         # The default trial's weights and the best trial's so far are kept here (weights_for).
         self.weights_dir = Path(weights_dir) if weights_dir else None
         self.earlier = earlier  # the default trial's result when it matches (_reused_default)
@@ -676,6 +679,11 @@ class OptunaTuner:
         finished trials than n_trials (a --n-trials above the count it was asked for grows
         it; a growth cut short is finished); on a shared study only when n_trials is more than
         it was asked for."""
+        # We log one line per trial; Optuna's own warning for a failed trial carries the whole
+        # traceback of a Ctrl-C, which the command line answers in one line. The caller's
+        # level comes back after: a library caller's other studies keep theirs.
+        verbosity = optuna.logging.get_verbosity()
+        optuna.logging.set_verbosity(optuna.logging.ERROR)
         try:
             return self._run(ended=ended)
         except Exception as exc:
@@ -688,11 +696,10 @@ class OptunaTuner:
                 f"the study's storage {_without_password(self.storage_url)!r} failed "
                 f"({type(cause).__name__}: {_scrub(first_line(cause), self.storage_url)}); "
                 "the finished trials are kept: rerun with --resume to continue.") from None
+        finally:
+            optuna.logging.set_verbosity(verbosity)
 
     def _run(self, *, ended: bool) -> dict:
-        # We log one line per trial; Optuna's own warning for a failed trial carries the whole
-        # traceback of a Ctrl-C, which the command line answers in one line.
-        optuna.logging.set_verbosity(optuna.logging.ERROR)
         storage, where = self.storage, _without_password(self.storage_url)
         shared = self.shared
         exists = self.study_name in optuna.get_all_study_names(storage)

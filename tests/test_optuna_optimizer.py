@@ -213,9 +213,19 @@ def test_a_copy_of_the_study_cut_short_before_is_made_again(tmp_path):
 
 def test_a_study_of_other_data_is_refused(index, tmp_path, monkeypatch):
     monkeypatch.setattr(optuna_optimizer, "fit", fake_fit)
+    level = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.DEBUG)  # a library caller's own
     tuner(index, tmp_path, data_fingerprint="a", n_trials=1).run()
     with pytest.raises(UserError, match="searched other data"):
         tuner(index, tmp_path, data_fingerprint="b", resume=True, n_trials=1).run()
+    assert optuna.logging.get_verbosity() == optuna.logging.DEBUG  # back, not ERROR
+    optuna.logging.set_verbosity(level)
+    # a library caller passes the index alone: its study is checked all the same (a study of
+    # other data had answered "3 of its 3 trials done" and that data's best parameters)
+    tuner(index, tmp_path / "lib", n_trials=1).run()
+    other = index_dataset(make_folder(tmp_path / "other", n_train=6, n_test=2))
+    with pytest.raises(UserError, match="searched other data"):
+        tuner(other, tmp_path / "lib", resume=True, n_trials=1).run()
 
 
 def test_a_study_an_older_version_recorded_for_this_data_goes_on(index, tmp_path, monkeypatch):
