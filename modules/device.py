@@ -19,6 +19,7 @@ from modules.config import TrainConfig, UserError, first_line
 
 STARTUP_THREADS = torch.get_num_threads()
 _own_threads = STARTUP_THREADS  # the count a run found (process_settings_kept)
+_kept = 0  # process_settings_kept blocks now open
 
 
 def resolve_device(name: str) -> torch.device:
@@ -87,17 +88,26 @@ def process_settings_kept() -> Iterator[None]:
     ends: after a run from a notebook, the user's next cell ran with the last scenario's tuned
     thread count, allocator and cuDNN search, not the ones it had set. Inside, a scenario
     without a thread count of its own trains with the count found here."""
-    global _own_threads
+    global _own_threads, _kept
     threads, allocator = torch.get_num_threads(), hostmem.current()
     benchmark = torch.backends.cudnn.benchmark
     before, _own_threads = _own_threads, threads
+    _kept += 1
     try:
         yield
     finally:
+        _kept -= 1
         _own_threads = before
         torch.set_num_threads(threads)
         hostmem.apply(allocator)  # the allocator it ran with: switching back is possible
         torch.backends.cudnn.benchmark = benchmark
+
+
+def settings_kept_by_caller():
+    """process_settings_kept() for a library call made outside a run (fit from a user's
+    script), whose thread count the caller may have set after import; inside a run, where the
+    run keeps them, nothing."""
+    return process_settings_kept() if _kept == 0 else nullcontext()
 
 
 def autocast_dtype(amp: str, device: torch.device) -> torch.dtype | None:

@@ -25,7 +25,7 @@ from modules.checkpoints import (CheckpointSaver, Progress, load_checkpoint,  # 
 from modules.config import TrainConfig, UserError, first_line
 # Re-exported: callers have long imported these from here.
 from modules.device import (REGIONS, apply_process_settings, autocast_dtype,  # noqa: F401
-                            region, resolve_device)
+                            region, resolve_device, settings_kept_by_caller)
 from modules.evaluation import evaluate
 from modules.files import atomic_write_text
 from modules.loaders import make_loaders
@@ -772,7 +772,9 @@ def prepare(index, config: TrainConfig, test: bool = True) -> tuple[nn.Module, A
 
 def fit(index, config: TrainConfig, **train_kwargs) -> TrainResult:
     """The process settings, prepare() and train: what a tuner calls for one candidate.
-    Keyword arguments go to `train` (run_dir, on_epoch, checkpoint_path, ...)."""
-    apply_process_settings(config, resolve_device(config.device))
-    model, train_loader, val_loader, _ = prepare(index, config, test=False)
-    return train(model, train_loader, val_loader, config, **train_kwargs)
+    Keyword arguments go to `train` (run_dir, on_epoch, checkpoint_path, ...). Called outside
+    a run, the process settings are the caller's again after."""
+    with settings_kept_by_caller():
+        apply_process_settings(config, resolve_device(config.device))
+        model, train_loader, val_loader, _ = prepare(index, config, test=False)
+        return train(model, train_loader, val_loader, config, **train_kwargs)

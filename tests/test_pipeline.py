@@ -883,6 +883,28 @@ def test_a_scenario_without_a_thread_count_gets_the_processs_own():
     assert torch.get_num_threads() == STARTUP_THREADS
 
 
+def test_fit_from_a_script_keeps_the_callers_thread_count(small):
+    """A library caller's torch.set_num_threads(1) after import was overridden by fit, with
+    the count at import, and the process left at it after."""
+    from modules.config import TrainConfig
+    from modules.dataset import index_dataset
+    from modules.device import STARTUP_THREADS
+    from modules.trainer import fit
+    seen = []
+    mine = max(1, STARTUP_THREADS - 1) if STARTUP_THREADS > 1 else 2
+    torch.set_num_threads(mine)
+    try:
+        fit(index_dataset(small), TrainConfig(device="cpu", epochs=1, image_size=32,
+                                              weights="none", progress=False),
+            on_epoch=lambda *_: seen.append(torch.get_num_threads()))
+        assert seen == [mine] and torch.get_num_threads() == mine
+        fit(index_dataset(small), TrainConfig(device="cpu", epochs=1, image_size=32,
+                                              weights="none", progress=False, cpu_threads=1))
+        assert torch.get_num_threads() == mine  # a count of its own, for its own training
+    finally:
+        torch.set_num_threads(STARTUP_THREADS)
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the dropped one
 def test_a_ctrl_c_python_drops_still_stops_the_run(small, tmp_path, monkeypatch, capsys):
     """Stop pressed while a weakref callback ran (after an epoch, say): Python dropped the
