@@ -2,9 +2,11 @@
 names, input size, normalization), and loaded back with every field checked first."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
+import operator
 import reprlib
 from pathlib import Path
 from typing import Any, Iterable
@@ -33,6 +35,11 @@ def save_model(model: nn.Module, path, *, arch: str, class_names, image_size: in
     """
     path = Path(path)
     names = _check_class_names(class_names)
+    # a numpy or 0-d tensor integer (TrainConfig takes one) as the int it is; a float stays
+    # what it is, and is refused
+    if not isinstance(image_size, (bool, float)):
+        with contextlib.suppress(TypeError):  # a float tensor has __index__, which refuses
+            image_size = operator.index(image_size)
     _check_meta(arch, image_size, mean, std)
     payload = {
         "format": FORMAT_NAME,

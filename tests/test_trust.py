@@ -524,6 +524,21 @@ def test_a_good_model_file_still_loads(tmp_path, payload):
     assert model.meta["class_names"] == CLASSES and model.meta["image_size"] == 32
 
 
+def test_an_integer_image_size_of_numpy_or_torch_is_saved_as_an_int(tmp_path):
+    """TrainConfig takes np.int64(64) as a size; save_model refused it in one line, as it
+    refuses a float."""
+    import numpy as np
+    net = build_model("squeezenet1_1", 3, "none")
+    for size in (np.int64(64), torch.tensor(64)):
+        path = save_model(net, tmp_path / "m.pt", arch="squeezenet1_1", class_names=CLASSES,
+                          image_size=size)
+        assert type(load_model(path).meta["image_size"]) is int
+    for size in (64.0, torch.tensor(64.0), "64"):
+        with pytest.raises(UserError, match="image_size must be an integer"):
+            save_model(net, tmp_path / "f.pt", arch="squeezenet1_1", class_names=CLASSES,
+                       image_size=size)
+
+
 def test_the_saved_and_logged_command_line_has_no_storage_secret(tmp_path, monkeypatch, capfd):
     """run.json and latest_run.json keep the command for --resume's log line: a --storage
     URL in it shows driver, host, port and database only, from the command line (sys.argv)
