@@ -16,6 +16,7 @@ if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_
     signal.signal(signal.SIGINT, _quiet_interrupt)
 
 import argparse
+import contextlib
 import dataclasses
 import fnmatch
 import functools
@@ -482,40 +483,79 @@ def quiet_user_errors() -> None:
             shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
         else:
             print(f"error: {notebook_words(said)}", file=sys.stderr)
-    shell.set_custom_exc((UserError, OSError, KeyboardInterrupt, NameError), one_line)
+    shell.set_custom_exc((UserError, OSError, RuntimeError, MemoryError, KeyboardInterrupt,
+                          NameError), one_line)
     for handler in logging.getLogger().handlers:
         if getattr(handler, "ours", False):  # setup_logging's, not another library's
             handler.setFormatter(_NotebookWords(LOG_FORMAT))
+
+
+class ReaderSafe:
+    """A console stream whose reader may go away (`| head`, a `tee` or `less` that ended): the
+    run trains on and writes its files; what it would have printed is dropped. The stream's
+    descriptor then writes to the null device, so that Python's flush at exit (and a C
+    library's own writes) find no closed pipe either."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def _gone(self) -> None:
+        with contextlib.suppress(OSError, ValueError):  # no descriptor: a capture in tests
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, self._stream.fileno())
+            os.close(null)
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._gone()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._gone()
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
 
 
 def main(argv: list[str] | None = None) -> int:
     if "_quiet_interrupt" in globals() and \
             signal.getsignal(signal.SIGINT) is globals()["_quiet_interrupt"]:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # from here: resume hints
+    streams = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = ReaderSafe(sys.stdout), ReaderSafe(sys.stderr)
+    try:
+        return _main(argv)
+    finally:
+        sys.stdout, sys.stderr = streams
+
+
+def _main(argv: list[str] | None) -> int:
     setup_logging()
     started = time.perf_counter()
     args = None
     try:
         args = parse_args(argv)
         run(args)
-    except (UserError, OSError) as exc:
+    except (UserError, OSError, RuntimeError, MemoryError) as exc:
         said = user_error(exc)
+        if said is None and isinstance(exc, RuntimeError) and distributed.peer_left(exc):
+            # Rank 0 alone writes the outputs, so a folder it cannot write (say) stops it
+            # there, and the others at their next collective: one line each, beside its own.
+            said = (f"rank {distributed.rank()}: another process of this run stopped; its "
+                    "error, above, says why (a process the system killed, out of memory say, "
+                    "says nothing: torchrun's summary gives its exit code).")
         if said is None:
-            raise  # not the user's mistake: a bug, with its traceback
+            raise  # not the user's mistake nor the machine's limit: a bug, with its traceback
         print(f"error: {said}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(interrupted_message(args), file=sys.stderr)
         return 130
-    except RuntimeError as exc:
-        if not distributed.peer_left(exc):
-            raise
-        # Rank 0 alone writes the outputs, so a folder it cannot write (say) stops it there,
-        # and the others at their next collective: one line each, beside its own.
-        print(f"error: rank {distributed.rank()}: another process of this run stopped; its "
-              "error, above, says why (a process the system killed, out of memory say, says "
-              "nothing: torchrun's summary gives its exit code).", file=sys.stderr)
-        return 2
     finally:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

@@ -33,7 +33,7 @@ from torch import nn
 from modules import hostmem
 from modules.config import NO_WORKERS, TrainConfig, UserError, first_line
 from modules.device import usable_cpus
-from modules.files import atomic_write_text
+from modules.files import atomic_write_text, user_error, worker_free
 from modules.hardware import PROBE_BATCHES, max_batch_size
 from modules.models import ByteMaskDropout, build_model, has_bytemask_dropout
 from modules.oom import is_out_of_memory, release
@@ -657,47 +657,67 @@ def tune_workers(make_loader: Callable[[int], Any], compute_img_s: float,
         return bool(figures) and deadline is not None and time.perf_counter() >= deadline
 
     figures: dict[str, float] = {}
+    failed: dict[str, str] = {}  # counts whose workers the machine would not run, and why
     for n in candidates:
         if past_deadline():
             break
-        loader = make_loader(n)
-        it = iter(loader)
-        # Worker start-up and the first decode are not steady state, nor are the batches the
-        # workers decoded meanwhile: up to prefetch_factor (2) each, queued and then handed
-        # over at once, would time the queue rather than the decoding.
-        for _ in range(1 + 2 * n):
-            try:
-                next(it)
-            except StopIteration:
-                break
-            if past_deadline():
-                break
-        if past_deadline():
-            del it, loader
+        try:
+            rate = _loader_rate(make_loader(n), n, batches, deadline, past_deadline)
+        except (RuntimeError, OSError) as exc:
+            # workers the machine cannot give shared memory, files or threads: not a count
+            # for this run; no workers at all is the fix
+            if n == 0 or user_error(exc) is None:
+                raise
+            failed[str(n)] = first_line(worker_free(str(exc), exc))
+            continue
+        if rate is None:
             break
-        count, started = 0, time.perf_counter()
-        for _ in range(batches):
-            try:
-                x, _ = next(it)
-            except StopIteration:
-                break
-            count += len(x)
-            if deadline is not None and time.perf_counter() >= deadline:
-                break
-        figures[str(n)] = round(count / max(1e-9, time.perf_counter() - started), 1)
-        del it, loader
+        figures[str(n)] = rate
+    if not figures:
+        raise UserError(f"the DataLoader workers could not run here ({failed}); pass "
+                        "--num-workers 0.")
     measured = [n for n in candidates if str(n) in figures]
     enough = [n for n in measured if figures[str(n)] >= LOADER_HEADROOM * compute_img_s]
     fastest = max(figures[str(n)] for n in measured)
     choice = min(enough) if enough else \
         min(n for n in measured if MIN_GAIN * figures[str(n)] >= fastest)
     rates = ", ".join(f"{k} workers: {v:.0f} img/s" for k, v in figures.items())
-    skipped = [str(n) for n in candidates if str(n) not in figures]
+    skipped = [str(n) for n in candidates if str(n) not in figures and str(n) not in failed]
     reason = (f"{choice} workers deliver {figures[str(choice)]:.0f} img/s against the model's "
               f"{compute_img_s:.0f} ({rates})"
+              + "".join(f"; {k} workers could not run here ({why})" for k, why in failed.items())
               + (f"; {', '.join(skipped)} not measured: the measuring budget was spent"
                  if skipped else ""))
     return choice, {"choice": choice, "reason": reason, "img_s": figures}
+
+
+def _loader_rate(loader, n: int, batches: int, deadline: float | None,
+                 past_deadline: Callable[[], bool]) -> float | None:
+    """Images per second `loader` (of n workers) delivers after its warm-up; None when the
+    measuring budget ran out before it was timed."""
+    it = iter(loader)
+    # Worker start-up and the first decode are not steady state, nor are the batches the
+    # workers decoded meanwhile: up to prefetch_factor (2) each, queued and then handed over
+    # at once, would time the queue rather than the decoding.
+    for _ in range(1 + 2 * n):
+        try:
+            next(it)
+        except StopIteration:
+            break
+        if past_deadline():
+            break
+    if past_deadline():
+        return None
+    count, started = 0, time.perf_counter()
+    for _ in range(batches):
+        try:
+            x, _ = next(it)
+        except StopIteration:
+            break
+        count += len(x)
+        if deadline is not None and time.perf_counter() >= deadline:
+            break
+    return round(count / max(1e-9, time.perf_counter() - started), 1)
 
 
 def autotune(config: TrainConfig, num_classes: int, *, planned_steps: int | None = None,

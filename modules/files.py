@@ -224,6 +224,13 @@ def write_error(path: Path | str | None, exc: BaseException,
     if code in (errno.EACCES, errno.EPERM):
         other = f" or pass another {option}" if option else ""
         return UserError(f"cannot write {where} ({reason}); fix its permissions{other}, {then}")
+    if code in (errno.EMFILE, errno.ENFILE):  # the folder is fine: the process's limit is not
+        return UserError(f"cannot write {where} ({reason}): the open-file limit is too low "
+                         f"(ulimit -n shows it); raise it, ulimit -n 4096, {then}")
+    if code == errno.EFBIG:
+        other = f", or pass {option} on another file system" if option else ""
+        return UserError(f"cannot write {where} ({reason}): larger than the file-size limit "
+                         f"(ulimit -f) or the file system allows (FAT32: 4 GB){other}; {then}")
     other = f"; pass a writable {option}," if option else "; make its folder writable,"
     return UserError(f"cannot write {where} ({reason}){other} {then}")
 
@@ -475,17 +482,42 @@ UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT
               errno.ENOTDIR, errno.EEXIST, errno.ENAMETOOLONG, errno.ELOOP)
 
 
+# A limit of the machine or its container that a run met, by a piece of the error's text
+# (torch's, the DataLoader's, Python's: raised in a worker too), and what to change.
+RESUME = "then rerun with --resume to continue (what was written before stays intact)."
+MACHINE_LIMITS = (
+    ("unable to allocate shared memory", "the DataLoader workers ran out of shared memory "
+     "(/dev/shm is full: a Docker container has 64 MB unless --shm-size gives it more); pass "
+     f"--num-workers 0, or give /dev/shm more space; {RESUME}"),
+    ("Too many open files", "the open-file limit is too low for this run (ulimit -n shows it): "
+     f"raise it, ulimit -n 4096, or pass --num-workers 0; {RESUME}"),
+    ("can't allocate memory", "out of memory: the process could not allocate a buffer, under "
+     "the machine's memory or a limit on the process (ulimit -v, a container's); lower "
+     f"--batch-size or --image-size, or free or allow more memory; {RESUME}"),
+    ("can't start new thread", "the system refused the run a new thread (a limit on processes "
+     f"and threads, ulimit -u): raise it, or pass --num-workers 0; {RESUME}"),
+    ("Thread creation failed", "the system refused the run a new thread (a limit on processes "
+     f"and threads, ulimit -u): raise it, or pass --num-workers 0; {RESUME}"),
+)
+
+
 def user_error(exc: BaseException) -> str | None:
-    """The one line for a mistake of the user's (a UserError, a folder the run cannot write);
-    None for anything else, a bug that keeps its traceback."""
+    """The one line for a mistake of the user's (a UserError, a folder the run cannot write)
+    or a limit of the machine the run met (MACHINE_LIMITS); None for anything else, a bug that
+    keeps its traceback."""
     if isinstance(exc, UserError):
-        return _worker_free(str(exc), exc)
+        return worker_free(str(exc), exc)
     if isinstance(exc, OSError) and exc.errno in UNWRITABLE:
         return str(write_error(exc.filename, exc, in_run=True))
+    if isinstance(exc, (OSError, RuntimeError, MemoryError)):
+        text = str(exc)
+        if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
+            text = "Too many open files"
+        return next((line for piece, line in MACHINE_LIMITS if piece in text), None)
     return None
 
 
-def _worker_free(message: str, exc: BaseException) -> str:
+def worker_free(message: str, exc: BaseException) -> str:
     """A UserError raised in a DataLoader worker comes back with the worker's traceback in its
     message ("Caught UserError in DataLoader worker process 0. Original Traceback ..."): its
     own line is the last."""

@@ -880,6 +880,33 @@ def test_more_workers_are_not_taken_for_a_gain_inside_the_noise(monkeypatch, rat
     assert choice == expected
 
 
+def test_workers_the_machine_cannot_run_are_left_out_of_the_race(monkeypatch):
+    """A container's 64 MB /dev/shm: the race's 2-worker loader raised the DataLoader's
+    shared-memory error, with its traceback, and ended the run."""
+    from types import SimpleNamespace
+    clock = [0.0]
+    monkeypatch.setattr(at, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def make_loader(n):
+        def batches():
+            if n:
+                raise RuntimeError("Caught RuntimeError in DataLoader worker process 0.\n"
+                                   "Original Traceback (most recent call last):\n...\n"
+                                   "RuntimeError: unable to allocate shared memory(shm) for "
+                                   "file </torch_1_2_3>: No space left on device (28)")
+            while True:
+                clock[0] += 0.1
+                yield torch.zeros(10, 1), None
+        return batches()
+    choice, entry = at.tune_workers(make_loader, 1e6, [0, 2, 4])
+    assert choice == 0 and entry["img_s"] == {"0": 100.0}
+    assert "; 2 workers could not run here (unable to allocate shared memory(shm)" in \
+        entry["reason"] and "not measured" not in entry["reason"]
+    with pytest.raises(RuntimeError, match="a bug"):  # anything else is not the machine's
+        at.tune_workers(lambda n: iter(()) if n == 0 else (_ for _ in ()).throw(
+            RuntimeError("a bug")), 1e6, [0, 2])
+
+
 def test_compile_pays_back_in_optimizer_steps_with_accumulation(monkeypatch):
     """planned_steps counts optimizer steps, each 4 micro-batches here: 1,000 of them at
     0.16 s eager and 0.08 s compiled pay back a 30 s warm-up after 374 (per micro-batch, the

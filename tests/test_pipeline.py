@@ -386,6 +386,57 @@ def test_options_no_scenario_reads_are_named_once_under_torchrun(caplog, monkeyp
     assert len(caplog.records) == 1
 
 
+@pytest.mark.parametrize("raised, said", [
+    (RuntimeError("Caught RuntimeError in DataLoader worker process 0.\nOriginal Traceback "
+                  "...\nRuntimeError: unable to allocate shared memory(shm) for file "
+                  "</torch_1>: No space left on device (28)"), "--num-workers 0, or give "
+     "/dev/shm more space; then rerun with --resume"),
+    (RuntimeError("Too many open files. Communication with the workers is no longer "
+                  "possible."), "ulimit -n 4096, or pass --num-workers 0"),
+    (OSError(24, "Too many open files"), "ulimit -n 4096"),
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate "
+                  "memory: you tried to allocate 1572864 bytes"), "lower --batch-size"),
+    (RuntimeError("can't start new thread"), "ulimit -u"),
+])
+def test_a_limit_of_the_machine_is_one_line_saying_what_to_change(monkeypatch, capsys, raised,
+                                                                   said):
+    """A container's 64 MB /dev/shm with workers, ulimit -n 32, ulimit -v 4 GB, ulimit -u:
+    each ended the run with a traceback (an out-of-memory in the loader, outside the training
+    step's recovery); a limit of the machine is not a bug of ours."""
+    def run(args):
+        raise raised
+    monkeypatch.setattr(pipeline, "run", run)
+    assert pipeline.main(["--output-dir", "/tmp/unused"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and said in err and "Traceback" not in err
+    assert err.count("\n") == 1
+
+
+def test_a_reader_gone_from_the_pipe_stops_nothing():
+    """`pipeline.py | head -1`: the finished run's table print raised BrokenPipeError, with a
+    traceback, before the run was marked finished; with progress bars, `2>&1 | head -3`
+    killed the training at its first bar."""
+    import os
+    read, write = os.pipe()
+    stream = os.fdopen(write, "w")
+    os.close(read)  # the reader is gone
+    safe = pipeline.ReaderSafe(stream)
+    for _ in range(3):
+        safe.write("x" * 100_000)
+        safe.flush()
+    stream.close()  # its descriptor writes to the null device: nothing left to fail
+
+
+def test_a_write_the_process_s_limits_refuse_names_the_limit_not_the_folder(tmp_path):
+    """ulimit -n 8 and ulimit -f: "pass a writable --output-dir", of a writable folder."""
+    import errno
+    from modules.files import write_error
+    assert "the open-file limit is too low" in str(
+        write_error(tmp_path / "f.png", OSError(errno.EMFILE, "Too many open files")))
+    assert "file-size limit (ulimit -f) or the file system allows (FAT32: 4 GB)" in str(
+        write_error(tmp_path / "m.pt", OSError(errno.EFBIG, "File too large")))
+
+
 def test_user_errors_in_a_real_process_have_no_traceback(tmp_path):
     empty = tmp_path / "empty"
     (empty / "train" / "a").mkdir(parents=True)
