@@ -32,7 +32,7 @@ from modules.checkpoints import check_format, saved_config
 from modules.config import (DEFAULTS, DISPLAY_ONLY, SPEED_ONLY, TrainConfig, UserError,
                             first_line)
 from modules.dataset import (COPIES_LIST, SKIPPED_LIST, DatasetIndex, data_path_of, index_dataset,
-                             index_subset, load_rgb, make_loader, resolve_source,
+                             index_subset, load_rgb, make_loader, printable, resolve_source,
                              train_transform)
 from modules.device import (apply_process_settings, autocast_dtype, process_settings_kept,
                             resolve_device, usable_cpus)
@@ -1601,6 +1601,13 @@ def prepare_output_dir(path: str, option: str = "--output-dir") -> Path:
     later fails under it names that option (files.write_error)."""
     out = Path(path).expanduser()
     resolved(option, out)  # a link loop: one line, where mkdir would say "File exists"
+    try:  # TensorBoard's writer encodes its paths as UTF-8, and failed at the first scenario
+        str(out.resolve()).encode("utf-8")
+    except UnicodeEncodeError:
+        raise UserError(f"{option} '{printable(str(out))}' has a name that is not UTF-8 (a "
+                        "byte of another encoding, or a C locale with PYTHONUTF8=0), which "
+                        "TensorBoard's files cannot be written under: rename it, or pass "
+                        "another folder.") from None
     try:
         if out.exists() and not out.is_dir():
             raise UserError(f"{option} {str(out)!r} is a file, not a folder.")

@@ -412,6 +412,16 @@ def test_a_limit_of_the_machine_is_one_line_saying_what_to_change(monkeypatch, c
     assert err.count("\n") == 1
 
 
+def test_an_output_dir_whose_name_is_not_utf8_is_refused_in_one_line(tmp_path, capsys):
+    """A Latin-1 byte in --output-dir (an old NAS or USB stick) crashed the first scenario in
+    TensorBoard's writer with a UnicodeEncodeError; --data-dir takes such a name."""
+    import os
+    out = os.fsdecode(os.fsencode(str(tmp_path)) + b"/out-\xe9")
+    assert pipeline.main(["--output-dir", out, "--scenarios", "baseline"]) == 2
+    err = capsys.readouterr().err
+    assert "out-\\xe9' has a name that is not UTF-8" in err and err.count("\n") == 1
+
+
 def test_a_reader_gone_from_the_pipe_stops_nothing():
     """`pipeline.py | head -1`: the finished run's table print raised BrokenPipeError, with a
     traceback, before the run was marked finished; with progress bars, `2>&1 | head -3`
