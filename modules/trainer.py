@@ -185,6 +185,10 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
     num_classes = num_classes_of(model)
     if len(train_loader) == 0:
         raise UserError("the training split is empty; add images or lower --batch-size.")
+    # every epoch is judged on it (under torchrun a rank's share may be empty: the others')
+    if val_loader is None or (len(val_loader) == 0 and distributed.world_size() == 1):
+        raise UserError("the validation split is empty: each epoch is judged on it; give it "
+                        "images (a val/ folder, or more images per class).")
     optimizer = make_optimizer(model, config, device)
     # a model trained before (a run that diverged, or was stopped mid-window, in a notebook)
     # keeps its last gradients: the first window would add them to its own

@@ -82,6 +82,14 @@ def test_learns_and_records_history():
     assert 0 <= result.timing["data_wait_frac"] < 1
 
 
+@pytest.mark.parametrize("val", [[], None])
+def test_an_empty_or_missing_validation_loader_is_one_line(val):
+    """train() without validation batches reported best_val_acc 0.0 at epoch 0, figures that
+    read as measured, and a None loader raised a TypeError."""
+    with pytest.raises(UserError, match="the validation split is empty"):
+        train(TinyNet(), loader(colour_data(), BASE), val, BASE)
+
+
 def test_progress_bars_cover_training_and_validation(capsys):
     """A validation pass (or a test pass: 16 s for Intel's 3,000 test images on a CPU) is not
     silence after the training bar; with progress off, nothing is drawn."""
