@@ -33,7 +33,7 @@ from torch import nn
 from modules import hostmem
 from modules.config import NO_WORKERS, TrainConfig, UserError, first_line
 from modules.device import usable_cpus
-from modules.files import atomic_write_text, user_error, worker_free
+from modules.files import atomic_write_text, compile_failure, user_error, worker_free
 from modules.hardware import PROBE_BATCHES, max_batch_size
 from modules.models import ByteMaskDropout, build_model, has_bytemask_dropout
 from modules.oom import is_out_of_memory, release
@@ -462,7 +462,7 @@ def _tune_compile(config: TrainConfig, num_classes: int, current: dict[str, Any]
     if compiled is None:
         return config, {"choice": False,
                         "img_s": {"false": round(eager_img_s, 2), "true": result["error"]},
-                        "reason": f"torch.compile failed here ({result['error']})"}
+                        "reason": f"torch.compile failed here ({compile_failure(result['error'])})"}
     eager_img_s, compiled_img_s = result["img_s"]
     # Raced in a child, its eager figure is the child's: compared with its compiled one there,
     # but the parent's own measure stays the figure later knobs and the summary read.

@@ -11,6 +11,7 @@ import re
 import secrets
 import shutil
 import socket
+import tempfile
 import time
 import zipfile
 from pathlib import Path
@@ -499,6 +500,15 @@ MACHINE_LIMITS = (
     ("Thread creation failed", "the system refused the run a new thread (a limit on processes "
      f"and threads, ulimit -u): raise it, or pass --num-workers 0; {RESUME}"),
 )
+
+
+def compile_failure(message: str) -> str:
+    """torch.compile's failure as said, a full disk with where its kernels go: TMPDIR, not the
+    output folder a user would look at."""
+    if "No space left" not in message:
+        return message
+    where = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or tempfile.gettempdir()
+    return f"{message}; it writes its kernels under {where} (TORCHINDUCTOR_CACHE_DIR or TMPDIR)"
 
 
 def user_error(exc: BaseException) -> str | None:

@@ -27,7 +27,7 @@ from modules.config import TrainConfig, UserError, first_line
 from modules.device import (REGIONS, apply_process_settings, autocast_dtype,  # noqa: F401
                             region, resolve_device, settings_kept_by_caller)
 from modules.evaluation import evaluate
-from modules.files import atomic_write_text
+from modules.files import atomic_write_text, compile_failure
 from modules.loaders import make_loaders
 from modules.models import build_model, num_classes_of
 from modules.oom import is_out_of_memory, more_pieces, release
@@ -406,7 +406,7 @@ class _Epochs:
                 if self.forward is not self.model and _compile_failed(exc):
                     # --compile where it cannot build (no C++ compiler, say): eager, as asked
                     # for speed, rather than no run at all. Nothing of the pass was applied.
-                    self.compile_failed = first_line(exc)
+                    self.compile_failed = compile_failure(first_line(exc))
                     log.warning("torch.compile failed here (%s): training without it",
                                 self.compile_failed)
                     self.forward = self.model

@@ -736,6 +736,18 @@ def test_fp16_with_grad_scaler_on_gpu():
     assert result.settings["amp_dtype"] == "float16" and result.best_val_acc > 0.6
 
 
+def test_a_compile_a_full_tmpdir_stopped_says_where_it_writes(monkeypatch, tmp_path):
+    """A 64 KB TMPDIR: "torch.compile failed here (OSError: [Errno 28] No space left on
+    device)" sent the user to look at the output disk, where nothing was short."""
+    from modules.files import compile_failure
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    said = compile_failure("OSError: [Errno 28] No space left on device")
+    assert said.endswith(f"it writes its kernels under {tmp_path} (TORCHINDUCTOR_CACHE_DIR "
+                         "or TMPDIR)")
+    assert compile_failure("InvalidCxxCompiler: none") == "InvalidCxxCompiler: none"
+
+
 def test_a_compile_that_cannot_build_trains_eager_and_says_so(monkeypatch, caplog):
     """--compile on a machine without a C++ compiler: inductor fails at the first pass."""
     import torch._dynamo.exc as dynamo_exc
