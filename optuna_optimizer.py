@@ -714,7 +714,8 @@ class OptunaTuner:
             optuna.delete_study(study_name=self.study_name, storage=storage)
         elif exists and not self.resume:
             raise UserError(f"study {self.study_name!r} already exists in {where}: resume it "
-                            "(--resume), or give the new one another name; nothing was deleted.")
+                            "(--resume; resume=True from Python), or give the new one another "
+                            "name; nothing was deleted.")
         # constant_liar: parallel workers see each other's running trials as poor results, so
         # they do not all sample the same point.
         try:  # which worker created the study: on a shared one, that worker queues the default

@@ -187,8 +187,16 @@ def _json_scalar(value: Any) -> Any:
 def _read_payload(path: Path) -> dict:
     payload = read_torch_file(path, "model file")
     if not (isinstance(payload, dict) and payload.get("format") == FORMAT_NAME):
-        raise UserError(f"{str(path)!r} is not a model saved by save_model (a bare state_dict? "
-                        "use --weights PATH to load one into a new model).")
+        if isinstance(payload, dict) and isinstance(payload.get("model"), dict) and \
+                "config" in payload:
+            what = ("a run's checkpoint, which --resume continues from: the run's best model "
+                    "is the <data set>_model.pt in its --output-dir, and pipeline.py --weights "
+                    "PATH starts a new run from the checkpoint")
+        else:
+            what = ("a bare state_dict? pipeline.py --weights PATH starts a run from one; in "
+                    "Python, model.load_state_dict(torch.load(PATH)) on a model of its "
+                    "architecture")
+        raise UserError(f"{str(path)!r} is not a model saved by save_model ({what}).")
     version = payload.get("format_version")
     if version != FORMAT_VERSION:
         raise UserError(f"{str(path)!r} has model format version {version!r}; this code reads "

@@ -108,7 +108,8 @@ def test_resume_runs_the_trials_it_lacks_and_only_overwrite_starts_over(index, t
     smaller = tuner(index, tmp_path, storage=storage, resume=True, max_batch_size=8)
     assert smaller.batch_sizes == (8,)
     assert smaller.run()["n_trials"] == 3 and smaller.batch_sizes == (8, 16)
-    with pytest.raises(UserError, match="already exists.*nothing was deleted"):
+    with pytest.raises(UserError, match=r"already exists.*resume=True from Python.*nothing "
+                                        r"was deleted"):
         tuner(index, tmp_path, storage=storage, n_trials=1).run()
     assert tuner(index, tmp_path, storage=storage, resume=True, n_trials=4).run()["n_trials"] == 4
     assert tuner(index, tmp_path, storage=storage, n_trials=1,

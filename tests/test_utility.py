@@ -204,8 +204,15 @@ def test_saving_below_a_file_is_one_line_not_a_traceback(tmp_path, saved):
 def test_load_model_rejects_non_model_file(tmp_path):
     other = tmp_path / "notes.pt"
     torch.save({"weights": [1, 2, 3]}, other)
-    with pytest.raises(UserError, match="not a model saved by save_model"):
+    with pytest.raises(UserError, match=r"not a model saved by save_model \(a bare "
+                                        r"state_dict\? .*model.load_state_dict"):
         load_model(other)
+    # a run's checkpoint was taken for a bare state_dict, and the advice was an option
+    checkpoint = tmp_path / "baseline.pt"
+    torch.save({"format": 1, "config": {}, "model": {}}, checkpoint)
+    with pytest.raises(UserError, match=r"\(a run's checkpoint, which --resume continues from: "
+                                        r"the run's best model is the <data set>_model.pt"):
+        load_model(checkpoint)
     with pytest.raises(UserError, match="no such model file"):
         load_model(tmp_path / "missing.pt")
     text = tmp_path / "text.pt"
