@@ -20,7 +20,7 @@ from modules.config import UserError
 from modules.dataset import DatasetIndex, Sample, in_threads
 from modules.files import atomic_write_text
 from modules.model_files import FORMAT_NAME as MODEL_FORMAT
-from modules.models import pinned_file
+from modules.models import is_run_checkpoint, pinned_file
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +207,7 @@ def _check_unrecorded_start(path: Path | None, state: Any, index: DatasetIndex,
     copied out of its run's folder only its seed. Returns what was said of the file, for its
     descendants (Start.unrecorded)."""
     extra = _model_extra(state)
-    config = state.get("config") if isinstance(state, dict) and "model" in state else None
+    config = state["config"] if is_run_checkpoint(state) else None
     what = None
     if extra is None and beside is not None and beside.get("dataset") == index.name and \
             not index.same_data(beside.get("data_fingerprint")):

@@ -18,7 +18,7 @@ from modules.config import (IMAGENET_MEAN, IMAGENET_STD, MAX_IMAGE_SIZE, MIN_IMA
                             UserError, first_line)
 from modules.device import library_device
 from modules.files import atomic_torch_save, read_torch_file
-from modules.models import build_model, strip_prefixes
+from modules.models import build_model, is_run_checkpoint, strip_prefixes
 
 log = logging.getLogger(__name__)
 
@@ -187,8 +187,7 @@ def _json_scalar(value: Any) -> Any:
 def _read_payload(path: Path) -> dict:
     payload = read_torch_file(path, "model file")
     if not (isinstance(payload, dict) and payload.get("format") == FORMAT_NAME):
-        if isinstance(payload, dict) and isinstance(payload.get("model"), dict) and \
-                "config" in payload:
+        if is_run_checkpoint(payload):
             what = ("a run's checkpoint, which --resume continues from: the run's best model "
                     "is the <data set>_model.pt in its --output-dir, and pipeline.py --weights "
                     "PATH starts a new run from the checkpoint")

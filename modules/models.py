@@ -309,6 +309,12 @@ def pinned_file(path: Path | None):
     return None if path is None else _PINNED.get(Path(path).expanduser().resolve())
 
 
+def is_run_checkpoint(state) -> bool:
+    """Whether a torch file holds a run's checkpoint (checkpoints/<run>/<scenario>.pt: its
+    model, config, optimizer ...), rather than a model's weights."""
+    return isinstance(state, dict) and isinstance(state.get("model"), dict) and "config" in state
+
+
 # Where a checkpoint keeps its model's tensors: this tool's model files and Lightning's
 # ("state_dict"), the PyTorch tutorial's ("model_state_dict"), torchvision's reference
 # scripts' ("model").
@@ -327,7 +333,7 @@ def _fitting_tensors(model: nn.Module, path: Path, name: str | None = None
     if name and arch in MODELS and arch != name and isinstance(state.get("state_dict"), dict):
         raise UserError(f"--weights: {str(path)!r} holds a {arch} model, not {name}: pass "
                         f"--model {arch} to start from it.")
-    if isinstance(state, dict) and isinstance(state.get("model"), dict) and "config" in state:
+    if is_run_checkpoint(state):
         # a run's checkpoint (checkpoints/<run>/<scenario>.pt): the model the run ends with,
         # its best validation epoch's, not its last epoch's
         best = state.get("best")
