@@ -74,6 +74,8 @@ class Start:
     # an earlier version's file of this data split otherwise, somewhere in the start's
     # lineage, which noted no images: {"dataset", "what"}, said again for every descendant
     unrecorded: dict[str, str] | None = None
+    # the digests of this run's validation and test images, where check_start read them
+    held_out: list[bytes | None] | None = None
 
 
 def record(folder: Path, index: DatasetIndex, about: dict[str, Any],
@@ -88,10 +90,13 @@ def record(folder: Path, index: DatasetIndex, about: dict[str, Any],
     start = start or Start()
     mine = of_images(index.train)
     carried = start.seen - mine
+    held_out = start.held_out
+    if held_out is None and carried:  # a Start check_start did not make
+        held_out = digests(index.val + index.test)
     written = {**{k: about.get(k) for k in ABOUT}, "images": len(mine | carried),
                "carried": len(carried),
                # of those, images of this folder: no --seed gives back the split they had
-               "carried_here": count_seen(index.val + index.test, carried),
+               "carried_here": count_seen(held_out or [], carried),
                "unrecorded": start.unrecorded, "trained_on": encode(mine | carried)}
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(json.dumps(written), path)
@@ -148,9 +153,9 @@ def _model_extra(state: Any) -> dict[str, Any] | None:
     return extra if isinstance(extra, dict) else None
 
 
-def count_seen(samples: list[Sample], seen: set[bytes]) -> int:
-    """How many of `samples` are images in `seen`."""
-    return sum(d in seen for d in digests(samples) if d is not None) if seen else 0
+def count_seen(held: list[bytes | None], seen: set[bytes]) -> int:
+    """How many of the images of digests `held` (digests()) are images in `seen`."""
+    return sum(d in seen for d in held)
 
 
 def check_start(path: Path | None, index: DatasetIndex, seed: int | None = None,
@@ -178,17 +183,18 @@ def check_start(path: Path | None, index: DatasetIndex, seed: int | None = None,
         about.get("images_fingerprint") == index.images_fingerprint() and \
         not about.get("carried_here", about.get("carried"))
     run = _run_words(about)
-    if n := count_seen(index.test, seen):
+    test, val = digests(index.test), digests(index.val)  # record counts the carried in them
+    if n := count_seen(test, seen):
         raise UserError(f"--weights {str(path)!r} trained on {n} of this run's {len(index.test)} "
                         f"test images ({run}): their accuracy would read high; "
                         + (f"pass --seed {about['seed']}, or " if other_seed else "")
                         + "start from other weights.")
-    if n := count_seen(index.val, seen):
+    if n := count_seen(val, seen):
         log.warning("--weights %s trained on %d of this run's %d validation images (%s): "
                     "validation, which picks epochs and settings, reads high; the test images "
                     "are new to it.%s", path, n, len(index.val), run,
                     f" --seed {about['seed']} splits them as it did." if other_seed else "")
-    return Start(seen, unrecorded if isinstance(unrecorded, dict) else None)
+    return Start(seen, unrecorded if isinstance(unrecorded, dict) else None, val + test)
 
 
 def _run_words(about: dict[str, Any]) -> str:
