@@ -486,6 +486,8 @@ UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT
 # A limit of the machine or its container that a run met, by a piece of the error's text
 # (torch's, the DataLoader's, Python's: raised in a worker too), and what to change.
 RESUME = "then rerun with --resume to continue (what was written before stays intact)."
+THREADS = ("the system refused the run a new thread (a limit on processes and threads, ulimit "
+           f"-u): raise it, or pass --num-workers 0; {RESUME}")
 MACHINE_LIMITS = (
     ("unable to allocate shared memory", "the DataLoader workers ran out of shared memory "
      "(/dev/shm is full: a Docker container has 64 MB unless --shm-size gives it more); pass "
@@ -495,10 +497,8 @@ MACHINE_LIMITS = (
     ("can't allocate memory", "out of memory: the process could not allocate a buffer, under "
      "the machine's memory or a limit on the process (ulimit -v, a container's); lower "
      f"--batch-size or --image-size, or free or allow more memory; {RESUME}"),
-    ("can't start new thread", "the system refused the run a new thread (a limit on processes "
-     f"and threads, ulimit -u): raise it, or pass --num-workers 0; {RESUME}"),
-    ("Thread creation failed", "the system refused the run a new thread (a limit on processes "
-     f"and threads, ulimit -u): raise it, or pass --num-workers 0; {RESUME}"),
+    ("can't start new thread", THREADS),  # Python's
+    ("Thread creation failed", THREADS),  # libgomp's
 )
 
 
