@@ -1361,7 +1361,6 @@ def _search(config: TrainConfig, args: RunOptions, index: DatasetIndex, output_d
                         pruner=args.pruner,
                         study_name=f"hpo-{index.name}" + ("" if shared else f"-{args.run_id}"),
                         seed=worker_seed(args) if shared else args.seed,
-                        data_fingerprint=index.fingerprint(),
                         weights_dir=run_folder(output_dir, "checkpoints", args.run_id),
                         earlier=earlier, study_count=args.n_trials is None, shared=shared,
                         run_name=f"{Path(output_dir).resolve()}#{args.run_id}",
@@ -1650,7 +1649,8 @@ def run(args: RunOptions, index: DatasetIndex | None = None) -> list[dict[str, A
         # Every process checks (so a refused --resume ends them all); rank 0's id is the run's.
         args.run_id = distributed.from_main(start_run(
             output_dir, index, resume=args.resume, seed=args.seed, quick=args.quick,
-            weights=str(start.resolve()) if start else args.weights, model=args.model, scenarios=list(args.scenarios),
+            weights=str(start.resolve()) if start else args.weights, model=args.model,
+            scenarios=list(args.scenarios),
             command=args.command or shlex.join(launcher() + shown_argv(sys.argv))))
         runs = run_folder(output_dir, "runs", args.run_id)
         with (run_log(runs / "run.log", data_record(index, runs) + [
