@@ -33,7 +33,7 @@ from modules.config import (DEFAULTS, DISPLAY_ONLY, SPEED_ONLY, TrainConfig, Use
                             first_line)
 from modules.dataset import (COPIES_LIST, SKIPPED_LIST, DatasetIndex, data_path_of, index_dataset,
                              index_subset, load_rgb, make_loader, printable, resolve_source,
-                             train_transform)
+                             subset, train_transform)
 from modules.device import (apply_process_settings, autocast_dtype, process_settings_kept,
                             resolve_device, usable_cpus)
 from modules.evaluation import evaluate
@@ -420,9 +420,7 @@ def load_data(args: RunOptions, output_dir: Path) -> DatasetIndex:
         # synthetic set: rank 0 alone writes files); the others then find it.
         on_main(lambda: resolve_source(args.dataset, None, cache / "data", per_class))
     root, name = resolve_source(args.dataset, args.data_dir, cache / "data", per_class)
-    generated = args.data_dir is None and args.dataset == "synthetic"
-    # --quick and the full preset share the generated folder; each sees only its own counts.
-    numbered = dict(zip(("train", "test"), per_class)) if generated else None
+    numbered = _numbered(args)
     if args.quick:
         index = index_subset(root, name, quick_per_class, seed=args.seed,
                              numbered_below=numbered)
@@ -443,6 +441,30 @@ def load_data(args: RunOptions, output_dir: Path) -> DatasetIndex:
     if (imbalance := index.imbalance()) is not None:
         log.info("%s", imbalance)
     return index
+
+
+def _numbered(args: RunOptions) -> dict[str, int] | None:
+    """--quick and the full preset share the generated folder; each sees only its own counts."""
+    if args.data_dir is not None or args.dataset != "synthetic":
+        return None
+    per_class = QUICK_SYNTHETIC_PER_CLASS if args.quick else SYNTHETIC_PER_CLASS
+    return dict(zip(("train", "test"), per_class))
+
+
+def split_with(args: RunOptions, index: DatasetIndex) -> Callable[[int], DatasetIndex]:
+    """This run's images as another --seed splits them, as load_data would, for advice
+    (membership.check_start): listed, not checked again, and nothing said of them twice."""
+    def split(seed: int) -> DatasetIndex:
+        said = logging.getLogger("modules.dataset")
+        was, said.disabled = said.disabled, True
+        try:
+            listed = index_dataset(index.root, index.name, seed=seed, check=False,
+                                   numbered_below=_numbered(args))
+            return subset(listed, quick_per_class(len(listed.classes)), seed=seed) \
+                if args.quick else listed
+        finally:
+            said.disabled = was
+    return split
 
 
 def tune_scenario(name: str, config: TrainConfig, args: RunOptions, index: DatasetIndex,
@@ -1638,7 +1660,8 @@ def run(args: RunOptions, index: DatasetIndex | None = None) -> list[dict[str, A
             pinned_weights_file(weights_file(args.weights)):
         start = weights_file(args.weights)
         try:
-            begun = membership.check_start(start, index, args.seed, run_record_beside(start))
+            begun = membership.check_start(start, index, args.seed, run_record_beside(start),
+                                           split_with(args, index))
         except UserError:
             if not args.resume:
                 raise
@@ -1660,7 +1683,8 @@ def run(args: RunOptions, index: DatasetIndex | None = None) -> list[dict[str, A
             try:
                 if begun is None:  # refused above, and start_run had nothing against it
                     begun = membership.check_start(start, index, args.seed,
-                                                   run_record_beside(start))
+                                                   run_record_beside(start),
+                                                   split_with(args, index))
                 record = distributed.main_computes(
                     lambda: record_trained_on(output_dir, args.run_id, index, args, begun))
                 log.info("run %s: outputs in %s (earlier runs stay in results.json)",

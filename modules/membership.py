@@ -11,7 +11,7 @@ import contextlib
 import hashlib
 import json
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -159,13 +159,17 @@ def count_seen(held: list[bytes | None], seen: set[bytes]) -> int:
 
 
 def check_start(path: Path | None, index: DatasetIndex, seed: int | None = None,
-                beside: dict[str, Any] | None = None) -> Start:
+                beside: dict[str, Any] | None = None,
+                split_with: Callable[[int], DatasetIndex] | None = None) -> Start:
     """A --weights model that trained on some of the images this run tests on would have its
     test accuracy count them as new: refused. One that trained on some of its validation
     images (another split of the same folder, a --quick run's model, a run's own checkpoint)
     is said, as validation then reads high. Returns what the start had trained on, which this
     run's models carry on (record). `beside`: the record of the run whose checkpoints folder
-    holds the file, if one does (an older version's run, which recorded no images)."""
+    holds the file, if one does (an older version's run, which recorded no images).
+    `split_with(seed)`: this run's images as that --seed splits them, to advise the start's
+    --seed where its split holds none of the start's images among those it validates and
+    tests on."""
     state = pinned_file(path)
     recorded = of_start(path, state) if path is not None else None
     if recorded is None:
@@ -177,24 +181,37 @@ def check_start(path: Path | None, index: DatasetIndex, seed: int | None = None,
                     "noting the images it trained on, of this data split otherwise: test "
                     "accuracy reads high if those included this run's test images", path,
                     unrecorded.get("what"))
-    # another seed's split of these very images, and no other image of them: that seed
-    # splits them as the model saw them
-    other_seed = about.get("seed") is not None and about.get("seed") != seed and \
-        about.get("images_fingerprint") == index.images_fingerprint() and \
-        not about.get("carried_here", about.get("carried"))
     run = _run_words(about)
     test, val = digests(index.test), digests(index.val)  # record counts the carried in them
     if n := count_seen(test, seen):
+        theirs = _seed_that_helps(about, seed, seen, split_with)
         raise UserError(f"--weights {str(path)!r} trained on {n} of this run's {len(index.test)} "
                         f"test images ({run}): their accuracy would read high; "
-                        + (f"pass --seed {about['seed']}, or " if other_seed else "")
+                        + (f"pass --seed {theirs}, or " if theirs is not None else "")
                         + "start from other weights.")
     if n := count_seen(val, seen):
+        theirs = _seed_that_helps(about, seed, seen, split_with)
         log.warning("--weights %s trained on %d of this run's %d validation images (%s): "
                     "validation, which picks epochs and settings, reads high; the test images "
                     "are new to it.%s", path, n, len(index.val), run,
-                    f" --seed {about['seed']} splits them as it did." if other_seed else "")
+                    f" --seed {theirs} splits them as it did." if theirs is not None else "")
     return Start(seen, unrecorded if isinstance(unrecorded, dict) else None, val + test)
+
+
+def _seed_that_helps(about: dict[str, Any], seed: int | None, seen: set[bytes],
+                     split_with: Callable[[int], DatasetIndex] | None) -> int | None:
+    """The start's --seed, where this run's images split with it hold none of the start's
+    images among validation and test: found by splitting them so, since neither the folder's
+    fingerprint (a --quick run's subset, a renamed copy) nor the start's record (images it
+    carried from a start of its own) tells."""
+    theirs = about.get("seed")
+    if split_with is None or type(theirs) is not int or theirs == seed:
+        return None
+    try:
+        other = split_with(theirs)
+    except (UserError, OSError):
+        return None
+    return None if count_seen(digests(other.val + other.test), seen) else theirs
 
 
 def _run_words(about: dict[str, Any]) -> str:

@@ -434,7 +434,8 @@ def test_a_start_that_trained_on_test_images_is_refused_however_it_was_split(tmp
                 UserError, match=r"trained on \d+ of this run's \d+ test images \(run \S+, "
                                  r"--seed 1\): their accuracy would read high; pass --seed 1, "
                                  r"or start from other weights\.$"):
-            membership.check_start(start, other, 2)
+            membership.check_start(start, other, 2,
+                                   split_with=lambda seed: index_dataset(root, "d", seed=seed))
         with models.pinned_weights_file(start):  # its own split: nothing seen, nothing said
             assert len(membership.check_start(start, index_dataset(root, "d", seed=1), 1).seen) \
                 == len(index_dataset(root, "d", seed=1).train)
@@ -448,6 +449,10 @@ def test_a_start_that_trained_on_test_images_is_refused_however_it_was_split(tmp
             UserError, match=r"test images \(run \S+, --seed 1\): their accuracy would read "
                              r"high; start from other weights"):
         membership.check_start(model, index_dataset(renamed, "renamed", seed=2), 2)
+    with models.pinned_weights_file(model), pytest.raises(  # seed 1 splits the copy as it did
+            UserError, match=r"high; pass --seed 1, or start from other weights"):
+        membership.check_start(model, index_dataset(renamed, "renamed", seed=2), 2,
+                               split_with=lambda seed: index_dataset(renamed, "r", seed=seed))
     # a model started from it, trained on other images, carries what it had seen
     elsewhere = make_folder(tmp_path / "e", layout="class folders", n_train=6, n_test=2,
                             classes=("red", "green", "blue"))
@@ -490,7 +495,8 @@ def test_a_start_carries_its_record_and_older_runs_files_are_said(tmp_path, capl
         with models.pinned_weights_file(path), pytest.raises(
                 UserError, match=rf"test images \(run r1, --seed 1\): their accuracy would "
                                  rf"read high; {advice}start from other weights\.$"):
-            membership.check_start(path, other, 2)
+            membership.check_start(path, other, 2,
+                                   split_with=lambda seed: index_dataset(root, "d", seed=seed))
     # an earlier version's run: its record, no images; its checkpoint there and copied out
     folder = tmp_path / "old" / "checkpoints" / "r0"
     folder.mkdir(parents=True)
@@ -519,6 +525,39 @@ def test_a_start_carries_its_record_and_older_runs_files_are_said(tmp_path, capl
         assert membership.check_start(child, other, 2).unrecorded == begun.unrecorded
     assert f"was trained from {copied} (a checkpoint, --seed 1), which an earlier version" \
         in caplog.text
+
+
+def test_a_quick_models_seed_is_advised_where_it_splits_as_the_model_saw(tmp_path,
+                                                                         monkeypatch):
+    """A --quick run's model trains on a subset, whose fingerprint is never the folder's, so a
+    full run of another --seed refused it without advising the model's seed, which splits the
+    folder so that the subset's training images are training images again. The advice is now
+    found by splitting the images with that seed."""
+    import json
+    import shutil
+    import pipeline
+    import scenario
+    from conftest import make_folder
+    from modules.dataset import index_dataset
+    monkeypatch.setattr(scenario, "QUICK_PER_CLASS", {"train": 4, "val": 2, "test": 2})
+    root = make_folder(tmp_path / "d", layout="class folders", n_train=8, n_test=3)
+    out = tmp_path / "out"
+    argv = ["--data-dir", str(root), "--image-size", "32", "--epochs", "1", "--scenarios",
+            "baseline", "--output-dir", str(out), "--no-progress"]
+    pipeline.run(pipeline.parse_args([*argv, "--quick", "--seed", "1"]))
+    model = tmp_path / "quick.pt"  # a copy: the output dir's own may be replaced by a run
+    shutil.copyfile(out / "d_model.pt", model)
+    run_id = json.loads((out / "latest_run.json").read_text())["run_id"]
+    kept = json.loads((out / "checkpoints" / run_id / membership.FILE_NAME).read_text())
+    assert kept["quick"] and \
+        kept["images_fingerprint"] != index_dataset(root, "d", seed=1).images_fingerprint()
+    with pytest.raises(UserError, match=r"test images \(run \S+, --seed 1, --quick\): their "
+                                        r"accuracy would read high; pass --seed 1, or start "
+                                        r"from other weights\.$"):
+        pipeline.run(pipeline.parse_args([*argv, "--seed", "2", "--weights", str(model)]))
+    # as advised: its training images are training images again, and the run starts
+    pipeline.run(pipeline.parse_args([*argv, "--seed", "1", "--weights", str(model)]))
+    assert json.loads((out / "latest_run.json").read_text())["run_id"] != run_id
 
 
 def test_a_resume_with_another_start_is_refused_for_that_first(tmp_path):
