@@ -28,7 +28,7 @@ import torch
 
 from modules import distributed, interrupts, membership
 from modules.autotune import MEASURE_SHARE, ComputeProbe, autotune, machine_key
-from modules.checkpoints import check_format, saved_config
+from modules.checkpoints import check_format, load_checkpoint, saved_config
 from modules.config import (DEFAULTS, DISPLAY_ONLY, SPEED_ONLY, TrainConfig, UserError,
                             first_line)
 from modules.dataset import (COPIES_LIST, SKIPPED_LIST, DatasetIndex, data_path_of, index_dataset,
@@ -51,7 +51,7 @@ from modules.results import (CLOCK_SUFFIX, checkpoint_file, compare_to_baseline,
                              footprint, json_safe, keep_best_model, mark_finished, merge_results,
                              previous_row, result_row, run_folder, run_record_beside, start_run,
                              write_json)
-from modules.trainer import TIMING_WARMUP_STEPS, load_checkpoint, prepare, train
+from modules.trainer import TIMING_WARMUP_STEPS, prepare, train
 from optuna_optimizer import (BATCH_SIZES, EarlierTrial, OptunaTuner, check_storage, end_trials,
                               follow_trials, shown_argv)
 from resolution_tuner import (CPU_RESOLUTIONS, GPU_RESOLUTIONS, QUICK_CPU_RESOLUTIONS,
@@ -297,13 +297,12 @@ def _saved_autotune(path: Path, start: TrainConfig, finished: bool = False
     return tuned, findings, here
 
 
-def planned_steps(config: TrainConfig, n_train: int, runs: int = 1, epochs: int | None = None
-                  ) -> int:
-    """Optimizer steps `runs` trainings of `epochs` (default config.epochs) will take."""
+def planned_steps(config: TrainConfig, n_train: int, epochs: int | None = None) -> int:
+    """Optimizer steps a training of `epochs` (default config.epochs) will take."""
     # Under torchrun each process takes its shard of the images (DistributedSampler).
     per_epoch = math.ceil(max(1, n_train // distributed.world_size() // config.batch_size)
                           / config.grad_accum_steps)
-    return runs * per_epoch * (epochs or config.epochs)
+    return per_epoch * (epochs or config.epochs)
 
 
 def tuned_resolutions(args: RunOptions, device: torch.device, default: int) -> list[int]:

@@ -42,7 +42,8 @@ from modules.dataset import index_dataset, subset  # noqa: E402
 from modules.models import build_model  # noqa: E402
 from modules.profiler import TorchProfiler  # noqa: E402
 from modules.synthetic import ensure_synthetic  # noqa: E402
-from modules.trainer import REGIONS, apply_process_settings, fit, resolve_device  # noqa: E402
+from modules.device import REGIONS, apply_process_settings, resolve_device  # noqa: E402
+from modules.trainer import fit  # noqa: E402
 from scenario import optimized_settings  # noqa: E402
 
 log = logging.getLogger("throughput")

@@ -17,7 +17,7 @@ from modules.config import TrainConfig, UserError  # noqa: E402
 from modules.device import resolve_device  # noqa: E402
 from modules.models import build_model  # noqa: E402
 from throughput import OneLineParser, at_least_1  # noqa: E402
-from modules.trainer import REGIONS, region  # noqa: E402
+from modules.device import REGIONS, region  # noqa: E402
 
 
 def instrumentation(timing: dict) -> None:

@@ -32,13 +32,12 @@ from torch import nn
 
 from modules import hostmem
 from modules.config import NO_WORKERS, TrainConfig, UserError, first_line
-from modules.device import usable_cpus
+from modules.device import apply_process_settings, autocast_dtype, resolve_device, usable_cpus
 from modules.files import atomic_write_text, compile_failure, user_error, worker_free
 from modules.hardware import PROBE_BATCHES, max_batch_size
 from modules.models import ByteMaskDropout, build_model, has_bytemask_dropout
 from modules.oom import is_out_of_memory, release
-from modules.trainer import (apply_process_settings, autocast_dtype, make_optimizer,
-                             resolve_device, train_step)
+from modules.trainer import make_optimizer, train_step
 
 log = logging.getLogger(__name__)
 

@@ -1040,10 +1040,10 @@ class EpochSampler(Sampler[int]):
         return self.n
 
 
-def make_loader(samples: list[Sample], transform, config: TrainConfig, *, train: bool,
-                batch_size: int | None = None) -> DataLoader:
+def make_loader(samples: list[Sample], transform, config: TrainConfig, *, train: bool
+                ) -> DataLoader:
     """A DataLoader with the config's loader knobs; training loaders shuffle per epoch."""
-    batch_size = batch_size or config.batch_size
+    batch_size = config.batch_size
     # Pinned pages only help host-to-GPU copies; without a GPU PyTorch warns and ignores them.
     workers = dict(num_workers=config.num_workers,
                    pin_memory=config.pin_memory and torch.cuda.is_available())

@@ -159,24 +159,25 @@ def clear_cache() -> None:
 
 # ----------------------------------------------------------------------------- augmentation
 
-_NORMALISERS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_NORMALISERS: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _normaliser(device: torch.device, mean, std) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, shift) per channel mapping 0..255 to (x / 255 - mean) / std; made once per
-    device (building a tensor on a GPU from Python numbers waits for the GPU's queue)."""
-    key = (str(device), tuple(mean), tuple(std))
+def _normaliser(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, shift) per channel mapping 0..255 to (x / 255 - mean) / std, ImageNet's mean
+    and std as the models' weights expect them; made once per device (building a tensor on a
+    GPU from Python numbers waits for the GPU's queue)."""
+    key = str(device)
     if key not in _NORMALISERS:
-        std_t = torch.tensor(std, dtype=torch.float32)
+        std_t = torch.tensor(IMAGENET_STD, dtype=torch.float32)
         scale = 1.0 / (255.0 * std_t)
-        shift = -torch.tensor(mean, dtype=torch.float32) / std_t
+        shift = -torch.tensor(IMAGENET_MEAN, dtype=torch.float32) / std_t
         _NORMALISERS[key] = (scale.to(device), shift.to(device))
     return _NORMALISERS[key]
 
 
-def normalise(x: torch.Tensor, mean=IMAGENET_MEAN, std=IMAGENET_STD) -> torch.Tensor:
+def normalise(x: torch.Tensor) -> torch.Tensor:
     """uint8 (N, 3, H, W) -> normalised float32, keeping x's memory format."""
-    scale, shift = _normaliser(x.device, mean, std)
+    scale, shift = _normaliser(x.device)
     return torch.addcmul(shift.view(1, 3, 1, 1), x.float(), scale.view(1, 3, 1, 1))
 
 
@@ -188,8 +189,7 @@ def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-def _augment_params(n: int, h: int, w: int, generator: torch.Generator, mean, std
-                    ) -> torch.Tensor:
+def _augment_params(n: int, h: int, w: int, generator: torch.Generator) -> torch.Tensor:
     """Every per-image parameter of a batch, computed on the CPU in one go (NumPy on (n,)
     arrays: a few microseconds each, where as many tiny tensor ops would cost a millisecond)
     and packed into one (n, 9 + 9 + 3 + w + h) float32 tensor: colour matrix, contrast matrix
@@ -200,13 +200,14 @@ def _augment_params(n: int, h: int, w: int, generator: torch.Generator, mean, st
     b, c, s = (1 + JITTER * (2 * u[:, k] - 1) for k in range(3))
     luma = np.asarray(_LUMA)
     sat = s[:, None, None] * np.eye(3) + (1 - s)[:, None, None] * luma  # blend toward grey
-    scale = 1.0 / (255.0 * np.asarray(std))
+    mean, std = np.asarray(IMAGENET_MEAN), np.asarray(IMAGENET_STD)  # as _normaliser's
+    scale = 1.0 / (255.0 * std)
     matrix = (b * c)[:, None, None] * sat * scale[None, :, None]   # brightness, then contrast
     # contrast pulls toward the image's mean grey m = luma . mean rgb:
     # offset = b (1 - c) m * rowsum(sat) * scale = pivot @ mean rgb, with pivot's rows
     # b (1 - c) rowsum(sat) scale times luma (one batched matmul on the device, not six ops)
     pivot = ((b * (1 - c))[:, None] * sat.sum(2) * scale[None, :])[:, :, None] * luma[None, None, :]
-    shift = np.broadcast_to(-np.asarray(mean) / np.asarray(std), (n, 3))
+    shift = np.broadcast_to(-mean / std, (n, 3))
     # geometry: a crop of CROP_SCALE of the area at an aspect ratio in CROP_RATIO, resized back,
     # and a horizontal flip; as an axis-aligned sampling grid in [-1, 1] coordinates (built
     # directly: affine_grid's general matmul costs about 4x more)
@@ -222,8 +223,8 @@ def _augment_params(n: int, h: int, w: int, generator: torch.Generator, mean, st
     return torch.from_numpy(packed.astype(np.float32))
 
 
-def augment_with(x: torch.Tensor, params: torch.Tensor, means: torch.Tensor | None = None,
-                 mean=IMAGENET_MEAN, std=IMAGENET_STD) -> torch.Tensor:
+def augment_with(x: torch.Tensor, params: torch.Tensor, means: torch.Tensor | None = None
+                 ) -> torch.Tensor:
     """Random resized crop, horizontal flip and colour jitter of a uint8 batch, normalised,
     with its per-image parameters already drawn (rows of _augment_params, on x's device): the
     loader draws them for many batches at once, and gathers the images' means (image_means)
@@ -245,7 +246,7 @@ def augment_with(x: torch.Tensor, params: torch.Tensor, means: torch.Tensor | No
     if means is None:
         means = xf.mean(dim=(2, 3))
     offset = torch.baddbmm(shift.unsqueeze(2), pivot, means.unsqueeze(2))
-    scale, lowest = _normaliser(x.device, mean, std)  # a pixel of 0 normalised, and of 255
+    scale, lowest = _normaliser(x.device)  # a pixel of 0 normalised, and of 255
     xf = torch.baddbmm(offset, matrix, xf.view(n, 3, h * w))
     xf = torch.clamp(xf, min=lowest.view(1, 3, 1), max=(lowest + 255 * scale).view(1, 3, 1))
     xf = xf.view(n, 3, h, w)
@@ -386,8 +387,7 @@ class _Draws:
         """The next n unspent rows; when fewer are left, a new draw of `rows` rows."""
         if self.params is None or self.used + n > len(self.params):
             if self.drawn is None:
-                self.drawn = _augment_params(rows, h, w, self.generator, IMAGENET_MEAN,
-                                             IMAGENET_STD)
+                self.drawn = _augment_params(rows, h, w, self.generator)
             self.params, self.used = _to(self.drawn, device), 0
             self.drawn = None
         return self.params[self.used:self.used + n]

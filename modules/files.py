@@ -36,20 +36,19 @@ log = logging.getLogger(__name__)
 
 def atomic_torch_save(payload: dict, path: Path) -> None:
     """Readers see the old file or the complete new one, never a half-written one."""
-    _atomic_write(Path(path), lambda f: torch.save(payload, f), "wb")
+    _atomic_write(Path(path), lambda f: torch.save(payload, f))
 
 
 def atomic_write_text(text: str, path: Path) -> None:
     """The same guarantee for a text file (results.json), in UTF-8: a file name that is not
     UTF-8 (zips made on Windows) is written with escapes, not a UnicodeEncodeError."""
-    _atomic_write(Path(path), lambda f: f.write(text.encode("utf-8", "backslashreplace")), "wb")
+    _atomic_write(Path(path), lambda f: f.write(text.encode("utf-8", "backslashreplace")))
 
 
 def atomic_save_figure(fig, path: Path, **kwargs) -> None:
     """The same guarantee for a matplotlib chart, in the format its name ends with."""
     path = Path(path)
-    _atomic_write(path, lambda f: fig.savefig(f, format=path.suffix[1:] or "png", **kwargs),
-                  "wb")
+    _atomic_write(path, lambda f: fig.savefig(f, format=path.suffix[1:] or "png", **kwargs))
 
 
 def share_file(source: Path, path: Path) -> None:
@@ -62,7 +61,7 @@ def share_file(source: Path, path: Path) -> None:
         os.link(source, temp)
     except OSError:
         with open(source, "rb") as src:
-            _atomic_write(Path(path), lambda f: shutil.copyfileobj(src, f), "wb")
+            _atomic_write(Path(path), lambda f: shutil.copyfileobj(src, f))
         return
     try:
         os.replace(temp, path)
@@ -72,7 +71,7 @@ def share_file(source: Path, path: Path) -> None:
         temp.unlink(missing_ok=True)
 
 
-def _atomic_write(path: Path, write, mode: str) -> None:
+def _atomic_write(path: Path, write) -> None:
     if path.is_dir():
         raise UserError(f"{str(path)!r} is a directory; give a file name.")
     try:  # a parent that is a file is one line too, as a full disk is
@@ -82,7 +81,7 @@ def _atomic_write(path: Path, write, mode: str) -> None:
     except OSError as exc:
         raise write_error(path, exc) from None
     try:
-        with os.fdopen(fd, mode) as f:
+        with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())

@@ -9,7 +9,8 @@ import torch
 from modules.config import TrainConfig, UserError
 from modules.models import build_model
 from modules.oom import MEMORY_MARGIN, is_out_of_memory, release
-from modules.trainer import autocast_dtype, make_optimizer, train_step
+from modules.device import autocast_dtype
+from modules.trainer import make_optimizer, train_step
 
 log = logging.getLogger(__name__)
 

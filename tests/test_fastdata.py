@@ -39,8 +39,7 @@ def test_decoding_a_large_split_is_said_as_it_starts(folder, monkeypatch, caplog
 def augment(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One batch augmented with parameters drawn from `generator`, as the loader draws them."""
     n, _, h, w = x.shape
-    return augment_with(x, fastdata._augment_params(n, h, w, generator, fastdata.IMAGENET_MEAN,
-                                                    fastdata.IMAGENET_STD))
+    return augment_with(x, fastdata._augment_params(n, h, w, generator))
 
 
 def _batch(n=16, size=24, seed=0):

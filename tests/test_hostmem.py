@@ -14,7 +14,7 @@ import torch
 
 from modules import hostmem
 from modules.config import TrainConfig, UserError
-from modules.trainer import apply_process_settings
+from modules.device import apply_process_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 glibc = pytest.mark.skipif(hostmem.candidates() == ["system"], reason="needs glibc malloc")

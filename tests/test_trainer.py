@@ -13,8 +13,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from modules.config import TrainConfig, UserError
 from modules.dataset import EpochSampler
+from modules.checkpoints import load_checkpoint
+from modules.device import autocast_dtype
 from modules.trainer import (METRIC_BATCHES, TIMING_WARMUP_STEPS, DivergedError, Progress,
-                             autocast_dtype, load_checkpoint, make_optimizer, make_scheduler,
+                             make_optimizer, make_scheduler,
                              set_seed, train)
 
 BASE = TrainConfig(model="resnet18", weights="none", image_size=16, epochs=3, batch_size=8,
