@@ -1103,14 +1103,12 @@ def estimate(args: RunOptions, index: DatasetIndex) -> dict[str, Any]:
             tuning *= search_cost(args, config.image_size)
             bound = search_budget(args, baseline_s)[0]
             tuning = tuning if bound is None else min(tuning, bound)
-        final = config.epochs * epoch_s
         for into, spent in ((scenarios, tuning), (least, min(tuning, fewest))):
             spent += decode
-            filled = final
+            epochs = config.epochs
             if args.match_time and args.epochs is None and baseline_s:
-                filled = min(max(final, TIME_SHARE * baseline_s - spent),
-                             MAX_EPOCH_FACTOR * final)  # as fill_time decides it
-            into[name] = spent + (0.0 if taken and into is least else filled) + test_s
+                epochs = filled_epochs(epochs, TIME_SHARE * baseline_s - spent, epoch_s)
+            into[name] = spent + (0.0 if taken and into is least else epochs * epoch_s) + test_s
     return {"device": str(device), "n_train": n_train, "decode_ms": 1e3 * decode_s,
             "scenarios": scenarios, "total_s": sum(scenarios.values()),
             "least": least, "least_total_s": sum(least.values())}
@@ -1186,7 +1184,7 @@ def fill_time(config: TrainConfig, name: str, args: RunOptions, output_dir: Path
         return dataclasses.replace(config, epochs=own)
     left = TIME_SHARE * baseline_s - tuning_s
     fit = int(left // epoch_s)
-    epochs = min(MAX_EPOCH_FACTOR * own, max(own, fit))
+    epochs = filled_epochs(own, left, epoch_s)
     if epochs != own:
         log.info("%s: %d epochs instead of %d: %s in %.0f%% of the baseline's %.0f s with %.0f "
                  "s of tuning in this scenario, at %.1f s per epoch measured while tuning "
@@ -1195,6 +1193,12 @@ def fill_time(config: TrainConfig, name: str, args: RunOptions, output_dir: Path
                  f"the most allowed ({MAX_EPOCH_FACTOR}x); {fit} would fit",
                  100 * TIME_SHARE, baseline_s, tuning_s, epoch_s)
     return dataclasses.replace(config, epochs=epochs)
+
+
+def filled_epochs(own: int, left_s: float, epoch_s: float) -> int:
+    """--match-time's epochs for a final run: as many as fit in the `left_s` seconds left,
+    at least its own, at most MAX_EPOCH_FACTOR times them (fill_time, and the estimate)."""
+    return min(MAX_EPOCH_FACTOR * own, max(own, int(left_s // epoch_s)))
 
 
 def baseline_seconds(args: RunOptions, output_dir: Path, index: DatasetIndex,
