@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from modules import hostmem
-from modules.config import NO_WORKERS, TrainConfig, UserError, first_line
+from modules.config import LEARNING_ONLY, NO_WORKERS, TrainConfig, UserError, first_line
 from modules.device import apply_process_settings, autocast_dtype, resolve_device, usable_cpus
 from modules.files import atomic_write_text, compile_failure, user_error, worker_free
 from modules.hardware import PROBE_BATCHES, max_batch_size
@@ -87,9 +87,6 @@ class _Choice(NamedTuple):
 # Choices made in this process, by speed_key: a later scenario at the same size and batch
 # reuses them instead of measuring again.
 _RESULTS: dict[str, _Choice] = {}
-# Fields that change what a run learns but not how fast a step runs.
-_NOT_SPEED = ("weights", "epochs", "lr", "weight_decay", "momentum", "scheduler",
-              "warmup_epochs", "early_stopping_patience", "max_nonfinite_steps", "seed", "progress")
 
 
 class ComputeProbe:
@@ -1037,7 +1034,7 @@ def speed_key(config: TrainConfig, num_classes: int, fixed: frozenset[str] = fro
     """What an autotune choice depends on: the settings that change a step's speed (device,
     model, size, batch, the starting knobs), not what the run learns (lr, epochs ...); on the
     streaming path also the data, whose decoding the worker count is measured against."""
-    speed = {k: v for k, v in config.to_dict().items() if k not in _NOT_SPEED}
+    speed = {k: v for k, v in config.to_dict().items() if k not in LEARNING_ONLY}
     key = {"config": speed, "classes": num_classes, "fixed": sorted(fixed),
            "tune_batch": tune_batch, "cached_data": cached_data}
     if not cached_data and data_key:
@@ -1128,7 +1125,7 @@ def _source(choice: _Choice, run_id: str | None) -> str:
 
 def _with_run_fields(tuned: TrainConfig, start: TrainConfig) -> TrainConfig:
     """A reused choice, with this run's own training settings (lr, epochs, seed ...)."""
-    return dataclasses.replace(tuned, **{k: getattr(start, k) for k in _NOT_SPEED})
+    return dataclasses.replace(tuned, **{k: getattr(start, k) for k in LEARNING_ONLY})
 
 
 @functools.lru_cache(maxsize=1)  # the machine does not change within a process

@@ -37,6 +37,11 @@ DISPLAY_ONLY = frozenset({"progress"})
 SPEED_ONLY = frozenset({"amp", "channels_last", "compile", "optimizer_impl", "cpu_threads",
                         "cpu_allocator", "dropout_impl", "cache_decoded", "cudnn_benchmark",
                         "num_workers", "pin_memory", "persistent_workers", "prefetch_factor"})
+# TrainConfig fields that change what a run learns but not how fast a step runs: a speed
+# measured under other values of these holds (autotune's cache and reuse).
+LEARNING_ONLY = frozenset({"weights", "epochs", "lr", "weight_decay", "momentum", "scheduler",
+                           "warmup_epochs", "early_stopping_patience", "max_nonfinite_steps",
+                           "seed"}) | DISPLAY_ONLY
 
 
 class UserError(Exception):

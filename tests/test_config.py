@@ -50,6 +50,18 @@ def test_learning_settings_leave_out_only_the_speed_knobs():
         assert dataclasses.replace(base, **change).learning_settings() != base.learning_settings()
 
 
+def test_every_field_is_placed_as_speed_learning_or_both():
+    """The autotuner keeps a speed measured under other LEARNING_ONLY values, and a trial's
+    weights continue under other SPEED_ONLY values: a field added to TrainConfig and to
+    neither list is taken to change both, which must be said here, not left to chance."""
+    from modules.config import LEARNING_ONLY, SPEED_ONLY
+    both = {"model", "image_size", "batch_size", "grad_accum_steps", "optimizer",
+            "max_grad_norm", "device"}
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    assert not SPEED_ONLY & LEARNING_ONLY and not both & (SPEED_ONLY | LEARNING_ONLY)
+    assert fields == SPEED_ONLY | LEARNING_ONLY | both
+
+
 def test_numpy_values_and_paths_are_kept_as_builtin_types_a_checkpoint_reads_back(tmp_path):
     # a checkpoint holds the config, read back with torch.load(weights_only=True)
     config = TrainConfig(lr=np.logspace(-3, -2, 2)[0], batch_size=np.int64(8),
