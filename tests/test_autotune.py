@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from modules import autotune as at, hostmem, models
+from modules import autotune as at, deadline, hostmem, models
 from modules.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -389,7 +389,7 @@ def _never_answers(seconds, conn):
 def test_a_child_past_its_deadline_is_killed():
     import time
     started = time.perf_counter()
-    finished, answer = at.run_with_deadline(_never_answers, (60,), 2.0)
+    finished, answer = deadline.run_with_deadline(_never_answers, (60,), 2.0)
     assert (finished, answer) == (False, None)
     assert time.perf_counter() - started < 15  # spawn start-up included, not the 60 s
 
@@ -412,11 +412,11 @@ def _running(pid: int) -> bool:
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
 def test_a_child_that_dies_does_not_leave_its_workers_running(tmp_path):
     pid_file = tmp_path / "worker.pid"
-    finished, answer = at.run_with_deadline(_crashes_leaving_a_worker, (str(pid_file),), 60)
+    finished, answer = deadline.run_with_deadline(_crashes_leaving_a_worker, (str(pid_file),), 60)
     assert finished and "died (exit code 139)" in answer["error"]
     pid = int(pid_file.read_text())
-    deadline = time.monotonic() + 5
-    while _running(pid) and time.monotonic() < deadline:
+    waits_until = time.monotonic() + 5
+    while _running(pid) and time.monotonic() < waits_until:
         time.sleep(0.05)
     alive = _running(pid)
     if alive:
@@ -1010,9 +1010,9 @@ def test_the_deadline_child_does_not_run_an_unguarded_script_again(tmp_path):
         import sys
         sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / "tests" / "helpers")!r}]
         import deadline_child
-        from modules import autotune
+        from modules import deadline
         print("script body runs", flush=True)
-        print(autotune.run_with_deadline(deadline_child.answer, ({{"img_s": 1.5}},), 60))
+        print(deadline.run_with_deadline(deadline_child.answer, ({{"img_s": 1.5}},), 60))
     """))
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                          timeout=120, cwd=tmp_path)
@@ -1030,8 +1030,8 @@ def test_the_deadline_child_imports_this_project_beside_a_users_modules_package(
         import sys
         sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / "tests" / "helpers")!r}]
         import deadline_child
-        from modules import autotune
-        print(autotune.run_with_deadline(deadline_child.answer, ({{"ok": True}},), 60))
+        from modules import deadline
+        print(deadline.run_with_deadline(deadline_child.answer, ({{"ok": True}},), 60))
     """))
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                          timeout=120, cwd=tmp_path)
@@ -1168,9 +1168,9 @@ def test_the_compile_child_ends_when_its_parent_is_killed(tmp_path):
     script.write_text(textwrap.dedent(f"""
         import sys
         sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / "tests")!r}]
-        from modules import autotune
+        from modules import deadline
         from test_autotune import _never_answers
-        autotune.run_with_deadline(_never_answers, (300,), 300)
+        deadline.run_with_deadline(_never_answers, (300,), 300)
     """))
     parent = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path)
     try:

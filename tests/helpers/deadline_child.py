@@ -1,4 +1,4 @@
-"""A target for autotune.run_with_deadline that a fresh process can import (tests)."""
+"""A target for deadline.run_with_deadline that a fresh process can import (tests)."""
 
 
 def answer(value, conn):
