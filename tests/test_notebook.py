@@ -626,3 +626,31 @@ def test_the_result_cells_take_from_earlier_cells_only_what_the_run_cells_set():
             assert taken <= set(pipeline.SET_BY_RUN_CELLS), (i, taken)
         (defined_early.update(own) if i <= options else
          defined_late.update(dict.fromkeys(own - defined_early, i)))
+
+
+def test_tensorboard_is_started_on_folders_every_run_shares(tmp_path, capsys):
+    """Jupyter's %tensorboard reuses a server only for the same arguments: the profiler cell
+    gave it this run's folder, so every profiled run in one session started one more server
+    (about 120 MB each), none of them ever stopped."""
+    import re
+    import types
+    import pipeline
+    started = {}
+    for run_id in ("20260101-000000", "20260101-000100"):
+        trace = pipeline.run_folder(tmp_path, "profiler", run_id) / "baseline" / "x.pt.trace.json"
+        trace.parent.mkdir(parents=True)
+        trace.write_text("{}")
+        for cell in cells():
+            text = source(cell)
+            if cell["cell_type"] != "code" or "%tensorboard" not in text:
+                continue
+            logdirs = []
+            code = re.sub(r'%tensorboard --logdir "(.*)"', r'_logdir(f"\1")', text)
+            code = re.sub(r"^(\s*)%load_ext .*$", r"\1pass", code, flags=re.M)
+            exec(code, {"pipeline": pipeline, "output_dir": tmp_path, "RUN_ID": run_id,
+                        "OPEN_TENSORBOARD": True, "_logdir": logdirs.append,
+                        "args": types.SimpleNamespace(output_dir=str(tmp_path), profile=True)})
+            assert logdirs, cell["id"]
+            started.setdefault(cell["id"], set()).update(logdirs)
+    capsys.readouterr()
+    assert len(started) == 2 and all(len(dirs) == 1 for dirs in started.values()), started
