@@ -206,11 +206,12 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
                       carried=progress.timing if progress.resumed_from is not None else None)
     epochs = _Epochs(model, optimizer, scheduler, scaler, config, device, dtype, progress, timer,
                      profiler)
-    # a finished run resumed trains nothing: it purges nothing (its folder may hold the
-    # scalars of another scenario's final run that it took, with more epochs)
+    # a finished run resumed trains nothing: it opens no event file (each --resume left an
+    # empty one) and purges nothing (its folder may hold the scalars of another scenario's
+    # final run that it took, with more epochs)
     writer = _summary_writer(run_dir if distributed.is_main() else None, config,
-                             first_step=progress.start_epoch + 1
-                             if progress.start_epoch < config.epochs else None)
+                             first_step=progress.start_epoch + 1) \
+        if progress.start_epoch < config.epochs else None
     elapsed_before, stopped_early, profiled_before = progress.elapsed_s, False, 0.0
     try:  # the event file is closed however the loop ends (pruned, diverged, Ctrl-C)
         for epoch in range(progress.start_epoch, config.epochs):
@@ -746,7 +747,7 @@ def _more_splits(splits: int, failed_y: torch.Tensor, config: TrainConfig,
     return splits
 
 
-def _summary_writer(run_dir, config: TrainConfig, first_step: int | None = 1):
+def _summary_writer(run_dir, config: TrainConfig, first_step: int = 1):
     """TensorBoard's writer for run_dir; what an earlier session logged from first_step (the
     epoch this one starts at) on is dropped: it logged an epoch whose checkpoint it did not
     live to write, which this session trains again."""

@@ -667,7 +667,7 @@ def test_an_epoch_logged_before_its_checkpoint_was_cut_shows_once_after_resume(t
 def test_a_finished_run_resumed_purges_no_scalars(tmp_path):
     """Resumed after it finished, a run trains nothing and must drop nothing: its folder may
     hold the scalars of another scenario's final run it took, with more epochs (the hpo row
-    taking the resolution's)."""
+    taking the resolution's). Nor does it add an empty event file, as each --resume did."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from torch.utils.tensorboard import SummaryWriter
     config = dataclasses.replace(BASE, epochs=2)
@@ -676,7 +676,10 @@ def test_a_finished_run_resumed_purges_no_scalars(tmp_path):
     with SummaryWriter(str(tmp_path / "run")) as taken:  # a longer run's epochs 3 and 4
         for step in (3, 4):
             taken.add_scalar("train/loss", 1.0, step)
-    assert fit(config, resume=True, **kwargs).resumed_from_epoch == 2
+    files = sorted((tmp_path / "run").glob("events.out.tfevents.*"))
+    for _ in range(2):
+        assert fit(config, resume=True, **kwargs).resumed_from_epoch == 2
+    assert sorted((tmp_path / "run").glob("events.out.tfevents.*")) == files
     events = EventAccumulator(str(tmp_path / "run"))
     events.Reload()
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4]
