@@ -943,10 +943,10 @@ def test_a_chart_or_report_that_fills_the_disk_leaves_the_earlier_one(tmp_path, 
         plot_comparison(histories, tmp_path)
     real = files._atomic_write
 
-    def html_full(path, write, mode):  # the page's own write fails
+    def html_full(path, write):  # the page's own write fails
         if path.suffix == ".html":
             raise files.write_error(path, OSError(errno.ENOSPC, "No space left on device"))
-        real(path, write, mode)
+        real(path, write)
     monkeypatch.setattr(files, "_atomic_write", html_full)
     import plotly.graph_objects as go
     with pytest.raises(UserError, match="^no space left"):

@@ -249,9 +249,9 @@ def test_ctrl_c_inside_torch_save_is_an_interrupt_not_a_corrupt_file(tmp_path, m
         return write
     with pytest.raises(KeyboardInterrupt):
         files._atomic_write(path, failing(OSError(errno.EIO, "Input/output error"),
-                                          KeyboardInterrupt()), "wb")
+                                          KeyboardInterrupt()))
     with pytest.raises(TypeError, match="a bug"):
-        files._atomic_write(path, failing(KeyboardInterrupt(), TypeError("a bug")), "wb")
+        files._atomic_write(path, failing(KeyboardInterrupt(), TypeError("a bug")))
     assert path.read_bytes() == before and not list(tmp_path.glob(".*.tmp"))
 
 
