@@ -26,7 +26,7 @@ from modules.checkpoints import save_weights
 from modules.config import TrainConfig, UserError, first_line
 from modules.dataset import DatasetIndex
 from modules.device import resolve_device
-from modules.files import atomic_save_figure, atomic_write_text
+from modules.files import atomic_save_figure, atomic_write_text, io_failed
 from modules.oom import release
 from modules.report import figure, finite_number
 from modules.selection import (accuracy_se, beats, chance_words, clearly_ahead, informative,
@@ -271,6 +271,8 @@ class ResolutionTuner:
             return {_config_key(TrainConfig(**json.loads(e["config"]))): ResolutionTrial(**e["trial"])
                     for e in saved["trials"]}
         except (OSError, ValueError, KeyError, TypeError, UserError) as exc:
+            if (failed := io_failed(self.journal, exc)) is not None:
+                raise failed from None  # the sizes it holds would all be trained again
             log.info("resolution tuning: cannot reuse %s (%s); training every size",
                      self.journal, exc)
             return {}

@@ -38,7 +38,7 @@ from modules.device import (apply_process_settings, autocast_dtype, process_sett
                             resolve_device, usable_cpus)
 from modules.evaluation import evaluate
 from modules.fastdata import cache_fits, keep_sizes
-from modules.files import (atomic_write_text, folder_lock, kept_file, name_folder,
+from modules.files import (atomic_write_text, folder_lock, io_failed, kept_file, name_folder,
                            refuse_if_in_use, resolved, run_log, share_file)
 from modules.hardware import max_batch_size
 from modules.models import pinned_weights_file, possible_starts, start_weights, weights_file
@@ -530,7 +530,9 @@ def read_clock(path: Path) -> float:
     Python (a lost Colab VM) recorded them up to CLOCK_EVERY_S before it ended (ticking)."""
     try:
         return max(0.0, float(json.loads(path.read_text())["tuning_s"]))
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        if (failed := io_failed(path, exc)) is not None:
+            raise failed from None  # not "none recorded": the row would drop those seconds
         return 0.0
 
 
@@ -541,7 +543,9 @@ def read_sessions(path: Path) -> list[list[float]]:
     try:
         sessions = json.loads(path.read_text())["sessions"]
         return [[float(at), float(clock)] for at, clock in sessions]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        if (failed := io_failed(path, exc)) is not None:
+            raise failed from None
         return []
 
 

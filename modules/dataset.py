@@ -27,6 +27,7 @@ from torchvision.transforms import functional as TF
 from modules import distributed
 from modules.config import IMAGENET_MEAN, IMAGENET_STD, TrainConfig, UserError, first_line
 from modules.device import usable_cpus
+from modules.files import IO_FAILED, io_failed
 
 # Images between PIL's limit and twice it are used (beyond, they are skipped as bombs); its
 # warning for each one says nothing the user can act on.
@@ -619,7 +620,19 @@ def _file_identity(entry: os.DirEntry, real: str) -> str:
 
 def check_image(path: Path, sizes: dict[str, int] | None = None) -> str | None:
     """None when the file decodes, else a short reason. JPEGs decode at reduced scale (fast).
-    `sizes` gets the file's size in bytes by its path (for DatasetIndex.fingerprint)."""
+    `sizes` gets the file's size in bytes by its path (for DatasetIndex.fingerprint). A read
+    the disk or drive failed (IO_FAILED) is tried once more, then stops the run: skipped, a
+    readable image would leave the data set, and a resume would refuse the run as other data."""
+    try:
+        return _check_image(path, sizes)
+    except OSError:
+        try:
+            return _check_image(path, sizes)
+        except OSError as exc:
+            raise io_failed(path, exc) from None
+
+
+def _check_image(path: Path, sizes: dict[str, int] | None) -> str | None:
     try:
         size = path.stat().st_size
         if sizes is not None:
@@ -638,6 +651,8 @@ def check_image(path: Path, sizes: dict[str, int] | None = None) -> str | None:
     except Image.DecompressionBombError:
         return "too large (decompression bomb guard)"
     except OSError as exc:
+        if exc.errno in IO_FAILED:
+            raise  # check_image's to try again
         msg = str(exc)
         return "truncated" if "truncated" in msg.lower() else ("not an image" if "identify" in msg else msg[:60])
     except Exception as exc:  # PIL raises assorted errors for malformed headers

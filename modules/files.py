@@ -254,6 +254,23 @@ class ReadFailed(UserError):
     memory): not proof that it is damaged, so nothing should set it aside or replace it."""
 
 
+# The disk or network drive failed the read or write (a Google Drive mount's hiccup): not the
+# file's fault, nor proof that it is missing or damaged.
+IO_FAILED = tuple(code for code in (errno.EIO, errno.ETIMEDOUT, errno.ESTALE, errno.ENOTCONN,
+                                    getattr(errno, "EREMOTEIO", None)) if code is not None)
+
+
+def io_failed(path: Path | str | None, exc: BaseException) -> ReadFailed | None:
+    """The one line for an I/O error of the disk or drive (IO_FAILED); None for any other
+    error. A caller that reads a file it may do without raises this rather than going on as
+    if the file were missing: a resume would train again, or count, what it holds."""
+    if getattr(exc, "errno", None) not in IO_FAILED:
+        return None
+    what = "a file of the run" if path is None else repr(str(path))
+    return ReadFailed(f"could not read or write {what} ({exc.strerror or 'I/O error'}): the "
+                      f"disk or network drive failed; check it, then {RESUME[5:]}")
+
+
 def read_torch_file(path: Path, what: str, remedy: str = "") -> Any:
     """torch.load without code execution (weights_only); `what` names the file in errors, and
     `remedy` says what to do with one that is not readable."""
@@ -516,6 +533,8 @@ def user_error(exc: BaseException) -> str | None:
     keeps its traceback."""
     if isinstance(exc, UserError):
         return worker_free(str(exc), exc)
+    if (failed := io_failed(getattr(exc, "filename", None), exc)) is not None:
+        return str(failed)
     if isinstance(exc, OSError) and exc.errno in UNWRITABLE:
         return str(write_error(exc.filename, exc, in_run=True))
     if isinstance(exc, (OSError, RuntimeError, MemoryError)):

@@ -20,7 +20,7 @@ from modules.dataset import DatasetIndex
 from modules.device import native_bf16_cpu, usable_cpus
 from modules.diagnosis import diagnose
 from modules.fastdata import CachedLoader, total_ram
-from modules.files import ReadFailed, atomic_write_text
+from modules.files import ReadFailed, atomic_write_text, io_failed
 from modules.model_files import read_meta, save_model
 from modules.models import (UNREACHABLE_START, keep_random_start, resolved_start,
                             start_weights)
@@ -479,7 +479,9 @@ def earlier_rows(path: Path) -> list[dict[str, Any]]:
     """The rows of an earlier results.json; none when it is missing or unreadable."""
     try:
         return (_parse_rows(path.read_bytes()) or []) if path.exists() else []
-    except OSError:
+    except OSError as exc:
+        if (failed := io_failed(path, exc)) is not None:
+            raise failed from None  # a finished row's figures would be replaced
         return []
 
 

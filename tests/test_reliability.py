@@ -1007,3 +1007,75 @@ def test_a_finished_run_is_not_resumed_into_scenarios_it_did_not_have(tmp_path):
     mark_finished(out, unfinished)
     assert start_run(out, index, resume=True, command="",
                      scenarios=["baseline", "hpo"]) == unfinished
+
+
+def _eio(path=None):
+    return OSError(errno.EIO, "Input/output error", None if path is None else str(path))
+
+
+def test_an_image_the_drive_failed_to_read_is_read_again_not_skipped(tmp_path, monkeypatch):
+    """One read error of a network drive (a Google Drive mount's) during indexing was taken
+    for an undecodable image: skipped, it left the data set one image short, and a --resume
+    of that run was then refused as 'other images'. It is read again; a drive that keeps
+    failing stops the run in one line, with nothing skipped."""
+    from modules import dataset
+    from modules.files import ReadFailed
+    root = make_folder(tmp_path / "d", layout="class folders", n_train=6, n_test=2)
+    opened = Image.open
+    failing = {str(next(root.rglob("*.jpg"))): 1}
+
+    def drive(path, *a, **k):
+        if failing.get(str(path), 0) > 0:
+            failing[str(path)] -= 1
+            raise _eio(path)
+        return opened(path, *a, **k)
+    monkeypatch.setattr(dataset.Image, "open", drive)
+    index = index_dataset(root, "d")
+    assert not index.skipped and index.n_images() == 24
+    failing = {path: 2 for path in failing}  # it keeps failing
+    with pytest.raises(ReadFailed, match=r"could not read or write '.*' \(Input/output error\)"
+                                         r": the disk or network drive failed; check it, then "
+                                         r"rerun with --resume"):
+        index_dataset(root, "d")
+
+
+def test_a_resume_that_cannot_read_its_run_files_stops_rather_than_redo(tmp_path):
+    """A resume that met a read error on its tuning clock, its resolution trials' journal or
+    results.json went on as if the file were missing: its tuning seconds dropped from the row,
+    every size trained again, a finished row's figures replaced. A file that is missing still
+    reads as none."""
+    from unittest import mock
+    import scenario
+    from modules import results
+    from modules.files import ReadFailed
+    from resolution_tuner import ResolutionTuner
+    for read, path, missing in (
+            (scenario.read_clock, tmp_path / "clock.json", 0.0),
+            (scenario.read_sessions, tmp_path / "clock.json", []),
+            (results.earlier_rows, tmp_path / "results.json", [])):
+        assert read(path) == missing
+        path.write_text("{}")
+        with mock.patch.object(Path, "read_text", side_effect=_eio(path)), \
+                mock.patch.object(Path, "read_bytes", side_effect=_eio(path)), \
+                pytest.raises(ReadFailed, match="Input/output error"):
+            read(path)
+        path.unlink()
+    tuner = ResolutionTuner.__new__(ResolutionTuner)
+    tuner.journal = tmp_path / "resolution.tuning.json"
+    tuner.journal.write_text("{}")
+    with mock.patch.object(Path, "read_text", side_effect=_eio(tuner.journal)), \
+            pytest.raises(ReadFailed, match="resolution.tuning.json"):
+        tuner._journaled()
+
+
+def test_an_io_error_outside_the_atomic_writers_is_one_line(capsys):
+    """A report copied, results.json read, TensorBoard's event file written: an I/O error
+    there ended the run with a traceback; like a full disk, it is one line."""
+    from modules.files import user_error
+    said = user_error(_eio("/out/runs/r/report/report.md"))
+    assert said.startswith("could not read or write '/out/runs/r/report/report.md' (Input/"
+                           "output error): the disk or network drive failed")
+    assert "--resume" in said and "\n" not in said
+    assert user_error(OSError(errno.EIO, "Input/output error")).startswith(
+        "could not read or write a file of the run")
+
