@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import sys
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -206,14 +207,16 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
                       carried=progress.timing if progress.resumed_from is not None else None)
     epochs = _Epochs(model, optimizer, scheduler, scaler, config, device, dtype, progress, timer,
                      profiler)
-    # a finished run resumed trains nothing: it opens no event file (each --resume left an
-    # empty one) and purges nothing (its folder may hold the scalars of another scenario's
-    # final run that it took, with more epochs)
-    writer = _summary_writer(run_dir if distributed.is_main() else None, config,
-                             first_step=progress.start_epoch + 1) \
-        if progress.start_epoch < config.epochs else None
     elapsed_before, stopped_early, profiled_before = progress.elapsed_s, False, 0.0
+    said_by_thread, writer = threading.excepthook, None
+    threading.excepthook = _writer_errors_said_once(said_by_thread)
     try:  # the event file is closed however the loop ends (pruned, diverged, Ctrl-C)
+        # a finished run resumed trains nothing: it opens no event file (each --resume left
+        # an empty one) and purges nothing (its folder may hold the scalars of another
+        # scenario's final run that it took, with more epochs)
+        if progress.start_epoch < config.epochs:
+            writer = _summary_writer(run_dir if distributed.is_main() else None, config,
+                                     first_step=progress.start_epoch + 1)
         for epoch in range(progress.start_epoch, config.epochs):
             epoch_start = time.perf_counter()
             row = epochs.train_one(train_loader, epoch)
@@ -262,8 +265,11 @@ def train(model: nn.Module, train_loader, val_loader, config: TrainConfig, *,
                          100 * progress.best["acc"])
                 break
     finally:
-        if writer is not None:
-            writer.close()
+        try:
+            if writer is not None:
+                writer.close()
+        finally:
+            threading.excepthook = said_by_thread
     if progress.best["state"] is not None:
         model.load_state_dict(progress.best["state"])
     history, best = progress.history, progress.best
@@ -745,6 +751,18 @@ def _more_splits(splits: int, failed_y: torch.Tensor, config: TrainConfig,
                 "more accumulation: the effective batch stays %d%s", before, config.image_size,
                 micro, splits, config.effective_batch_size, norm)
     return splits
+
+
+def _writer_errors_said_once(hook):
+    """threading.excepthook, less the traceback of TensorBoard's writer thread: its error (a
+    full disk) is raised again in the training loop's next write, which ends the run with one
+    line; printed from the thread as well, it came first, as a traceback."""
+    def said_once(args) -> None:
+        if type(args.thread).__name__ == "_AsyncWriterThread" and \
+                isinstance(args.exc_value, OSError):
+            return
+        hook(args)
+    return said_once
 
 
 def _summary_writer(run_dir, config: TrainConfig, first_step: int = 1):

@@ -685,6 +685,28 @@ def test_a_finished_run_resumed_purges_no_scalars(tmp_path):
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4]
 
 
+def test_tensorboards_writer_thread_prints_no_traceback_for_a_full_disk(tmp_path, monkeypatch):
+    """TensorBoard writes its event file from a thread of its own; a full disk there printed
+    that thread's traceback before the run ended with its one line (the error is raised again
+    in the training loop, which says it)."""
+    import errno
+    import threading
+    from tensorboard.summary.writer import record_writer
+    calls = []
+
+    def full(self, data):
+        calls.append(1)
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(record_writer.RecordWriter, "write", full)
+    printed = []
+    hook = printed.append  # what threading would print, as its default hook does
+    monkeypatch.setattr(threading, "excepthook", hook)
+    with pytest.raises(OSError) as ended:
+        fit(dataclasses.replace(BASE, epochs=3), run_dir=tmp_path / "run")
+    assert calls and ended.value.errno == errno.ENOSPC
+    assert printed == [] and threading.excepthook is hook  # as it was, once the run ended
+
+
 def test_a_stopped_run_closes_its_tensorboard_file(tmp_path, monkeypatch):
     """A pruned trial (on_epoch raises) leaves no writer thread or open event file behind in
     the notebook's kernel."""
