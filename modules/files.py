@@ -535,6 +535,12 @@ def user_error(exc: BaseException) -> str | None:
         return worker_free(str(exc), exc)
     if (failed := io_failed(getattr(exc, "filename", None), exc)) is not None:
         return str(failed)
+    if isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EPERM) and \
+            exc.filename is not None and os.path.isfile(exc.filename) and \
+            not os.access(exc.filename, os.R_OK):
+        # a read refused (a results.json a Docker run left root's), not a write
+        return (f"cannot read {str(exc.filename)!r} ({exc.strerror}): fix its permissions "
+                f"(a file another user made?), {RESUME}")
     if isinstance(exc, OSError) and exc.errno in UNWRITABLE:
         return str(write_error(exc.filename, exc, in_run=True))
     if isinstance(exc, (OSError, RuntimeError, MemoryError)):

@@ -1079,3 +1079,19 @@ def test_an_io_error_outside_the_atomic_writers_is_one_line(capsys):
     assert user_error(OSError(errno.EIO, "Input/output error")).startswith(
         "could not read or write a file of the run")
 
+
+
+def test_a_file_the_run_may_not_read_is_not_called_unwritable(tmp_path, monkeypatch):
+    """A results.json another user left (a Docker run's, root's) that the run may not read was
+    said to be one it 'cannot write', with a fix for a folder."""
+    from modules.files import user_error
+    kept = tmp_path / "results.json"
+    kept.write_text("[]")
+    refused = PermissionError(errno.EACCES, "Permission denied", str(kept))
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    assert user_error(refused) == (
+        f"cannot read {str(kept)!r} (Permission denied): fix its permissions (a file another "
+        "user made?), then rerun with --resume to continue (what was written before stays "
+        "intact).")
+    monkeypatch.undo()  # a file it may read: the write was refused
+    assert user_error(refused).startswith(f"cannot write {str(kept)!r} (Permission denied)")
