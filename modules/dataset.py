@@ -629,7 +629,7 @@ def check_image(path: Path, sizes: dict[str, int] | None = None) -> str | None:
         try:
             return _check_image(path, sizes)
         except OSError as exc:
-            raise io_failed(path, exc) from None
+            raise (io_failed(path, exc) or exc) from None
 
 
 def _check_image(path: Path, sizes: dict[str, int] | None) -> str | None:
