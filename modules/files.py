@@ -268,7 +268,7 @@ def io_failed(path: Path | str | None, exc: BaseException) -> ReadFailed | None:
         return None
     what = "a file of the run" if path is None else repr(str(path))
     return ReadFailed(f"could not read or write {what} ({exc.strerror or 'I/O error'}): the "
-                      f"disk or network drive failed; check it, then {RESUME[5:]}")
+                      f"disk or network drive failed; check it, {RESUME}")
 
 
 def read_torch_file(path: Path, what: str, remedy: str = "") -> Any:
