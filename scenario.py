@@ -529,10 +529,8 @@ def read_clock(path: Path) -> float:
     that a resumed row's time counts them; 0 when none was recorded. A session killed outside
     Python (a lost Colab VM) recorded them up to CLOCK_EVERY_S before it ended (ticking)."""
     try:
-        return max(0.0, float(json.loads(path.read_text())["tuning_s"]))
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        if (failed := io_failed(path, exc)) is not None:
-            raise failed from None  # not "none recorded": the row would drop those seconds
+        return max(0.0, float(_clock_file(path)["tuning_s"]))
+    except (ValueError, KeyError, TypeError):
         return 0.0
 
 
@@ -541,12 +539,20 @@ def read_sessions(path: Path) -> list[list[float]]:
     start, the clock's seconds then] each (lineage places a trial's epochs by them); none
     when unreadable or written by a version without them."""
     try:
-        sessions = json.loads(path.read_text())["sessions"]
-        return [[float(at), float(clock)] for at, clock in sessions]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return [[float(at), float(clock)] for at, clock in _clock_file(path)["sessions"]]
+    except (ValueError, KeyError, TypeError):
+        return []
+
+
+def _clock_file(path: Path) -> Any:
+    """What a tuning clock's file holds; None where there is none that reads. A read the disk
+    or drive failed stops the run instead: taken for none, the row would drop those seconds."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
         if (failed := io_failed(path, exc)) is not None:
             raise failed from None
-        return []
+        return None
 
 
 CLOCK_EVERY_S = 10.0  # how often a tuning session records its seconds so far
