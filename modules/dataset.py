@@ -1033,9 +1033,18 @@ class ImageListDataset(Dataset):
         try:
             img = load_rgb(path)
         except Exception as exc:
-            raise UserError(f"image {path!r} became unreadable during training "
-                            f"({type(exc).__name__}); re-run to re-index the folder.") from None
+            raise became_unreadable(path, exc, "during training") from None
         return self.transform(img), label
+
+
+def became_unreadable(path: str, exc: BaseException, when: str) -> UserError:
+    """The one line for an indexed image that could no longer be read: a drive's hiccup is the
+    drive's line (--resume continues); an image removed or changed names why, and both ways on."""
+    if (failed := io_failed(path, exc)) is not None:
+        return failed
+    why = getattr(exc, "strerror", None) or first_line(exc)
+    return UserError(f"image {path!r} became unreadable {when} ({why}): restore it and rerun "
+                     "with --resume, or rerun without --resume to index the folder again.")
 
 
 class EpochSampler(Sampler[int]):

@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from PIL import Image
 
 from modules import distributed, hostmem
-from modules.config import IMAGENET_MEAN, IMAGENET_STD, TrainConfig, UserError
-from modules.dataset import (CHECK_SAID_FROM, Sample, drops_last, eval_sampler, load_rgb,
-                             train_sampler)
+from modules.config import IMAGENET_MEAN, IMAGENET_STD, TrainConfig
+from modules.dataset import (CHECK_SAID_FROM, Sample, became_unreadable, drops_last, eval_sampler,
+                             load_rgb, train_sampler)
 from modules.device import resolve_device, usable_cpus
 from modules.oom import MEMORY_MARGIN, OutOfMemoryError, is_out_of_memory, release
 
@@ -72,8 +72,7 @@ def decode_resized(path: str, size: int) -> np.ndarray:
             rgb = rgb.resize((size, size), Image.BILINEAR)
         return np.array(rgb, dtype=np.uint8)  # a writable copy, owned by the array
     except Exception as exc:
-        raise UserError(f"image {path!r} became unreadable while caching ({type(exc).__name__}); "
-                        "re-run to re-index the folder.") from None
+        raise became_unreadable(path, exc, "while caching") from None
 
 
 def cache_bytes(n_images: int, size: int) -> int:

@@ -985,3 +985,23 @@ def test_a_val_folder_copied_from_test_is_refused_in_one_line(tmp_path, quick):
             index_subset(root, "v", lambda n: {"train": 10, "val": 3, "test": 4})
         else:
             index_dataset(root, "v")
+
+
+def test_an_image_lost_during_training_says_why_and_how_to_go_on(tmp_path, monkeypatch):
+    """An image removed mid-run names the reason and both ways on; a drive's read error is
+    the drive's one line, which --resume continues, not a reason to index again."""
+    import errno
+
+    from modules.files import ReadFailed
+    gone = tmp_path / "a.png"
+    data = dataset.ImageListDataset([(str(gone), 0)], transform=lambda img: img)
+    with pytest.raises(UserError, match=r"became unreadable during training \(No such file "
+                       r"or directory\): restore it and rerun with --resume, or rerun without"):
+        data[0]
+
+    def drive_failed(path):
+        raise OSError(errno.EIO, "Input/output error", path)
+    monkeypatch.setattr(dataset, "load_rgb", drive_failed)
+    with pytest.raises(ReadFailed, match=r"^could not read or write '.*a\.png' \(Input/output "
+                       r"error\): the disk or network drive failed; .*--resume"):
+        data[0]
