@@ -4,13 +4,12 @@ scenario's diagnosis."""
 from __future__ import annotations
 
 import math
-import shutil
 from pathlib import Path
 from typing import Any
 
 from modules.config import UserError
 from modules.dataset import load_rgb
-from modules.files import atomic_save_figure, atomic_write_text
+from modules.files import atomic_save_figure, atomic_write_text, share_file
 from modules.model_files import load_model
 from modules.prediction import predict
 
@@ -412,7 +411,7 @@ def write_report(rows: list[dict[str, Any]], out_dir: Path,
         copy_to.mkdir(parents=True, exist_ok=True)
         for name in (REPORT_MD, *charts, *also):
             if (out_dir / name).is_file():
-                shutil.copy2(out_dir / name, copy_to / name)
+                share_file(out_dir / name, copy_to / name)
     return path
 
 

@@ -1095,3 +1095,28 @@ def test_a_file_the_run_may_not_read_is_not_called_unwritable(tmp_path, monkeypa
         "intact).")
     monkeypatch.undo()  # a file it may read: the write was refused
     assert user_error(refused).startswith(f"cannot write {str(kept)!r} (Permission denied)")
+
+
+def test_the_run_s_copy_of_its_report_is_whole_or_absent(tmp_path, monkeypatch):
+    """runs/<run>/report/ got a plain copy: a disk that filled mid-copy left half a report.md
+    there (on Google Drive, which has no hard links, every copy is a copy)."""
+    import shutil
+
+    from modules.config import UserError
+    from modules.report import write_report
+    out, copy_to = tmp_path / "out", tmp_path / "out" / "runs" / "r" / "report"
+    out.mkdir()
+
+    def no_links(*args, **kwargs):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    def half(source, target, *args, **kwargs):
+        target.write(b"# half a report")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "link", no_links)
+    monkeypatch.setattr(shutil, "copyfileobj", half)
+    monkeypatch.setattr(shutil, "_fastcopy_sendfile", half, raising=False)
+    with pytest.raises(UserError, match="^no space left on the device holding "):
+        write_report([], out, copy_to=copy_to)
+    assert (out / "report.md").is_file()
+    assert [p.name for p in copy_to.iterdir()] == []
