@@ -1513,6 +1513,33 @@ def test_the_estimate_covers_every_scenario_and_match_times_fill(small, tmp_path
     assert unfilled["resolution"] == pytest.approx(plain["scenarios"]["resolution"], rel=1e-3)
 
 
+def test_the_estimate_s_range_never_runs_backwards_and_counts_a_final_run(tmp_path,
+                                                                          monkeypatch):
+    """--match-time fills each end to within an epoch of 80% of the baseline's time, so the
+    shorter tuning's total came out the larger ("resolution 4.4-4.3 min"); and the shorter hpo
+    figure left out its final run, which it trains unless the fill gives it the resolution
+    final run's epochs (a run read "hpo 0.2-1.7 min" and took 2.2)."""
+    data = make_folder(tmp_path / "data", layout="class folders", n_train=60, n_test=0)
+    monkeypatch.setattr(scenario, "train_transform", lambda size: lambda image: image)
+    monkeypatch.setattr(scenario, "load_rgb", lambda path: None)
+    argv = ["--data-dir", str(data), "--quick", "--weights", "none",
+            "--output-dir", str(tmp_path / "out")]
+    index = pipeline.load_data(pipeline.parse_args(argv), tmp_path / "out")
+    for slow, fast in ((5, 17), (13, 60)):
+        class Probe:
+            def __init__(self, config, num_classes, batch_size=None):
+                self.img_s = fast if config.cache_decoded else slow
+
+            def measure(self, **_):
+                return {"img_s": self.img_s}
+        monkeypatch.setattr(scenario, "ComputeProbe", Probe)
+        plan = pipeline.estimate(pipeline.parse_args(argv), index)
+        for name, seconds in plan["scenarios"].items():
+            assert plan["least"][name] <= seconds, (slow, fast, name)
+        if (slow, fast) == (5, 17):  # the two fills differ here: hpo trains its own
+            assert plan["least"]["hpo"] > 0.5 * plan["scenarios"]["hpo"]
+
+
 def test_the_estimate_reads_as_a_range_where_the_tuners_can_stop_early():
     """Every trial in full alone read 1.8x what a tuned scenario took (hpo: 97 s for 55)."""
     plan = {"device": "cpu", "scenarios": {"baseline": 75.6, "resolution": 79.0, "hpo": 96.7},
