@@ -777,7 +777,11 @@ def _summary_writer(run_dir, config: TrainConfig, first_step: int = 1):
     from torch.utils.tensorboard import (
         SummaryWriter,  # imported late: it loads TensorBoard
     )
-    return SummaryWriter(log_dir=str(run_dir), purge_step=first_step)
+    # Each epoch flushes its own scalars; flush_secs only bounds how long the writer's thread
+    # sleeps between looks at its queue. A Ctrl-C that lands inside the writer's queue code
+    # can cost that thread the wake-up for close()'s stop signal, and close() then waited out
+    # TensorBoard's default 120 s before the run said it was interrupted.
+    return SummaryWriter(log_dir=str(run_dir), purge_step=first_step, flush_secs=1)
 
 
 def prepare(index, config: TrainConfig, test: bool = True) -> tuple[nn.Module, Any, Any, Any]:

@@ -707,6 +707,24 @@ def test_tensorboards_writer_thread_prints_no_traceback_for_a_full_disk(tmp_path
     assert printed == [] and threading.excepthook is hook  # as it was, once the run ended
 
 
+def test_a_writer_that_missed_its_wake_up_still_closes_at_once(tmp_path):
+    """A Ctrl-C inside TensorBoard's queue code can cost its writer thread the wake-up for
+    close()'s stop signal: close() then waited out the thread's flush interval, 120 s by
+    default, before the run said it was interrupted."""
+    import threading
+    from modules.trainer import _summary_writer
+    writer = _summary_writer(tmp_path / "run", BASE)
+    writer.add_scalar("train/loss", 1.0, 1)
+    writer.flush()
+    queue = writer.file_writer.event_writer._async_writer._byte_queue
+    queue.not_empty.notify = lambda n=1: None  # the lost wake-up
+    closer = threading.Thread(target=writer.close, daemon=True)
+    started = time.perf_counter()
+    closer.start()
+    closer.join(timeout=20)
+    assert not closer.is_alive() and time.perf_counter() - started < 10
+
+
 def test_a_stopped_run_closes_its_tensorboard_file(tmp_path, monkeypatch):
     """A pruned trial (on_epoch raises) leaves no writer thread or open event file behind in
     the notebook's kernel."""
