@@ -19,10 +19,22 @@ import pytest
 import torch
 from PIL import Image
 
-# Tests must never reach the network, even where it exists.
+# Tests must never reach the network, even where it exists: every HTTP(S) request, the ImageNet
+# weights' download included, goes to a proxy that refuses it at once (a run started as a
+# subprocess inherits that), so a test meets the offline fallback on any machine, as in CI.
 os.environ.setdefault("KAGGLEHUB_CACHE", "/nonexistent-kagglehub-cache")
+for _name in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
+    os.environ[_name] = "http://127.0.0.1:9"  # the discard port: nothing listens
+os.environ["no_proxy"] = os.environ["NO_PROXY"] = "localhost,127.0.0.1"  # the notebook's browser
 if "OMP_NUM_THREADS" not in os.environ:  # a caller that sets it wins
     torch.set_num_threads(_THREADS)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _own_torch_home(tmp_path_factory):
+    """No test reads or fills the user's torch.hub cache (~/.cache/torch): weights cached
+    there would start a test's models from ImageNet where CI starts them at random."""
+    os.environ["TORCH_HOME"] = str(tmp_path_factory.mktemp("torch-home"))
 
 
 def write_image(path: Path, colour: tuple[int, int, int], size: int = 32, mode: str = "RGB",

@@ -24,7 +24,8 @@ def test_offline_imagenet_weights_fall_back_with_one_warning(tmp_path, monkeypat
 
     def offline(*_, **__):
         raise urllib.error.URLError("[Errno -2] Name or service not known")
-    monkeypatch.setattr(torch.hub, "load_state_dict_from_url", offline)
+    import torchvision.models._api as api  # what torchvision calls
+    monkeypatch.setattr(api, "load_state_dict_from_url", offline)
     with caplog.at_level(logging.WARNING):
         build_model("squeezenet1_1", 6, "imagenet")
         build_model("squeezenet1_1", 6, "imagenet")  # a tuner builds many: said once
