@@ -844,7 +844,10 @@ def test_ctrl_c_while_torch_loads_ends_without_a_traceback(tmp_path):
 def test_an_ignored_ctrl_c_stays_ignored(tmp_path):
     """A run started with SIGINT ignored (a background job of a script) is not stopped by it,
     neither while torch loads nor once the run has started."""
-    proc = subprocess.Popen([sys.executable, "pipeline.py", "--quick", "--output-dir",
+    data = make_folder(tmp_path / "data")  # epochs enough to outlast the test
+    proc = subprocess.Popen([sys.executable, "pipeline.py", "--data-dir", str(data),
+                             "--scenarios", "baseline", "--epochs", "500", "--image-size", "32",
+                             "--weights", "none", "--no-progress", "--output-dir",
                              str(tmp_path / "out")], cwd=ROOT, stderr=subprocess.DEVNULL,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
