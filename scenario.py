@@ -1069,9 +1069,9 @@ def estimate(args: RunOptions, index: DatasetIndex) -> dict[str, Any]:
     the per-epoch decode of the baseline and the one-time decode of the tuned scenarios),
     with --match-time's fill of the tuned final runs. "scenarios": every tuning run trained in
     full; "least": each stopped where it first can be (least_tuning_epochs), the fill then
-    longer, and a search after the resolution scenario taking that scenario's trial and
-    final run. The autotuner can make a tuned scenario's steps faster than the defaults timed
-    here, and early stopping end runs sooner. Without a baseline in this run, an earlier run's
+    longer, and a search after the resolution scenario taking that scenario's trial (and
+    its final run, where the fill gives both the same epochs). The autotuner can make a tuned
+    scenario's steps faster than the defaults timed here, and early stopping end runs sooner. Without a baseline in this run, an earlier run's
     in the output dir sets the search's time budget and the fill, as in the run."""
     device = resolve_device(args.device)
     n_train, n_val, n_test = len(index.train), len(index.val), len(index.test)

@@ -1527,8 +1527,8 @@ def test_the_estimate_s_range_never_runs_backwards_and_counts_a_final_run(tmp_pa
     index = pipeline.load_data(pipeline.parse_args(argv), tmp_path / "out")
     for slow, fast in ((5, 17), (13, 60)):
         class Probe:
-            def __init__(self, config, num_classes, batch_size=None):
-                self.img_s = fast if config.cache_decoded else slow
+            def __init__(self, config, num_classes, batch_size=None, speeds=(slow, fast)):
+                self.img_s = speeds[bool(config.cache_decoded)]
 
             def measure(self, **_):
                 return {"img_s": self.img_s}
