@@ -1069,10 +1069,12 @@ def estimate(args: RunOptions, index: DatasetIndex) -> dict[str, Any]:
     the per-epoch decode of the baseline and the one-time decode of the tuned scenarios),
     with --match-time's fill of the tuned final runs. "scenarios": every tuning run trained in
     full; "least": each stopped where it first can be (least_tuning_epochs), the fill then
-    longer, and a search after the resolution scenario taking that scenario's trial (and
-    its final run, where the fill gives both the same epochs). The autotuner can make a tuned
-    scenario's steps faster than the defaults timed here, and early stopping end runs sooner. Without a baseline in this run, an earlier run's
-    in the output dir sets the search's time budget and the fill, as in the run."""
+    longer, and a search after the resolution scenario taking that scenario's trial and
+    final run (as it does when it keeps the default and the fill gives both final runs the
+    same epochs). The autotuner can make a tuned scenario's steps faster than the defaults
+    timed here, and early stopping end runs sooner. Without a baseline in this run, an
+    earlier run's in the output dir sets the search's time budget and the fill, as in the
+    run."""
     device = resolve_device(args.device)
     n_train, n_val, n_test = len(index.train), len(index.val), len(index.test)
     paths = [s[0] for s in index.train[:9]]
@@ -1085,7 +1087,6 @@ def estimate(args: RunOptions, index: DatasetIndex) -> dict[str, Any]:
     decode_s = statistics.median(decodes[1:] or decodes)
     scenarios: dict[str, float] = {}
     least: dict[str, float] = {}
-    final_epochs = None  # the resolution final run's, where the tuners stop what they can
     # an earlier run's until this run's baseline is estimated, as baseline_seconds decides
     baseline_s = baseline_seconds(args, Path(args.output_dir).expanduser(), index, {}, device)
     for name in args.scenarios:
@@ -1119,11 +1120,7 @@ def estimate(args: RunOptions, index: DatasetIndex) -> dict[str, Any]:
             epochs = config.epochs
             if args.match_time and args.epochs is None and baseline_s:
                 epochs = filled_epochs(epochs, TIME_SHARE * baseline_s - spent, epoch_s)
-            if into is least and name == "resolution":
-                final_epochs = epochs
-            # the resolution final run is taken only when the fill gave both its epochs
-            same = taken and into is least and epochs == final_epochs
-            into[name] = spent + (0.0 if same else epochs * epoch_s) + test_s
+            into[name] = spent + (0.0 if taken and into is least else epochs * epoch_s) + test_s
         # Each fill lands within an epoch of the same share of the baseline's time, so the
         # shorter tuning's total can come out the larger: the range never runs backwards.
         least[name] = min(least[name], scenarios[name])
@@ -1143,12 +1140,16 @@ def estimate_words(plan: dict[str, Any], resumed: bool = False) -> str:
             f"{low_words}-{high_words} {unit}"
     least = plan.get("least", plan["scenarios"])
     ranged = any(least[n] < s for n, s in plan["scenarios"].items())
+    # estimate's shorter hpo figure after the resolution scenario takes that one's final run
+    taken = "resolution" in plan["scenarios"] and \
+        least.get("hpo", 0.0) < plan["scenarios"].get("hpo", 0.0)
     return (f"about {span(plan.get('least_total_s', plan['total_s']), plan['total_s'])} on "
             f"{plan['device']}: " + ", ".join(f"{name} {span(least[name], seconds)}"
                                                for name, seconds in plan["scenarios"].items())
-            + ("; the shorter figure if the tuners stop every trial they can early, before the "
-               "autotuner's faster settings, which can shorten the tuned scenarios further"
-               if ranged else "")
+            + ("; the shorter figure if the tuners stop every trial they can early"
+               + (" and the search keeps the resolution scenario's model" if taken else "")
+               + ", before the autotuner's faster settings, which can shorten the tuned "
+               "scenarios further" if ranged else "")
             + (" (the whole run: resumed, it trains only what is left)" if resumed else ""))
 
 
