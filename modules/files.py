@@ -51,6 +51,12 @@ def atomic_save_figure(fig, path: Path, **kwargs) -> None:
     _atomic_write(path, lambda f: fig.savefig(f, format=path.suffix[1:] or "png", **kwargs))
 
 
+def atomic_copy(source: Path, path: Path) -> None:
+    """A copy of `source` at `path`, written as every file here is: whole or not at all."""
+    with open(source, "rb") as src:
+        _atomic_write(Path(path), lambda f: shutil.copyfileobj(src, f))
+
+
 def share_file(source: Path, path: Path) -> None:
     """`path` gets `source`'s content: a hard link where the file system allows one (every
     writer here replaces a file atomically, so a later write to either path leaves the other
@@ -60,8 +66,7 @@ def share_file(source: Path, path: Path) -> None:
     try:
         os.link(source, temp)
     except OSError:
-        with open(source, "rb") as src:
-            _atomic_write(Path(path), lambda f: shutil.copyfileobj(src, f))
+        atomic_copy(source, path)
         return
     try:
         os.replace(temp, path)

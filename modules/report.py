@@ -9,7 +9,7 @@ from typing import Any
 
 from modules.config import UserError
 from modules.dataset import load_rgb
-from modules.files import atomic_save_figure, atomic_write_text, share_file
+from modules.files import atomic_copy, atomic_save_figure, atomic_write_text
 from modules.model_files import load_model
 from modules.prediction import predict
 
@@ -410,8 +410,8 @@ def write_report(rows: list[dict[str, Any]], out_dir: Path,
     if copy_to is not None:
         copy_to.mkdir(parents=True, exist_ok=True)
         for name in (REPORT_MD, *charts, *also):
-            if (out_dir / name).is_file():
-                share_file(out_dir / name, copy_to / name)
+            if (out_dir / name).is_file():  # a copy, not a link: an editor may save in place
+                atomic_copy(out_dir / name, copy_to / name)
     return path
 
 

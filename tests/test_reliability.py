@@ -1102,7 +1102,8 @@ def test_a_file_the_run_may_not_read_is_not_called_unwritable(tmp_path, monkeypa
 
 def test_the_run_s_copy_of_its_report_is_whole_or_absent(tmp_path, monkeypatch):
     """runs/<run>/report/ got a plain copy: a disk that filled mid-copy left half a report.md
-    there (on Google Drive, which has no hard links, every copy is a copy)."""
+    there. It is a copy, not a link: an editor that saves in place (Jupyter's, vim's) would
+    change the run's own copy with the top-level file."""
     import shutil
 
     from modules.config import UserError
@@ -1116,6 +1117,11 @@ def test_the_run_s_copy_of_its_report_is_whole_or_absent(tmp_path, monkeypatch):
     def half(source, target, *args, **kwargs):
         target.write(b"# half a report")
         raise OSError(errno.ENOSPC, "No space left on device")
+    write_report([], out, copy_to=copy_to)
+    with open(out / "report.md", "a") as saved_in_place:
+        saved_in_place.write("edited")
+    assert "edited" not in (copy_to / "report.md").read_text()
+    (copy_to / "report.md").unlink()
     monkeypatch.setattr(os, "link", no_links)
     monkeypatch.setattr(shutil, "copyfileobj", half)
     monkeypatch.setattr(shutil, "_fastcopy_sendfile", half, raising=False)
