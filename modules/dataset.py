@@ -1042,7 +1042,8 @@ def became_unreadable(path: str, exc: BaseException, when: str) -> UserError:
     drive's line (--resume continues); an image removed or changed names why, and both ways on."""
     if (failed := io_failed(path, exc)) is not None:
         return failed
-    why = getattr(exc, "strerror", None) or first_line(exc)
+    why = getattr(exc, "strerror", None) or \
+        first_line(exc).replace(f" {path!r}", "").replace(f" {path}", "")  # named already
     return UserError(f"image {path!r} became unreadable {when} ({why}): restore it and rerun "
                      "with --resume, or rerun without --resume to index the folder again.")
 

@@ -999,6 +999,11 @@ def test_an_image_lost_during_training_says_why_and_how_to_go_on(tmp_path, monke
                        r"or directory\): restore it and rerun with --resume, or rerun without"):
         data[0]
 
+    gone.write_bytes(b"not an image")  # PIL's message names the file: not twice
+    with pytest.raises(UserError, match=r"became unreadable during training \(cannot identify "
+                       r"image file\): restore"):
+        data[0]
+
     def drive_failed(path):
         raise OSError(errno.EIO, "Input/output error", path)
     monkeypatch.setattr(dataset, "load_rgb", drive_failed)
