@@ -1449,21 +1449,28 @@ def test_a_start_trial_counts_its_epochs_where_they_ended_on_the_scenarios_clock
     scenario.lineage(None, [[100.0, 0.0]], 3.0)  # no start trial: nothing to do
 
 
-def test_the_estimate_covers_every_scenario_and_match_times_fill(small, tmp_path, monkeypatch):
-    """The duration printed before a run: one figure per scenario, from a measured speed (here
-    a fixed one); --match-time lengthens the tuned final runs toward 80% of the baseline's
-    time, at most 3x their epochs."""
-    class Probe:  # the baseline's steps slow, the tuned scenarios' fast: the fill applies
+def _estimate_at_speeds(monkeypatch, slow: float, fast: float) -> None:
+    """The estimate's speed probe at fixed speeds, in images per second: `slow` for the
+    baseline's data path, `fast` for the decoded cache. Decoding is timed as free: a measured
+    decode (slower on a loaded machine) would weigh on the tuning's share and hide the fill's
+    bounds."""
+    class Probe:
         def __init__(self, config, num_classes, batch_size=None):
-            self.img_s = 1000.0 if config.cache_decoded else 10.0
+            self.img_s = fast if config.cache_decoded else slow
 
         def measure(self, **_):
             return {"img_s": self.img_s}
     monkeypatch.setattr(scenario, "ComputeProbe", Probe)
-    # Decoding timed as free: a measured decode (slower on a loaded machine) would weigh on
-    # the tuning's share and hide the fill's bounds.
     monkeypatch.setattr(scenario, "train_transform", lambda size: lambda image: image)
     monkeypatch.setattr(scenario, "load_rgb", lambda path: None)
+
+
+def test_the_estimate_covers_every_scenario_and_match_times_fill(small, tmp_path, monkeypatch):
+    """The duration printed before a run: one figure per scenario, from a measured speed (here
+    a fixed one); --match-time lengthens the tuned final runs toward 80% of the baseline's
+    time, at most 3x their epochs."""
+    # the baseline's steps slow, the tuned scenarios' fast: the fill applies
+    _estimate_at_speeds(monkeypatch, slow=10.0, fast=1000.0)
     argv = ["--data-dir", str(small), "--image-size", "32", "--weights", "none",
             "--output-dir", str(tmp_path / "out")]
     index = pipeline.load_data(pipeline.parse_args(argv), tmp_path / "out")
@@ -1519,19 +1526,11 @@ def test_the_estimate_s_range_never_runs_backwards_and_says_what_its_low_end_tak
     shorter tuning's total came out the larger ("resolution 4.4-4.3 min"); and the shorter hpo
     figure, which takes the resolution scenario's final run, did not say so."""
     data = make_folder(tmp_path / "data", layout="class folders", n_train=60, n_test=0)
-    monkeypatch.setattr(scenario, "train_transform", lambda size: lambda image: image)
-    monkeypatch.setattr(scenario, "load_rgb", lambda path: None)
     argv = ["--data-dir", str(data), "--quick", "--weights", "none",
             "--output-dir", str(tmp_path / "out")]
     index = pipeline.load_data(pipeline.parse_args(argv), tmp_path / "out")
     for slow, fast in ((5, 17), (13, 60)):
-        class Probe:
-            def __init__(self, config, num_classes, batch_size=None, speeds=(slow, fast)):
-                self.img_s = speeds[bool(config.cache_decoded)]
-
-            def measure(self, **_):
-                return {"img_s": self.img_s}
-        monkeypatch.setattr(scenario, "ComputeProbe", Probe)
+        _estimate_at_speeds(monkeypatch, slow, fast)
         plan = pipeline.estimate(pipeline.parse_args(argv), index)
         for name, seconds in plan["scenarios"].items():
             assert plan["least"][name] <= seconds, (slow, fast, name)
