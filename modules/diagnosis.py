@@ -147,26 +147,38 @@ def _input_bound(f: _Figures) -> dict[str, Any] | None:
 
 def _contended(f: _Figures) -> dict[str, Any] | None:
     """A CPU run slowed by other processes: the machine was busy while the run's own processes
-    (DataLoader workers included) used much less CPU than its threads could. Its step time
-    and the bottleneck the other rules would read from it are the other load's, not the run's
-    (a --quick baseline read compute-bound at 2780 ms a step, input-bound at 78 ms alone)."""
+    (DataLoader workers included) used much less CPU than its threads and workers could. Its
+    step time and the bottleneck the other rules would read from it are the other load's, not
+    the run's (a --quick baseline read compute-bound at 2780 ms a step, input-bound at 78 ms
+    alone)."""
     if f.cuda:
         return None
     machine, own = f.num("cpu_util_pct"), f.num("process_cpu_pct")
     cores = f.num("cpu_count")
     threads = f.num("cpu_threads") or cores
+    workers = 0 if f.get("cached_decode") else f.num("num_workers") or 0  # none decode then
     if machine is None or own is None or not cores or not threads:
         return None
-    could = 100 * min(threads, cores)
+    # The workers' CPU is in `own` too: a 1-thread run decoding in a worker could use two
+    # cores, and read as compute-bound at 74% of one core while another load held both.
+    could = 100 * min(threads + workers, cores)
     if machine < THRESHOLDS.busy_machine_pct or own >= THRESHOLDS.own_cpu_frac * could:
         return None
+    mine = _count(threads, "thread") + (f" and {_count(workers, 'loader worker')}" if workers
+                                        else "")
     facts = (f"the machine's CPU was busy {machine:.0f}% of the time while this run's processes "
-             f"used {own:.0f}% of one core, of the {could:.0f}% its {threads:.0f} threads could")
+             f"used {own:.0f}% of one core, of the {could:.0f}% its {mine} could")
+    recs = [f"Run it again with the machine otherwise idle before tuning from these figures: its "
+            f"step time and throughput are the other load's ({facts})."]
+    if threads > 1:  # with one, there is no fewer to give
+        recs.append("Where the other load must stay, give this run fewer threads so the two do "
+                    "not thrash each other's caches (torch.set_num_threads, OMP_NUM_THREADS).")
     return _result("cpu-contended", f"CPU-contended: {facts}; other processes took the cores.",
-                   [f"Run it again with the machine otherwise idle before tuning from these "
-                    f"figures: its step time and throughput are the other load's ({facts}).",
-                    "Where the other load must stay, give this run fewer threads so the two do "
-                    "not thrash each other's caches (torch.set_num_threads, OMP_NUM_THREADS)."])
+                   recs)
+
+
+def _count(n: float, what: str) -> str:
+    return f"{n:.0f} {what}{'' if n == 1 else 's'}"
 
 
 def _transfer_bound(f: _Figures) -> dict[str, Any] | None:

@@ -623,6 +623,24 @@ def test_a_cpu_run_that_other_processes_slowed_is_called_contended(monkeypatch):
         "bottleneck"] == "compute-bound"
 
 
+def test_a_contended_run_s_loader_workers_count_in_what_it_could_use(monkeypatch):
+    """A 1-thread run decoding large JPEGs in one worker, while another load held both cores,
+    used 74% of one core: it read compute-bound, since only its thread was counted in what it
+    could use, and the contended verdict then told a 1-thread run to use fewer threads."""
+    from modules import diagnosis
+    monkeypatch.setattr(diagnosis, "THRESHOLDS", diagnosis.Thresholds())  # conftest's off
+    run = {"device": "cpu", "cpu_util_pct": 96.2, "process_cpu_pct": 74.0, "cpu_threads": 1,
+           "cpu_count": 2, "num_workers": 1, "data_wait_frac": 0.241, "avg_step_ms": 2079.3}
+    d = diagnose(run)
+    assert d["bottleneck"] == "cpu-contended", d
+    assert "74% of one core, of the 200% its 1 thread and 1 loader worker could" in d["summary"]
+    assert not any("fewer threads" in r for r in d["recommendations"]), d["recommendations"]
+    # the decoded cache decodes nothing in workers: its thread alone is what it could use
+    assert diagnose({**run, "cached_decode": True})["bottleneck"] != "cpu-contended"
+    two = diagnose({**run, "cpu_threads": 2, "num_workers": 0, "process_cpu_pct": 47.0})
+    assert any("fewer threads" in r for r in two["recommendations"]), two
+
+
 def test_the_machine_s_busy_share_is_read_on_the_cpus_this_run_may_use(monkeypatch):
     """Under taskset or a cpuset, the run's CPUs busy with another load and the rest idle
     averaged to under the contention threshold, so the slowdown read as compute-bound."""
