@@ -18,7 +18,6 @@ import socket
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +28,7 @@ import torch
 from modules import distributed, interrupts, membership
 from modules.autotune import MEASURE_SHARE, ComputeProbe, autotune, machine_key
 from modules.checkpoints import check_format, load_checkpoint, saved_config
+from modules.clock import read_clock, read_sessions, ticking, write_clock
 from modules.config import (DEFAULTS, DISPLAY_ONLY, SPEED_ONLY, TrainConfig, UserError,
                             first_line)
 from modules.dataset import (COPIES_LIST, SKIPPED_LIST, DatasetIndex, data_path_of, index_dataset,
@@ -38,8 +38,8 @@ from modules.device import (apply_process_settings, autocast_dtype, process_sett
                             resolve_device, usable_cpus)
 from modules.evaluation import evaluate
 from modules.fastdata import cache_fits, keep_sizes
-from modules.files import (atomic_write_text, folder_lock, io_failed, kept_file, name_folder,
-                           refuse_if_in_use, resolved, run_log, share_file)
+from modules.files import (atomic_write_text, folder_lock, kept_file, name_folder, refuse_if_in_use,
+                           resolved, run_log, share_file)
 from modules.hardware import max_batch_size
 from modules.models import pinned_weights_file, possible_starts, start_weights, weights_file
 from modules.monitor import SystemSampler
@@ -522,70 +522,6 @@ def tune_scenario(name: str, config: TrainConfig, args: RunOptions, index: Datas
         extra.update(tuning, **{TUNED_ANEW: extra.get(TUNED_ANEW) or
                                 tuning.get(TUNED_ANEW, True)})
     return config, extra
-
-
-def read_clock(path: Path) -> float:
-    """Seconds earlier sessions of this run spent tuning the scenario (their tuning_s), so
-    that a resumed row's time counts them; 0 when none was recorded. A session killed outside
-    Python (a lost Colab VM) recorded them up to CLOCK_EVERY_S before it ended (ticking)."""
-    try:
-        return max(0.0, float(_clock_file(path)["tuning_s"]))
-    except (ValueError, KeyError, TypeError):
-        return 0.0
-
-
-def read_sessions(path: Path) -> list[list[float]]:
-    """The tuning sessions the clock recorded, oldest first: [time.time() at the session's
-    start, the clock's seconds then] each (lineage places a trial's epochs by them); none
-    when unreadable or written by a version without them."""
-    try:
-        return [[float(at), float(clock)] for at, clock in _clock_file(path)["sessions"]]
-    except (ValueError, KeyError, TypeError):
-        return []
-
-
-def _clock_file(path: Path) -> Any:
-    """What a tuning clock's file holds; None where there is none that reads. A read the disk
-    or drive failed stops the run instead: taken for none, the row would drop those seconds."""
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        if (failed := io_failed(path, exc)) is not None:
-            raise failed from None
-        return None
-
-
-CLOCK_EVERY_S = 10.0  # how often a tuning session records its seconds so far
-
-
-@contextlib.contextmanager
-def ticking(path: Path, earlier_s: float, started: float,
-            sessions: list[list[float]] | None = None):
-    """While tuning, the clock is written every CLOCK_EVERY_S from a background thread, so a
-    session killed outside Python (kill -9, a lost Colab VM: no finally runs) leaves its
-    seconds up to then for the resumed row (and `sessions`, read_sessions)."""
-    stop = threading.Event()
-
-    def tick() -> None:
-        while not stop.wait(CLOCK_EVERY_S):
-            write_clock(path, earlier_s + time.perf_counter() - started, sessions)
-    thread = threading.Thread(target=tick, name="tuning-clock", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
-
-
-def write_clock(path: Path, tuning_s: float, sessions: list[list[float]] | None = None) -> None:
-    """The scenario's tuning seconds so far, and its sessions (None: those recorded)."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json(path, {"tuning_s": tuning_s,
-                          "sessions": read_sessions(path) if sessions is None else sessions})
-    except (OSError, UserError) as exc:  # a clock not written costs only a resumed row's time
-        log.info("could not write %s (%s)", path, first_line(exc))
 
 
 def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: Path,

@@ -21,6 +21,7 @@ import scenario
 import resolution_tuner
 from conftest import COLOURS, make_folder, run_path, write_image
 from modules import hostmem, report
+from modules.clock import read_clock, read_sessions, ticking, write_clock
 from modules.config import UserError
 from modules.results import MACHINE_FIGURES, STEP_FIGURES
 from modules.utility import load_model, predict, results_table
@@ -749,7 +750,7 @@ def test_hpo_takes_the_resolution_final_when_it_would_train_the_same(small, tmp_
         pytest.approx(hpo["tuning_s"])
     # its clock, read back from the row, is its own time: a grown study adds to that
     own = hpo["tuning_s"] - taken - hpo["hpo"]["default_reused_s"]
-    assert scenario.read_clock(clock) == pytest.approx(own)
+    assert read_clock(clock) == pytest.approx(own)
     assert again["hpo"]["history"] == hpo["history"] and again["hpo"]["final_from"] == "resolution"
     # ... and its start trial's epochs, trained in the resolution scenario's session, stay: the
     # curve the time to the baseline's accuracy is read off
@@ -779,7 +780,7 @@ def test_hpo_takes_the_resolution_final_when_it_would_train_the_same(small, tmp_
         again = scenarios(tmp_path / "lower", "--resume")["hpo"]
         assert again["tuning_s"] == pytest.approx(lower["tuning_s"])
         assert again["default_final"]["wall_s"] == lower["default_final"]["wall_s"]
-        assert scenario.read_clock(scenario.checkpoint_file(
+        assert read_clock(scenario.checkpoint_file(
             tmp_path / "lower", "hpo", scenario.CLOCK_SUFFIX, lower["run_id"])) == \
             pytest.approx(lower["default_final"]["tuning_s"] - lower["hpo"]["default_reused_s"])
     runs = run_path(tmp_path / "lower", "runs")
@@ -1991,22 +1992,22 @@ def test_a_resumed_final_run_keeps_its_start_trials_epochs(small, tmp_path, monk
 def test_the_tuning_clock_is_written_while_tuning(tmp_path, monkeypatch):
     """kill -9 (a lost Colab VM) runs no finally: the seconds tuned so far are on disk already,
     for the resumed row's tuning_s."""
-    monkeypatch.setattr(scenario, "CLOCK_EVERY_S", 0.05)
+    monkeypatch.setattr("modules.clock.CLOCK_EVERY_S", 0.05)
     clock = tmp_path / "hpo.clock.json"
     started = time.perf_counter()
-    with scenario.ticking(clock, 30.0, started):
+    with ticking(clock, 30.0, started):
         deadline = time.monotonic() + 10
         while not clock.exists() and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert scenario.read_clock(clock) >= 30.0  # earlier sessions' seconds and this one's
-    assert scenario.read_clock(clock) >= 30.0
+        assert read_clock(clock) >= 30.0  # earlier sessions' seconds and this one's
+    assert read_clock(clock) >= 30.0
     # the sessions given are written; a write without them keeps those recorded
-    with scenario.ticking(clock, 30.0, started, [[1.0, 0.0], [5.0, 30.0]]):
+    with ticking(clock, 30.0, started, [[1.0, 0.0], [5.0, 30.0]]):
         time.sleep(0.2)
-    assert scenario.read_sessions(clock) == [[1.0, 0.0], [5.0, 30.0]]
-    scenario.write_clock(clock, 40.0)
-    assert scenario.read_sessions(clock) == [[1.0, 0.0], [5.0, 30.0]]
-    assert scenario.read_clock(clock) == 40.0
+    assert read_sessions(clock) == [[1.0, 0.0], [5.0, 30.0]]
+    write_clock(clock, 40.0)
+    assert read_sessions(clock) == [[1.0, 0.0], [5.0, 30.0]]
+    assert read_clock(clock) == 40.0
 
 
 def test_a_grown_studys_new_final_run_gives_way_to_a_better_earlier_one(tmp_path):

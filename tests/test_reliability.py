@@ -965,13 +965,13 @@ def test_a_clock_or_refusal_record_that_cannot_be_written_is_no_traceback(data, 
     record could not be undone said that instead of why it was refused."""
 
     import scenario
-    from modules import files
+    from modules import clock, files
     from modules.config import UserError
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(scenario, "write_json", lambda path, data: (_ for _ in ()).throw(
+        mp.setattr(clock, "write_json", lambda path, data: (_ for _ in ()).throw(
             files.write_error(path, OSError(errno.ENOSPC, "No space left on device"))))
         with caplog.at_level("INFO", logger="scenario"):
-            scenario.write_clock(tmp_path / "hpo.clock.json", 12.0)
+            clock.write_clock(tmp_path / "hpo.clock.json", 12.0)
     assert "could not write" in caplog.text and "no space left" in caplog.text
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(scenario, "_run_scenarios", lambda *a, **k: (_ for _ in ()).throw(
@@ -1048,13 +1048,12 @@ def test_a_resume_that_cannot_read_its_run_files_stops_rather_than_redo(tmp_path
     every size trained again, a finished row's figures replaced. A file that is missing still
     reads as none."""
     from unittest import mock
-    import scenario
-    from modules import results
+    from modules import clock, results
     from modules.files import ReadFailed
     from resolution_tuner import ResolutionTuner
     for read, path, missing in (
-            (scenario.read_clock, tmp_path / "clock.json", 0.0),
-            (scenario.read_sessions, tmp_path / "clock.json", []),
+            (clock.read_clock, tmp_path / "clock.json", 0.0),
+            (clock.read_sessions, tmp_path / "clock.json", []),
             (results.earlier_rows, tmp_path / "results.json", [])):
         assert read(path) == missing
         path.write_text("{}")

@@ -1,0 +1,81 @@
+"""The scenario clock: a tuned scenario's tuning seconds, kept in a file while it tunes so that
+a resumed run's row counts every session's (`tuning_s`, docs/tuning.md)."""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from modules.config import UserError, first_line
+from modules.files import io_failed
+from modules.results import write_json
+
+log = logging.getLogger("scenario")  # the run log names its lines as when they were in scenario.py
+
+
+def read_clock(path: Path) -> float:
+    """Seconds earlier sessions of this run spent tuning the scenario (their tuning_s), so
+    that a resumed row's time counts them; 0 when none was recorded. A session killed outside
+    Python (a lost Colab VM) recorded them up to CLOCK_EVERY_S before it ended (ticking)."""
+    try:
+        return max(0.0, float(_clock_file(path)["tuning_s"]))
+    except (ValueError, KeyError, TypeError):
+        return 0.0
+
+
+def read_sessions(path: Path) -> list[list[float]]:
+    """The tuning sessions the clock recorded, oldest first: [time.time() at the session's
+    start, the clock's seconds then] each (lineage places a trial's epochs by them); none
+    when unreadable or written by a version without them."""
+    try:
+        return [[float(at), float(clock)] for at, clock in _clock_file(path)["sessions"]]
+    except (ValueError, KeyError, TypeError):
+        return []
+
+
+def _clock_file(path: Path) -> Any:
+    """What a tuning clock's file holds; None where there is none that reads. A read the disk
+    or drive failed stops the run instead: taken for none, the row would drop those seconds."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        if (failed := io_failed(path, exc)) is not None:
+            raise failed from None
+        return None
+
+
+CLOCK_EVERY_S = 10.0  # how often a tuning session records its seconds so far
+
+
+@contextlib.contextmanager
+def ticking(path: Path, earlier_s: float, started: float,
+            sessions: list[list[float]] | None = None):
+    """While tuning, the clock is written every CLOCK_EVERY_S from a background thread, so a
+    session killed outside Python (kill -9, a lost Colab VM: no finally runs) leaves its
+    seconds up to then for the resumed row (and `sessions`, read_sessions)."""
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.wait(CLOCK_EVERY_S):
+            write_clock(path, earlier_s + time.perf_counter() - started, sessions)
+    thread = threading.Thread(target=tick, name="tuning-clock", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def write_clock(path: Path, tuning_s: float, sessions: list[list[float]] | None = None) -> None:
+    """The scenario's tuning seconds so far, and its sessions (None: those recorded)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(path, {"tuning_s": tuning_s,
+                          "sessions": read_sessions(path) if sessions is None else sessions})
+    except (OSError, UserError) as exc:  # a clock not written costs only a resumed row's time
+        log.info("could not write %s (%s)", path, first_line(exc))
