@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pipeline  # noqa: E402
 import scenario  # noqa: E402
+from modules.final_runs import reused_seconds  # noqa: E402
 from modules.results import latest_run  # noqa: E402
 from modules.selection import informative, tie_margin, validation_chance  # noqa: E402
 from throughput import OneLineParser, at_least_1  # noqa: E402
@@ -191,7 +192,7 @@ def ran_s(row: dict) -> float:
     (final_from) counts that run in total_s, as if trained here, but measured only in its
     tuning; an hpo row counts the resolution scenario's trial it took, and where it took that
     scenario's model the rest of its tuning, which that scenario ran (and measured in)."""
-    taken = scenario.reused_seconds(row)
+    taken = reused_seconds(row)
     own = (row.get("tuning_s") or row["total_s"]) if row.get("final_from") else row["total_s"]
     return own - taken if own > taken else own
 

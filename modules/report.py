@@ -248,7 +248,7 @@ def final_from_text(row: dict[str, Any], detail: bool = False) -> str:
     """What a row that took another scenario's final run is: that run reused instead of
     training it twice, or that run kept over the hpo scenario's own final run (the search's
     winner, or the kept default for other epochs), which validated below it
-    (scenario.default_if_better)."""
+    (final_runs.default_if_better)."""
     source = row["final_from"]
     winner, default = row.get("winner_final"), row.get("default_final")
     if isinstance(winner, dict):
@@ -294,7 +294,7 @@ def _at(final: dict[str, Any]) -> str:
 
 def grown_text(grown: dict[str, Any]) -> str:
     """The final run of a grown study's new choice, which validated below the final run before
-    it and gave way to it (scenario.earlier_if_better)."""
+    it and gave way to it (final_runs.earlier_if_better)."""
     return (f"after the study grew, its new choice was trained in full and validated{_at(grown)} "
             f"below the final run before it, whose model and figures these are; the new run "
             f"counts as tuning")

@@ -20,7 +20,7 @@ import pipeline
 import scenario
 import resolution_tuner
 from conftest import COLOURS, make_folder, run_path, write_image
-from modules import hostmem, report
+from modules import final_runs, hostmem, report
 from modules.clock import read_clock, read_sessions, ticking, write_clock
 from modules.config import UserError
 from modules.results import MACHINE_FIGURES, STEP_FIGURES
@@ -763,7 +763,7 @@ def test_hpo_takes_the_resolution_final_when_it_would_train_the_same(small, tmp_
     assert [h["val_acc"] for h in twice["history"]] == [h["val_acc"] for h in hpo["history"]]
     # trained again and validated lower (as for other time-matched epochs): the resolution
     # final run is kept, the own run's scalars set aside in TensorBoard
-    real = scenario.default_if_better
+    real = final_runs.default_if_better
     monkeypatch.setattr(scenario, "default_if_better",
                         lambda row, same: real({**row, "val_acc": row["val_acc"] - 0.5}, same))
     both = scenarios(tmp_path / "lower")
@@ -794,12 +794,12 @@ def test_only_the_same_learning_takes_the_resolution_final():
     tuned = {"final": {"scenario": "resolution", "config": resolution, "row": {}}}
     # other speed knobs (measured at another size): the same learning
     faster = dataclasses.replace(resolution, dropout_impl="bytemask", cpu_threads=1)
-    assert scenario.final_to_reuse("hpo", faster, tuned) is tuned["final"]
+    assert final_runs.final_to_reuse("hpo", faster, tuned) is tuned["final"]
     for other in ({"epochs": 13}, {"lr": 2e-3}, {"weights": "other.pt"}, {"batch_size": 16}):
-        assert scenario.final_to_reuse("hpo", dataclasses.replace(resolution, **other),
-                                       tuned) is None, other
-    assert scenario.final_to_reuse("resolution", resolution, tuned) is None
-    assert scenario.final_to_reuse("hpo", resolution, {}) is None
+        assert final_runs.final_to_reuse("hpo", dataclasses.replace(resolution, **other),
+                                         tuned) is None, other
+    assert final_runs.final_to_reuse("resolution", resolution, tuned) is None
+    assert final_runs.final_to_reuse("hpo", resolution, {}) is None
 
 
 REGIONS = ("data_wait", "h2d", "forward", "backward", "optimizer_step")
@@ -1222,7 +1222,7 @@ def test_a_winner_whose_final_run_validates_below_the_defaults_gives_way_to_it(t
                   "wall_s": 25.0, "tuning_s": 23.0, "total_s": 48.0, "settings": {"lr": 1e-3}}
     same = {"scenario": "resolution", "row": resolution}
     lower = hpo_row(0.928)
-    kept = scenario.default_if_better(lower, same)
+    kept = final_runs.default_if_better(lower, same)
     assert (kept["scenario"], kept["final_from"], kept["test_acc"]) == ("hpo", "resolution", 0.953)
     assert kept["winner_final"]["val_acc"] == 0.928 and kept["winner_final"]["test_acc"] == 0.90
     # its own final run counted, and the resolution scenario's tuning, whose model it took
@@ -1237,16 +1237,16 @@ def test_a_winner_whose_final_run_validates_below_the_defaults_gives_way_to_it(t
     assert "validated below the resolution" in report.final_from_text(unknown)  # not "0.0%"
     for row in (hpo_row(0.98), hpo_row(0.972), hpo_row(0.98, keeps_default=True),
                 hpo_row(0.9, reused=None)):  # higher, a tie, kept default higher, another default
-        assert scenario.default_if_better(row, same) is row
-    assert scenario.default_if_better(lower, None) is lower  # no resolution scenario in this run
+        assert final_runs.default_if_better(row, same) is row
+    assert final_runs.default_if_better(lower, None) is lower  # no resolution scenario in this run
     # `--resume --scenarios hpo`: the resolution final run of this run, from results.json
     from types import SimpleNamespace
     earlier = {**resolution, "dataset": "d", "warm_start": {"curve": [{"elapsed_s": 1.0}]}}
     (tmp_path / "results.json").write_text(json.dumps([earlier]))
-    found = scenario._final_row(tmp_path, SimpleNamespace(name="d"), "r")
-    assert found["row"]["test_acc"] == 0.953 and scenario._final_row(
+    found = final_runs._final_row(tmp_path, SimpleNamespace(name="d"), "r")
+    assert found["row"]["test_acc"] == 0.953 and final_runs._final_row(
         tmp_path, SimpleNamespace(name="d"), "another run") is None
-    assert "warm_start" not in scenario.default_if_better(lower, found)
+    assert "warm_start" not in final_runs.default_if_better(lower, found)
 
 
 def test_a_kept_default_trained_again_gives_way_to_the_resolution_final_run():
@@ -1261,14 +1261,14 @@ def test_a_kept_default_trained_again_gives_way_to_the_resolution_final_run():
            "wall_s": 27.0, "tuning_s": 30.0, "total_s": 57.0, "start_weights": "none",
            "settings": {"lr": 1e-3, "epochs": 13, "weights": trial},
            "hpo": {"keeps_default": True, "default_reused_from": "the 64 px trial"}}
-    kept = scenario.default_if_better(own, {"scenario": "resolution", "row": resolution})
+    kept = final_runs.default_if_better(own, {"scenario": "resolution", "row": resolution})
     assert (kept["final_from"], kept["test_acc"], kept["epochs"]) == ("resolution", 0.478, 12)
     assert "winner_final" not in kept and kept["default_final"]["epochs"] == 13
     # trained from another start (a shared study's default trial, another worker's): not the
     # same configuration's other run
     elsewhere = {**own, "settings": {**own["settings"], "weights": "another worker's.pt"}}
-    assert scenario.default_if_better(elsewhere, {"scenario": "resolution",
-                                                  "row": resolution}) is elsewhere
+    assert final_runs.default_if_better(elsewhere, {"scenario": "resolution",
+                                                    "row": resolution}) is elsewhere
     # its own final run counted, and the resolution scenario's tuning, whose model it took
     assert (kept["tuning_s"], kept["total_s"]) == (80.0, 105.0)
     told = report.final_from_text(kept, detail=True)
@@ -2027,10 +2027,10 @@ def test_a_grown_studys_new_final_run_gives_way_to_a_better_earlier_one(tmp_path
     new = {"scenario": "hpo", "run_id": "r", "val_acc": 0.5, "test_acc": 0.8, "epochs": 4,
            "wall_s": 40.0, "tuning_s": 60.0, "total_s": 100.0, "settings": {"lr": 5e-3},
            "hpo": {"n_trials": 3}, "replaced_final": replaced}
-    assert scenario.earlier_if_better(new, replaced, {**earlier, "val_acc": 0.5}, tmp_path,
-                                      "r") is new  # a tie keeps the new run
+    assert final_runs.earlier_if_better(new, replaced, {**earlier, "val_acc": 0.5}, tmp_path,
+                                        "r") is new  # a tie keeps the new run
     assert final.read_bytes() == b"new final"
-    kept = scenario.earlier_if_better(new, replaced, earlier, tmp_path, "r")
+    kept = final_runs.earlier_if_better(new, replaced, earlier, tmp_path, "r")
     assert (kept["test_acc"], kept["settings"], kept["hpo"]) == (0.7, {"lr": 1e-3},
                                                                  {"n_trials": 3})
     assert kept["grown_final"]["val_acc"] == 0.5 and "replaced_final" not in kept
@@ -2040,7 +2040,7 @@ def test_a_grown_studys_new_final_run_gives_way_to_a_better_earlier_one(tmp_path
     assert [p.read_bytes() for p in final.parent.glob("hpo.grown-*.pt")] == [b"new final"]
     told = " ".join(report.versus_baseline_lines([{**earlier, "scenario": "baseline"}, kept]))
     assert "its new choice was trained in full and validated at 50.0% (test 80.0%)" in told
-    assert scenario.earlier_if_better(new, None, None, tmp_path, "r") is new
+    assert final_runs.earlier_if_better(new, None, None, tmp_path, "r") is new
 
 
 def test_an_earlier_final_run_that_cannot_come_back_leaves_the_new_one_in_place(tmp_path,
@@ -2054,7 +2054,7 @@ def test_an_earlier_final_run_that_cannot_come_back_leaves_the_new_one_in_place(
     replaced = {"checkpoint": str(final.with_name("hpo.before-1.pt")), "seconds": 30.0}
     new = {"val_acc": 0.5, "total_s": 100.0}
     with caplog.at_level(logging.WARNING):
-        assert scenario.earlier_if_better(new, replaced, {"val_acc": 0.6}, tmp_path, "r") is new
+        assert final_runs.earlier_if_better(new, replaced, {"val_acc": 0.6}, tmp_path, "r") is new
     assert "keeping the new final run" in caplog.text
     assert [p.name for p in final.parent.iterdir()] == ["hpo.pt"]
     assert final.read_bytes() == b"new final"
@@ -2067,15 +2067,15 @@ def test_tensorboards_hpo_run_is_the_final_run_the_row_keeps(tmp_path):
     for name, text in (("hpo", "winner"), ("resolution", "kept")):
         (runs / name).mkdir(parents=True)
         (runs / name / "events").write_text(text)
-    scenario.show_in_tensorboard(runs, aside="winner-1", kept=runs / "resolution", copy=True)
+    final_runs.show_in_tensorboard(runs, aside="winner-1", kept=runs / "resolution", copy=True)
     assert (runs / "hpo" / "events").read_text() == "kept"
     assert (runs / "resolution" / "events").read_text() == "kept"
     assert (runs / "hpo.winner-1" / "events").read_text() == "winner"
     # a --resume that finds the run finished takes the same row again: shown already
-    scenario.show_in_tensorboard(runs, aside="winner-2", kept=runs / "resolution", copy=True)
+    final_runs.show_in_tensorboard(runs, aside="winner-2", kept=runs / "resolution", copy=True)
     assert not (runs / "hpo.winner-2").exists()
     assert (runs / "hpo" / "events").read_text() == "kept"
-    scenario.show_in_tensorboard(runs, aside="grown-1", kept=runs / "hpo.winner-1")  # moved
+    final_runs.show_in_tensorboard(runs, aside="grown-1", kept=runs / "hpo.winner-1")  # moved
     assert (runs / "hpo" / "events").read_text() == "winner"
     assert not (runs / "hpo.winner-1").exists() and (runs / "hpo.grown-1").is_dir()
 
@@ -2097,7 +2097,7 @@ def test_a_kept_earlier_final_run_is_what_a_later_resume_continues(small, tmp_pa
     first = json.loads((out / "results.json").read_text())[-1]
     better = {"lr": 0.005, "batch_size": 16, "optimizer": "sgd", "weight_decay": 1e-4}
     monkeypatch.setattr(scenario.OptunaTuner, "choice", lambda self: (better, "a new winner"))
-    real = scenario.default_if_better
+    real = final_runs.default_if_better
     # the new choice's final run validates below the earlier one
     monkeypatch.setattr(scenario, "default_if_better",
                         lambda row, same: {**real(row, same), "val_acc": -1.0})
@@ -2137,7 +2137,7 @@ def test_a_new_final_run_cut_short_is_still_compared_with_the_one_it_replaced(sm
     first = json.loads((out / "results.json").read_text())[-1]
     better = {"lr": 0.005, "batch_size": 16, "optimizer": "sgd", "weight_decay": 1e-4}
     monkeypatch.setattr(scenario.OptunaTuner, "choice", lambda self: (better, "a new winner"))
-    real = scenario.default_if_better
+    real = final_runs.default_if_better
     monkeypatch.setattr(scenario, "default_if_better",  # the new final run validates lower
                         lambda row, same: {**real(row, same), "val_acc": -1.0})
     real_save = checkpoints.CheckpointSaver.save
