@@ -37,11 +37,11 @@ from modules.device import (apply_process_settings, autocast_dtype, process_sett
                             resolve_device, usable_cpus)
 from modules.evaluation import evaluate
 from modules.fastdata import cache_fits, keep_sizes
-from modules.final_runs import (COUNTED, EARLIER_ROW, _final_row, default_if_better,
-                                earlier_if_better, final_run_s, final_to_reuse, forget_replaced,
-                                keep_start_curve, keep_timeline, log_row, own_run,
-                                pending_replaced, replaced_record, reused_seconds, row_tuning_s,
-                                same_final, show_in_tensorboard, taken_tuning_s)
+from modules.final_runs import (COUNTED, EARLIER_ROW, default_if_better, earlier_if_better,
+                                final_run_s, final_to_reuse, forget_replaced, keep_start_curve,
+                                keep_timeline, log_row, own_run, pending_replaced,
+                                replaced_record, resolution_final_row, reused_seconds,
+                                row_tuning_s, same_final, show_in_tensorboard, taken_tuning_s)
 from modules.files import (atomic_write_text, folder_lock, kept_file, name_folder, refuse_if_in_use,
                            resolved, run_log)
 from modules.hardware import max_batch_size
@@ -669,8 +669,8 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
                total_s=tuning_s + final_run_s(row),
                start_weights=start_weights(config.model, args.weights))
     if name == "hpo":
-        kept = default_if_better(row, tuned.get("final") or _final_row(output_dir, index,
-                                                                      args.run_id))
+        kept = default_if_better(row, tuned.get("final") or resolution_final_row(
+            output_dir, index, args.run_id))
         gave = "winner" if kept.get("winner_final") else "default" if kept.get(
             "default_final") else None
         if gave and distributed.is_main():

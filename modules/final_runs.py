@@ -145,8 +145,8 @@ def same_final(same: dict[str, Any], extra: dict[str, Any], run_id: str | None, 
     return row
 
 
-def _final_row(output_dir: Path, index: DatasetIndex, run_id: str | None
-               ) -> dict[str, Any] | None:
+def resolution_final_row(output_dir: Path, index: DatasetIndex, run_id: str | None
+                         ) -> dict[str, Any] | None:
     """This run's resolution final run as a row from results.json (a resumed run whose
     resolution scenario ran in an earlier session), in the form tuned["final"] has."""
     row = previous_row(output_dir / "results.json", "resolution", index.name, run_id)
@@ -184,10 +184,10 @@ def default_if_better(row: dict[str, Any], same: dict[str, Any] | None) -> dict[
     (learning fastest early, from scratch often a draw of the augmentation) need not last a
     full run. Against a kept default trained again (its time-matched epochs differed from
     that run's): two runs of one configuration from one start, the better validated kept.
-    `same`: that run, as tuned["final"] holds it (or _final_row gives it). Its tuning_s counts
-    its own final run (a candidate it trained), total_s adds the taken run's time as
-    same_final does, and `winner_final` (or `default_final`) keeps the figures of the run
-    that gave way."""
+    `same`: that run, as tuned["final"] holds it (or resolution_final_row gives it). Its
+    tuning_s counts its own final run (a candidate it trained), total_s adds the taken run's
+    time as same_final does, and `winner_final` (or `default_final`) keeps the figures of the
+    run that gave way."""
     summary = row.get("hpo") or {}
     if not summary.get("default_reused_from") or same is None:
         return row

@@ -1243,8 +1243,8 @@ def test_a_winner_whose_final_run_validates_below_the_defaults_gives_way_to_it(t
     from types import SimpleNamespace
     earlier = {**resolution, "dataset": "d", "warm_start": {"curve": [{"elapsed_s": 1.0}]}}
     (tmp_path / "results.json").write_text(json.dumps([earlier]))
-    found = final_runs._final_row(tmp_path, SimpleNamespace(name="d"), "r")
-    assert found["row"]["test_acc"] == 0.953 and final_runs._final_row(
+    found = final_runs.resolution_final_row(tmp_path, SimpleNamespace(name="d"), "r")
+    assert found["row"]["test_acc"] == 0.953 and final_runs.resolution_final_row(
         tmp_path, SimpleNamespace(name="d"), "another run") is None
     assert "warm_start" not in final_runs.default_if_better(lower, found)
 
