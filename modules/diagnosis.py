@@ -17,7 +17,6 @@ class Thresholds:
     h2d_frac: float = 0.15            # share of step time in host-to-device copies: transfer-bound
     tiny_step_ms_cuda: float = 5.0    # CUDA steps shorter than this, ms: launch/Python overhead rules
     tiny_step_ms_cpu: float = 2.0     # CPU steps shorter than this, ms: framework overhead rules
-    small_batch_cpu: int = 16         # CPU batches below this: a larger one is faster per sample
     low_gpu_util_pct: float = 50.0    # GPU busy below this, % of time, ...
     low_data_wait_frac: float = 0.10  # ... while input waits below this share: overhead-bound
     batch_headroom_frac: float = 0.50  # peak / limit below this: a larger batch fits
@@ -296,14 +295,6 @@ def _measured_slower(f: _Figures, knob: str, on: str = "true", off: str = "false
 
 def _cpu_compute_recs(f: _Figures, basis: str) -> list[str]:
     recs = []
-    batch = f.num("batch_size")
-    if batch is not None and batch < THRESHOLDS.small_batch_cpu:
-        # No CPU step is short enough for the overhead rule, yet a small batch pays the
-        # per-step costs over few samples (docs/speed.md, "Where the time goes").
-        recs.append(f"Raise batch_size from {batch:.0f} toward 32: at {batch:.0f} samples a "
-                    f"step, the costs that do not shrink with the batch (each layer's dispatch, "
-                    f"the optimizer's update of every weight) are shared by few samples "
-                    f"({basis}).")
     if not f.get("channels_last") and not _measured_slower(f, "channels_last"):
         recs.append(f"Try channels_last (--channels-last): oneDNN's convolutions on CPU are faster in NHWC layout "
                     f"({basis}).")
