@@ -71,6 +71,10 @@ def _pct(frac: float) -> str:
     return f"{100 * frac:.0f}%"
 
 
+def _count(n: float, what: str) -> str:
+    return f"{n:.0f} {what}{'' if n == 1 else 's'}"
+
+
 def _step(f: _Figures) -> str:
     ms = f.num("avg_step_ms")
     return f" {ms:.1f} ms" if ms is not None else ""
@@ -113,9 +117,9 @@ def _input_bound(f: _Figures) -> dict[str, Any] | None:
     workers, cores = f.num("num_workers"), f.num("cpu_count")
     setup = ""
     if workers is not None:
-        setup = f" with {workers:.0f} worker{'s' if workers != 1 else ''}"
+        setup = f" with {_count(workers, 'worker')}"
         if cores is not None:
-            setup += f" on {cores:.0f} core{'s' if cores != 1 else ''}"
+            setup += f" on {_count(cores, 'core')}"
     waits = f"{_pct(wait)} of each{_step(f)} step waits for data{setup}"
     if wait <= THRESHOLDS.data_wait_frac:  # starved
         waits = (f"the GPU is busy {util:.0f}% of the time while {waits} and "
@@ -175,10 +179,6 @@ def _contended(f: _Figures) -> dict[str, Any] | None:
                     "not thrash each other's caches (torch.set_num_threads, OMP_NUM_THREADS).")
     return _result("cpu-contended", f"CPU-contended: {facts}; other processes took the cores.",
                    recs)
-
-
-def _count(n: float, what: str) -> str:
-    return f"{n:.0f} {what}{'' if n == 1 else 's'}"
 
 
 def _transfer_bound(f: _Figures) -> dict[str, Any] | None:
