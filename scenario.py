@@ -35,6 +35,7 @@ from modules.dataset import (COPIES_LIST, SKIPPED_LIST, DatasetIndex, data_path_
                              subset, train_transform)
 from modules.device import (apply_process_settings, autocast_dtype, process_settings_kept,
                             resolve_device, usable_cpus)
+from modules.diagnosis import TUNING_CONTENDED, contention, tuning_contended_advice
 from modules.evaluation import evaluate
 from modules.fastdata import cache_fits, keep_sizes
 from modules.final_runs import (COUNTED, EARLIER_ROW, default_if_better, earlier_if_better,
@@ -540,9 +541,12 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
     # This session's start on the scenario's clock, after the earlier sessions'.
     sessions = [*(read_sessions(clock) if resumed else []), [started_at, earlier_s]]
     extra: dict[str, Any] = {}
+    # another load on the CPU stretches the tuning's seconds as it does a final run's step
+    watch = name != "baseline" and device.type == "cpu"
     try:
         with (ticking(clock, earlier_s, started, sessions)
-              if name != "baseline" and distributed.is_main() else contextlib.nullcontext()):
+              if name != "baseline" and distributed.is_main() else contextlib.nullcontext()), \
+                (SystemSampler() if watch else contextlib.nullcontext()) as load:
             config, extra = tune_scenario(name, config, args, index, output_dir, device, tuned)
     finally:  # Ctrl-C and errors too: --resume then adds this session's tuning to the next's
         # A final run a grown study set aside counts as tuning, as a candidate trained (before
@@ -553,6 +557,9 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
         tuning_s = earlier_s + time.perf_counter() - started + set_aside_s
         if name != "baseline" and distributed.is_main():
             write_clock(clock, tuning_s, sessions)
+    if watch:
+        extra["tuning_load"] = tuning_load(name, load.summary(), config,
+                                           time.perf_counter() - started)
     anew = extra.pop(TUNED_ANEW, True)
     # private to the comparison with a set-aside final run (earlier_if_better), not the row's
     earlier_final = replaced.pop(EARLIER_ROW, None)
@@ -588,7 +595,8 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
         if args.profile and distributed.is_main():
             log.info("%s: no profiler trace of its own: it trains nothing the %s scenario's "
                      "trace does not show", name, same["scenario"])
-        return same_final(same, extra, args.run_id, args.weights, output_dir, tuning_s)
+        return advise_on_tuning_load(same_final(same, extra, args.run_id, args.weights,
+                                                output_dir, tuning_s))
     log.info("== scenario %s: %s, %d px, batch %d, %d epochs on %s", name, config.model,
              config.image_size, config.batch_size, config.epochs, device)
     if config.cache_decoded:
@@ -668,6 +676,7 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
     row.update(extra, run_id=args.run_id, tuning_s=tuning_s,
                total_s=tuning_s + final_run_s(row),
                start_weights=start_weights(config.model, args.weights))
+    advise_on_tuning_load(row)
     if name == "hpo":
         kept = default_if_better(row, tuned.get("final") or resolution_final_row(
             output_dir, index, args.run_id))
@@ -686,6 +695,42 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
     log_row(row)
     if distributed.is_main():
         keep_best_model(result, config, index, row, output_dir)
+    return row
+
+
+# Fewer seconds of tuning than this say too little about the load (a resumed scenario's
+# journal read back): 10 samples of the machine.
+MIN_JUDGED_TUNING_S = 5.0
+
+
+def tuning_load(name: str, machine: dict[str, Any], config: TrainConfig, wall_s: float
+                ) -> dict[str, Any]:
+    """This session's tuning on a CPU as the machine saw it, and the facts when other processes
+    slowed it (diagnosis.contention, said in the log): its seconds, the time ratios and
+    --match-time's epochs are then the other load's, as are the speed knobs it measured."""
+    load = {"wall_s": wall_s, "cpu_util_pct": machine.get("cpu_util_pct"),
+            "process_cpu_pct": machine.get("process_cpu_pct"), "contended": None}
+    if wall_s >= MIN_JUDGED_TUNING_S:
+        load["contended"] = contention({
+            "device": "cpu", "cpu_util_pct": load["cpu_util_pct"],
+            "process_cpu_pct": load["process_cpu_pct"], "cpu_count": usable_cpus(),
+            "cpu_threads": config.cpu_threads, "num_workers": config.num_workers,
+            "cached_decode": config.cache_decoded})
+    if load["contended"] and distributed.is_main():
+        log.warning("%s: %s", name, tuning_contended_advice(load["contended"]))
+    return load
+
+
+def advise_on_tuning_load(row: dict[str, Any]) -> dict[str, Any]:
+    """The row, its diagnosis advising first to run again on an idle machine when its tuning
+    was contended (tuning_load): its final run's own figures may read otherwise."""
+    facts = (row.get("tuning_load") or {}).get("contended")
+    diagnosis = row.get("diagnosis")
+    if facts and isinstance(diagnosis, dict):
+        # a row taken from the resolution scenario may carry that scenario's
+        recs = [r for r in diagnosis.get("recommendations") or []
+                if not r.startswith(TUNING_CONTENDED)]
+        diagnosis["recommendations"] = [tuning_contended_advice(facts)] + recs[:2]
     return row
 
 

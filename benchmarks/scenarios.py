@@ -212,15 +212,18 @@ def figure(value: float, limit: float, decimals: int, sign: str = "") -> str:
 
 def targets(rows: list[dict]) -> list[str]:
     """Issue 16's targets, each met or missed, with the figure; UNRELIABLE for every one when
-    a scenario's diagnosis read its CPU as shared with other work (cpu-contended): a slowed
-    baseline stretches the time ratios and, through --match-time, gives the tuned final runs
-    more epochs, so the accuracy figures move too."""
+    a scenario's diagnosis read its CPU as shared with other work (cpu-contended), or its
+    tuning did (tuning_load): a slowed baseline stretches the time ratios and, through
+    --match-time, gives the tuned final runs more epochs, so the accuracy figures move too; a
+    slowed tuning stretches them the other way and measures the speed knobs under the load."""
     by = {r["scenario"]: r for r in rows}
     base = by.get("baseline")
     if base is None:
         return ["no baseline row: nothing to compare"]
     contended = [r["scenario"] for r in rows
                  if ((r.get("diagnosis") or {}).get("bottleneck")) == "cpu-contended"]
+    contended += [f"{r['scenario']}'s tuning" for r in rows
+                  if (r.get("tuning_load") or {}).get("contended")]
     out = [f"UNRELIABLE: the CPU was shared with other work during {', '.join(contended)} "
            "(diagnosis: cpu-contended); rerun on a quiet machine"] if contended else []
 

@@ -149,12 +149,14 @@ def _input_bound(f: _Figures) -> dict[str, Any] | None:
     return _result("input-bound", f"Input-bound: {waits}.", recs)
 
 
-def _contended(f: _Figures) -> dict[str, Any] | None:
-    """A CPU run slowed by other processes: the machine was busy while the run's own processes
+def contention(figures: dict[str, Any] | _Figures) -> str | None:
+    """Whether a CPU run was slowed by other processes, as the facts that say so (None: not
+    so, a GPU run, or figures missing): the machine was busy while the run's own processes
     (DataLoader workers included) used much less CPU than its threads and workers could. Its
-    step time and the bottleneck the other rules would read from it are the other load's, not
-    the run's (a --quick baseline read compute-bound at 2780 ms a step, input-bound at 78 ms
-    alone)."""
+    step time, and the bottleneck the other rules would read from it, are then the other
+    load's, not the run's (a --quick baseline read compute-bound at 2780 ms a step,
+    input-bound at 78 ms alone)."""
+    f = figures if isinstance(figures, _Figures) else _Figures(figures)
     if f.cuda:
         return None
     machine, own = f.num("cpu_util_pct"), f.num("process_cpu_pct")
@@ -170,15 +172,32 @@ def _contended(f: _Figures) -> dict[str, Any] | None:
         return None
     mine = _count(threads, "thread") + (f" and {_count(workers, 'loader worker')}" if workers
                                         else "")
-    facts = (f"the machine's CPU was busy {machine:.0f}% of the time while this run's processes "
-             f"used {own:.0f}% of one core, of the {could:.0f}% its {mine} could")
+    return (f"the machine's CPU was busy {machine:.0f}% of the time while this run's processes "
+            f"used {own:.0f}% of one core, of the {could:.0f}% its {mine} could")
+
+
+def _contended(f: _Figures) -> dict[str, Any] | None:
+    facts = contention(f)
+    if facts is None:
+        return None
     recs = [f"Run it again with the machine otherwise idle before tuning from these figures: its "
             f"step time and throughput are the other load's ({facts})."]
-    if threads > 1:  # with one, there is no fewer to give
+    if (f.num("cpu_threads") or f.num("cpu_count")) > 1:  # with one, there is no fewer to give
         recs.append("Where the other load must stay, give this run fewer threads so the two do "
                     "not thrash each other's caches (torch.set_num_threads, OMP_NUM_THREADS).")
     return _result("cpu-contended", f"CPU-contended: {facts}; other processes took the cores.",
                    recs)
+
+
+def tuning_contended_advice(facts: str) -> str:
+    """The recommendation for a scenario whose tuning (not its final run) shared the CPU with
+    other processes: what its figures then overstate."""
+    return (f"{TUNING_CONTENDED} ({facts}): its tuning seconds and its time against the "
+            f"baseline overstate what an idle machine takes, and its speed knobs and trials were "
+            f"measured under that load; run it again with the machine otherwise idle to compare.")
+
+
+TUNING_CONTENDED = "Its tuning ran while other processes took the cores"
 
 
 def _transfer_bound(f: _Figures) -> dict[str, Any] | None:

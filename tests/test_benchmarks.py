@@ -281,6 +281,13 @@ def test_a_target_figure_never_prints_the_limit_it_missed():
     assert shared[0].startswith("UNRELIABLE: the CPU was shared with other work during "
                                 "baseline")
     assert all(line.startswith(("UNRELIABLE", "test set")) for line in shared)
+    # so did a tuning slowed so: its seconds, and the speed knobs it measured, were the load's
+    slowed = bench.targets([base, {**res, "tuning_load": {"contended": "busy 99%"}}, hpo])
+    assert slowed[0].startswith("UNRELIABLE: the CPU was shared with other work during "
+                                "resolution's tuning")
+    assert all(line.startswith(("UNRELIABLE", "test set")) for line in slowed)
+    assert not bench.targets([base, {**res, "tuning_load": {"contended": None}}, hpo])[
+        0].startswith("UNRELIABLE")
 
 
 def test_the_search_verdict_needs_a_best_clear_of_chance():

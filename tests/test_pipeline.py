@@ -2388,3 +2388,50 @@ def test_the_report_says_which_accuracy_chose_the_models():
     text = report.render_report([{"scenario": "baseline", "settings": {}}], [])
     assert "Val Acc chose each model's epoch" in text
     assert "Test Acc, on images nothing was chosen by, is the estimate" in text
+
+
+def test_a_tuning_slowed_by_other_processes_is_said_and_advised(small, tmp_path, monkeypatch,
+                                                                capsys):
+    """A quick start beside a test run: the resolution scenario's 64 px trial ran at 58 img/s
+    where its final run ran at 334, and the row read 3.25x the baseline's time with a
+    compute-bound diagnosis of its final run alone. The machine is now watched while a tuned
+    scenario tunes, and a contended tuning is said, advised in the row's diagnosis, and makes
+    the benchmark's verdicts unreliable."""
+    from modules import diagnosis
+    monkeypatch.setattr(diagnosis, "THRESHOLDS", diagnosis.Thresholds())  # conftest's off
+    monkeypatch.setattr(scenario, "MIN_JUDGED_TUNING_S", 0.0)  # this tuning takes a second
+    monkeypatch.setattr(scenario, "usable_cpus", lambda: 2)
+    busy = {"cpu_util_pct": 99.0, "process_cpu_pct": 40.0}
+    made = []
+
+    class Sampler(scenario.SystemSampler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+        def summary(self):  # the first made watches the tuning, the second the final run
+            return {**super().summary(), **(busy if self is made[0] else idle)}
+    idle = {"cpu_util_pct": 50.0, "process_cpu_pct": 190.0}
+    monkeypatch.setattr(scenario, "SystemSampler", Sampler)
+    assert run_main("--data-dir", str(small), "--scenarios", "resolution", "--resolutions",
+                    "32", "--image-size", "32", "--epochs", "2", "--weights", "none",
+                    "--no-autotune", "--no-progress", "--output-dir", str(tmp_path / "out")) == 0
+    row = json.loads((tmp_path / "out" / "results.json").read_text())[0]
+    load = row["tuning_load"]
+    assert load["cpu_util_pct"] == 99.0 and load["process_cpu_pct"] == 40.0
+    assert load["wall_s"] > 0 and "40% of one core, of the 200%" in load["contended"]
+    recs = row["diagnosis"]["recommendations"]
+    assert recs[0].startswith(diagnosis.TUNING_CONTENDED) and "overstate" in recs[0]
+    assert row["diagnosis"]["bottleneck"] != "cpu-contended"  # its final run was not
+    assert "resolution: Its tuning ran while other processes took the cores" in \
+        capsys.readouterr().err
+    assert diagnosis.TUNING_CONTENDED in (tmp_path / "out" / "report.md").read_text()
+    # shown once, however often the row's diagnosis is advised again (a row taken whole)
+    assert scenario.advise_on_tuning_load(row)["diagnosis"]["recommendations"] == recs
+    # an idle tuning: figures kept, nothing said
+    assert scenario.tuning_load("hpo", {"cpu_util_pct": 50.0, "process_cpu_pct": 190.0},
+                                scenario.TrainConfig(cpu_threads=2), 30.0)["contended"] is None
+    # too short to say (a resumed scenario reading its journal back)
+    monkeypatch.setattr(scenario, "MIN_JUDGED_TUNING_S", 5.0)
+    assert scenario.tuning_load("hpo", busy, scenario.TrainConfig(cpu_threads=2), 1.0)[
+        "contended"] is None
