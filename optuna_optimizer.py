@@ -3,27 +3,21 @@ trial, successive halving over epochs, a persistent (resumable, crash-tolerant) 
 out-of-memory trials recorded as pruned, and plots."""
 from __future__ import annotations
 
-import contextlib
-import copy
 import dataclasses
 import hashlib
 import json
 import logging
 import math
 import os
-import random
-import re
 import socket
-import sqlite3
 import time
 import warnings
-from datetime import datetime, timedelta
 from pathlib import Path
 
 import optuna
-import sqlalchemy
 from matplotlib.ticker import MaxNLocator
 
+import modules.storage
 from modules import distributed
 from modules.checkpoints import save_weights
 from modules.config import OPTIMIZERS, TrainConfig, UserError, first_line
@@ -33,6 +27,8 @@ from modules.report import figure, write_html
 from modules.selection import (accuracy_se, beats, chance_words, informative, tie_margin,
                               validation_chance)
 from modules.device import resolve_device
+from modules.storage import (Storage, copy_sqlite, opened, retry_callback, scrub, sqlite_url,
+                             storage_cause, storage_error, without_password)
 from modules.trainer import DivergedError, fit, trial_failure
 
 log = logging.getLogger(__name__)
@@ -48,17 +44,6 @@ log = logging.getLogger(__name__)
 PRUNERS = ("asha", "hyperband", "median", "none")
 REDUCTION_FACTOR = 3
 MEDIAN_WARMUP = 1  # epochs the median pruner lets every trial train
-# Seconds between heartbeats of a running trial, and silence after which it counts as dead (a
-# killed Colab kernel) and is retried. Several heartbeats fit in the grace period, so a busy
-# epoch does not look like a crash.
-# HWTRAIN_TRIAL_GRACE_S shortens or lengthens the grace period (epochs longer than a minute on
-# a shared cluster; the real-kill test); heartbeats come three times per grace period.
-try:
-    GRACE_S = max(2.0, float(os.environ.get("HWTRAIN_TRIAL_GRACE_S", 90)))
-except ValueError:  # not a number: keep the default rather than fail at import
-    GRACE_S = 90.0
-HEARTBEAT_S, MAX_RETRY = max(1, int(GRACE_S // 3)), 2
-SQLITE_WAIT_S = 60.0
 BATCH_SIZES = (16, 32, 64, 128, 256)  # the search's choices, before the memory bound
 
 
@@ -74,43 +59,6 @@ class EarlierTrial:
     samples_per_s: float
     source: str               # for the log: "the resolution scenario's 64 px trial"
     epoch_end_at: list[float] = dataclasses.field(default_factory=list)  # time.time() each
-
-
-class _Storage(optuna.storages.RDBStorage):
-    """Optuna's RDBStorage, whose stale trials also take in a trial that never beat: RUNNING,
-    without a heartbeat, started more than the grace period ago.
-
-    Optuna only looks at trials with a heartbeat. Its heartbeat thread records the first one
-    shortly after the trial is created (later when SQLite is busy with the trial's own
-    writes), so a process killed in between left its trial RUNNING for ever, never failed
-    and never retried. A live trial beats within milliseconds of its start, so one without a
-    heartbeat after the whole grace period is dead. (Its start is the creating process's
-    local time: workers sharing a study should share a clock and time zone.)"""
-
-    all_stale = False  # every RUNNING trial is stale (OptunaTuner._retry_cut_off)
-
-    def _get_stale_trial_ids(self, study_id: int) -> list[int]:
-        if self.all_stale:
-            return [t._trial_id for t in self.get_all_trials(
-                study_id, deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))]
-        stale = super()._get_stale_trial_ids(study_id)
-        grace = timedelta(seconds=self.grace_period or 2 * self.heartbeat_interval)
-        now = datetime.now()
-        for trial in self.get_all_trials(study_id, deepcopy=False,
-                                         states=(optuna.trial.TrialState.RUNNING,)):
-            if trial._trial_id not in stale and trial.datetime_start is not None and \
-                    now - trial.datetime_start > grace and not self._has_heartbeat(trial._trial_id):
-                stale.append(trial._trial_id)
-        return stale
-
-    def _has_heartbeat(self, trial_id: int) -> bool:
-        try:  # Optuna's own tables, as its record_heartbeat reads them (3.5 to 5.0)
-            from optuna.storages._rdb import models
-            from optuna.storages._rdb.storage import _create_scoped_session
-            with _create_scoped_session(self.scoped_session) as session:
-                return models.TrialHeartbeatModel.where_trial_id(trial_id, session) is not None
-        except Exception:  # an Optuna whose internals differ: leave the trial to Optuna's rule
-            return True
 
 
 def first_rung(epochs: int) -> int:
@@ -185,62 +133,10 @@ class _BeyondNoise(optuna.pruners.BasePruner):
         return verdict and beats(leader, value, self.n_val)
 
 
-def storage_error(url: str, exc: Exception) -> UserError:
-    first = _scrub(first_line(exc, limit=1000), url)
-    return UserError(f"cannot open Optuna storage {_without_password(url)!r} "
-                     f"({type(exc).__name__}: {first}).")
-
-
-def check_storage(url: str) -> None:
-    """Opens a --storage URL once, so that a wrong one stops the run before any training."""
-    if re.fullmatch(r"sqlite:/{2,3}(:memory:)?", url.strip()):
-        raise UserError(f"--storage {url!r} is an in-memory SQLite database, gone when the run "
-                        "ends and unseen by other workers; give a file: sqlite:///path/optuna.db")
-    try:
-        opened(lambda: optuna.storages.RDBStorage(url)).engine.dispose()
-    except Exception as exc:  # as in OptunaTuner._storage
-        raise storage_error(url, exc) from None
-
-
-CREATION_TRIES = 5
-
-
 def _trained(trial) -> bool:
     """False for a trial drawn at a batch the search leaves out, stopped before it trained
     (objective): not a trial in any count."""
     return not trial.user_attrs.get("untrained")
-
-
-def retry_callback():
-    """Optuna's callback that queues a trial cut off by a kill again, without the successive
-    halving rungs the cut-off trial had passed: copied, they told the pruner the retry had
-    passed them too, and it was not judged at its first rung however far behind (and the pool
-    there held the cut-off run's value twice)."""
-    class Retry(optuna.storages.RetryHeartbeatStaleTrialCallback):
-        def __call__(self, study, trial):
-            trial = copy.deepcopy(trial)
-            trial.system_attrs = {k: v for k, v in trial.system_attrs.items()
-                                  if not k.startswith("completed_rung_")}
-            super().__call__(study, trial)
-    return Retry(max_retry=MAX_RETRY)
-
-
-def opened(open_storage):
-    """open_storage(), tried again when another worker was creating the storage's tables at
-    the same moment: the first open of an empty database creates them, and of two workers of
-    a job array started together one failed ("table alembic_version already exists",
-    "duplicate key value violates unique constraint")."""
-    for attempt in range(1, CREATION_TRIES + 1):
-        try:
-            return open_storage()
-        except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.OperationalError,
-                sqlalchemy.exc.ProgrammingError) as exc:
-            text = str(exc).lower()
-            racing = any(s in text for s in ("already exists", "unique constraint",
-                                             "duplicate key", "database is locked"))
-            if not racing or attempt == CREATION_TRIES:
-                raise
-            time.sleep(random.uniform(0.2, 1.0) * attempt)
 
 
 class OptunaTuner:
@@ -344,7 +240,7 @@ class OptunaTuner:
             local.parent.mkdir(parents=True, exist_ok=True)
             if db.exists() and (not local.exists() or db.stat().st_mtime > local.stat().st_mtime):
                 log.info("restoring the study from %s to %s", db, local)
-                _copy_sqlite(db, local)
+                copy_sqlite(db, local)
             db, self.mirror = local, (local, db)
         self.storage_url = storage or sqlite_url(db)
         self.storage = self._storage()  # opened now, so a bad URL fails before any training
@@ -616,11 +512,12 @@ class OptunaTuner:
                 retry = retry_callback()
                 # SQLite's own wait for another process's lock is 5 s: workers sharing a file
                 # (and a heartbeat thread each) wait longer before a write fails.
-                engine = {"connect_args": {"timeout": SQLITE_WAIT_S}} \
+                engine = {"connect_args": {"timeout": modules.storage.SQLITE_WAIT_S}} \
                     if self.storage_url.startswith("sqlite") else None
-                return opened(lambda: _Storage(self.storage_url, engine_kwargs=engine,
-                                               heartbeat_interval=HEARTBEAT_S,
-                                               grace_period=GRACE_S, **{keyword: retry}))
+                return opened(lambda: Storage(self.storage_url, engine_kwargs=engine,
+                                              heartbeat_interval=modules.storage.HEARTBEAT_S,
+                                              grace_period=modules.storage.GRACE_S,
+                                              **{keyword: retry}))
         except Exception as exc:  # SQLAlchemy raises many types for bad URLs / unreachable DBs
             raise storage_error(self.storage_url, exc) from None
 
@@ -687,20 +584,20 @@ class OptunaTuner:
         try:
             return self._run(ended=ended)
         except Exception as exc:
-            cause = None if isinstance(exc, UserError) else _storage_cause(exc)
+            cause = None if isinstance(exc, UserError) else storage_cause(exc)
             if cause is None:
                 raise
             # A database locked past its wait (another process holding SQLite's lock), a
             # server gone: the trials recorded stay, and a trial cut off is retried.
             raise UserError(
-                f"the study's storage {_without_password(self.storage_url)!r} failed "
-                f"({type(cause).__name__}: {_scrub(first_line(cause), self.storage_url)}); "
+                f"the study's storage {without_password(self.storage_url)!r} failed "
+                f"({type(cause).__name__}: {scrub(first_line(cause), self.storage_url)}); "
                 "the finished trials are kept: rerun with --resume to continue.") from None
         finally:
             optuna.logging.set_verbosity(verbosity)
 
     def _run(self, *, ended: bool) -> dict:
-        storage, where = self.storage, _without_password(self.storage_url)
+        storage, where = self.storage, without_password(self.storage_url)
         shared = self.shared
         exists = self.study_name in optuna.get_all_study_names(storage)
         # A study is deleted only when asked (overwrite=True), and never on a shared database,
@@ -877,7 +774,7 @@ class OptunaTuner:
         storage = getattr(self.study._storage, "_backend", self.study._storage)  # Optuna's cache
         cut_off = [t.number for t in self.study.get_trials(
             deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))]
-        if not cut_off or not isinstance(storage, _Storage):
+        if not cut_off or not isinstance(storage, Storage):
             return
         storage.all_stale = True
         try:
@@ -938,7 +835,7 @@ class OptunaTuner:
 
     def _copy_to_mirror(self, study=None, trial=None) -> None:
         if self.mirror is not None:
-            _copy_sqlite(*self.mirror)
+            copy_sqlite(*self.mirror)
 
     def summary(self) -> dict:
         study = self._require_study()
@@ -967,7 +864,7 @@ class OptunaTuner:
                 "n_failed": states.count(optuna.trial.TrialState.FAIL), "n_complete": complete,
                 "time_budget_s": self.timeout_s,
                 "search_s": round(self.search_seconds(), 1), "study_name": self.study_name,
-                "storage": _without_password(self.storage_url)}
+                "storage": without_password(self.storage_url)}
 
     def _keep_study_batch_sizes(self) -> None:
         """Optuna refuses a categorical whose choices change within a study, mid-trial. The
@@ -1057,7 +954,7 @@ class OptunaTuner:
                          "another worker is training: the search is judged against it",
                          self.study_name, pending.number)
                 said = True
-            time.sleep(HEARTBEAT_S)
+            time.sleep(modules.storage.HEARTBEAT_S)
 
     def _failed_default(self) -> str | None:
         """Why the default configuration's trial ended without a result (it diverged, ran out
@@ -1297,97 +1194,3 @@ def follow_trials(index) -> None:
 def end_trials() -> None:
     """On rank 0 under torchrun, after the study: the other ranks' follow_trials returns."""
     distributed.from_main(None)
-
-
-def sqlite_url(path: Path) -> str:
-    """The SQLAlchemy URL of a SQLite file, escaped: a folder named "run #2?" or "a%20b" is
-    that folder, not a query string or a space."""
-    return sqlalchemy.engine.URL.create("sqlite", database=str(Path(path).resolve())) \
-        .render_as_string(hide_password=False)
-
-
-def _copy_sqlite(source: Path, target: Path) -> None:
-    """A consistent copy of a live SQLite file (its backup API), replacing `target` whole. A
-    copy cut short before (a disconnect mid-copy) is started again, not opened."""
-    tmp = target.with_name(f".{target.name}.tmp")
-    tmp.unlink(missing_ok=True)
-    try:
-        with contextlib.closing(sqlite3.connect(source)) as src, \
-                contextlib.closing(sqlite3.connect(tmp)) as dst:
-            src.backup(dst)
-    except sqlite3.Error as exc:
-        tmp.unlink(missing_ok=True)
-        raise UserError(f"cannot copy the Optuna study {str(source)!r} to {str(target)!r} "
-                        f"({exc}); if it is damaged, move it aside and run again.") from None
-    os.replace(tmp, target)
-
-
-def _storage_cause(exc: BaseException) -> BaseException | None:
-    """The storage error `exc` is or arose from (Optuna can fail on with another exception,
-    an UnboundLocalError, while handling one), or None: the database's own when there is one
-    ("database is locked"), not Optuna's wrapper of it."""
-    chain: list[BaseException] = []
-    while exc is not None and len(chain) < 10:
-        chain.append(exc)
-        exc = exc.__cause__ or exc.__context__
-    for kinds in ((sqlalchemy.exc.SQLAlchemyError, sqlite3.Error),
-                  (optuna.exceptions.StorageInternalError,)):
-        found = next((e for e in chain if isinstance(e, kinds)), None)
-        if found is not None:
-            return found
-    return None
-
-
-def _scrub(text: str, url: str) -> str:
-    """`text` (a driver's error message) without any piece of the URL's user and password: a
-    driver that misreads an unencoded '@' quotes the password's tail as the host."""
-    url = str(url)
-    start = url.find("://") + 3
-    userinfo = url[start:url.rfind("@")] if "@" in url[start:] else ""
-    pieces = {userinfo} | set(re.split(r"[:@/?&=]", userinfo))
-    query = url.split("?", 1)[1] if "?" in url else ""
-    pieces |= {value for _, _, value in (part.partition("=") for part in query.split("&"))}
-    for piece in sorted((p for p in pieces if len(p) >= 3), key=len, reverse=True):
-        text = text.replace(piece, "***")
-    return text
-
-
-def shown_argv(argv: list[str]) -> list[str]:
-    """A command line as it may be logged or saved (run.json, latest_run.json): a --storage
-    URL's user, password and query left out, as everywhere else it is shown."""
-    shown, storage_next = [], False
-    for arg in argv:
-        # argparse takes any unambiguous start of an option's name: --stor is --storage
-        name, eq, value = arg.partition("=")
-        is_storage = len(name) >= 4 and "--storage".startswith(name)
-        if storage_next:
-            arg, storage_next = _without_password(arg), False
-        elif is_storage and not eq:
-            storage_next = True
-        elif is_storage:
-            arg = f"{name}={_without_password(value)}"
-        shown.append(arg)
-    return shown
-
-
-def _without_password(url: str) -> str:
-    """The storage URL as it may be logged or written to results.json: driver, host, port and
-    database only, never user, password or query string, however the URL is written."""
-    url = str(url)
-    driver = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", url)
-    if driver is None:
-        return "<unparseable>"
-    rest = url[driver.end():]
-    if rest.startswith("/"):  # no host part (sqlite:///path/optuna.db): the path is shown
-        return f"{driver[1]}://{re.split(r'[?#]', rest, maxsplit=1)[0]}"
-    # rest is [userinfo@]host[:port][/database][?query]. An unencoded password may hold "@",
-    # "/" or "?", and a query "@", so every "@" is tried as the end of the userinfo; exactly
-    # one reading must fit, since with two, what is shown could be part of a secret.
-    tail = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[\w.~%-]*)(?::(\d{1,5}))?(/[^?#@]*)?(?:[?#].*)?",
-                      re.DOTALL)
-    readings = {m.group(1, 2, 3) for at in [-1] + [i for i, c in enumerate(rest) if c == "@"]
-                if (m := tail.fullmatch(rest, at + 1))}
-    if len(readings) != 1:
-        return f"{driver[1]}://<unparseable>"
-    host, port, database = readings.pop()
-    return f"{driver[1]}://{host}{':' + port if port else ''}{database or ''}"

@@ -37,7 +37,8 @@ from modules.device import autocast_dtype
 from modules.files import resolved, user_error
 from modules.models import check_weights_file
 from modules.results import run_rows  # noqa: F401  (the notebook's run cell)
-from optuna_optimizer import PRUNERS, shown_argv
+from modules.storage import shown_argv
+from optuna_optimizer import PRUNERS
 # The library API the notebook and README call through this module.
 from scenario import (FIDELITY_FROM, FIDELITY_SCALE, MAX_EPOCH_FACTOR, N_TRIALS,  # noqa: F401
                       QUICK_N_TRIALS, SCENARIOS, TIME_SHARE, RunOptions, estimate,

@@ -56,9 +56,9 @@ from modules.results import (CLOCK_SUFFIX, checkpoint_file, compare_to_baseline,
                              footprint, json_safe, keep_best_model, mark_finished, merge_results,
                              previous_row, result_row, run_folder, run_record_beside, start_run,
                              write_json)
+from modules.storage import check_storage, shown_argv
 from modules.trainer import TIMING_WARMUP_STEPS, prepare, train
-from optuna_optimizer import (BATCH_SIZES, EarlierTrial, OptunaTuner, check_storage, end_trials,
-                              follow_trials, shown_argv)
+from optuna_optimizer import BATCH_SIZES, EarlierTrial, OptunaTuner, end_trials, follow_trials
 from resolution_tuner import (CPU_RESOLUTIONS, GPU_RESOLUTIONS, QUICK_CPU_RESOLUTIONS,
                               ResolutionTuner, comparable_sizes, equal_compute_epochs)
 

@@ -14,6 +14,7 @@ import optuna
 import pytest
 import torch
 
+import modules.storage
 import optuna_optimizer
 from conftest import make_folder
 from modules.config import TrainConfig, UserError
@@ -194,7 +195,7 @@ def test_a_copy_of_the_study_cut_short_before_is_made_again(tmp_path):
     """--local-dir's copy of the study, when a disconnect left its temporary file half
     written: replaced, not opened ('file is not a database')."""
     import sqlite3
-    from optuna_optimizer import _copy_sqlite
+    from modules.storage import copy_sqlite
     source, target = tmp_path / "drive.db", tmp_path / "local" / "optuna.db"
     target.parent.mkdir()
     with sqlite3.connect(source) as db:
@@ -202,14 +203,14 @@ def test_a_copy_of_the_study_cut_short_before_is_made_again(tmp_path):
         db.execute("insert into trials values (7)")
     db.close()
     (target.parent / ".optuna.db.tmp").write_bytes(b"half a copy" * 300)
-    _copy_sqlite(source, target)
+    copy_sqlite(source, target)
     with sqlite3.connect(target) as db:
         assert db.execute("select n from trials").fetchall() == [(7,)]
     db.close()
     assert sorted(p.name for p in target.parent.iterdir()) == ["optuna.db"]
     source.write_bytes(b"not a database" * 300)
     with pytest.raises(UserError, match="cannot copy the Optuna study .* move it aside"):
-        _copy_sqlite(source, target)
+        copy_sqlite(source, target)
 
 
 def test_a_study_of_other_data_is_refused(index, tmp_path, monkeypatch):
@@ -284,8 +285,8 @@ def test_a_study_whose_trials_trained_otherwise_is_refused(index, tmp_path, monk
 @pytest.mark.filterwarnings("ignore:Heartbeat of storage")  # our study.ask() plays the dead run
 def test_trial_of_a_killed_process_is_retried(index, tmp_path, monkeypatch):
     monkeypatch.setattr(optuna_optimizer, "fit", fake_fit)
-    monkeypatch.setattr(optuna_optimizer, "HEARTBEAT_S", 1)
-    monkeypatch.setattr(optuna_optimizer, "GRACE_S", 1)
+    monkeypatch.setattr(modules.storage, "HEARTBEAT_S", 1)
+    monkeypatch.setattr(modules.storage, "GRACE_S", 1)
     t = tuner(index, tmp_path, n_trials=1)
     study = optuna.create_study(storage=t.storage, study_name=t.study_name, direction="maximize")
     dead = study.ask({"lr": optuna.distributions.FloatDistribution(1e-4, 1e-2, log=True)})
@@ -307,10 +308,10 @@ def test_a_trial_killed_before_its_first_heartbeat_is_retried_too(index, tmp_pat
     """Optuna only fails stale trials that have a heartbeat; a process killed between creating
     its trial and the first beat left that trial RUNNING for ever (a flaky real-kill test)."""
     monkeypatch.setattr(optuna_optimizer, "fit", fake_fit)
-    monkeypatch.setattr(optuna_optimizer, "HEARTBEAT_S", 1)
+    monkeypatch.setattr(modules.storage, "HEARTBEAT_S", 1)
     # A grace period no busy machine outlasts between asking `young` and the stale check; the
     # other two are backdated past it instead of slept for.
-    monkeypatch.setattr(optuna_optimizer, "GRACE_S", 60)
+    monkeypatch.setattr(modules.storage, "GRACE_S", 60)
     t = tuner(index, tmp_path, n_trials=1)
     study = optuna.create_study(storage=t.storage, study_name=t.study_name, direction="maximize")
     lr = {"lr": optuna.distributions.FloatDistribution(1e-4, 1e-2, log=True)}
@@ -1411,7 +1412,7 @@ def test_a_retried_trial_is_judged_at_the_rungs_it_had_passed_before_the_kill():
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        retry = optuna_optimizer.retry_callback()
+        retry = modules.storage.retry_callback()
     study = optuna.create_study(direction="maximize")
     study.add_trial(optuna.trial.create_trial(
         state=optuna.trial.TrialState.FAIL, params={"lr": 1e-3},
@@ -1430,7 +1431,7 @@ def test_a_database_locked_mid_search_is_one_line_and_the_search_resumes(index, 
     """Another process holding SQLite's lock past the wait (the sqlite3 shell, a stuck
     worker) failed the search with pages of chained tracebacks. It is one line that says to
     resume, and the resumed search keeps the finished trial and completes."""
-    monkeypatch.setattr(optuna_optimizer, "SQLITE_WAIT_S", 0.2)
+    monkeypatch.setattr(modules.storage, "SQLITE_WAIT_S", 0.2)
     t = tuner(index, tmp_path, n_trials=3)
     database = t.storage_url.removeprefix("sqlite:///")
     holder = []

@@ -264,7 +264,7 @@ def _study_states(db: Path) -> list[tuple[int, str]]:
 def test_kill_9_mid_study_then_resume_loses_no_trial_and_counts_none_twice(data, tmp_path):
     import optuna
     out = tmp_path / "out"
-    grace_s = 2  # the shortest grace period optuna_optimizer takes
+    grace_s = 2  # the shortest grace period modules/storage.py takes
     env = {**os.environ, "HWTRAIN_TRIAL_GRACE_S": str(grace_s)}
     # trials of 2 epochs (short_budget); the final run, after the search, 3
     hpo = [sys.executable, "pipeline.py", "--data-dir", str(data), "--output-dir", str(out),
@@ -359,7 +359,7 @@ def test_mistakes_in_paths_and_lists_are_refused_before_any_work(tmp_path):
 
 
 def test_a_wrong_storage_is_refused_before_any_training(tmp_path, capsys):
-    from optuna_optimizer import check_storage
+    from modules.storage import check_storage
     for url in ("sqlite://", "sqlite:///:memory:"):
         with pytest.raises(UserError, match="in-memory SQLite"):
             check_storage(url)

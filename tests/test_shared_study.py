@@ -56,7 +56,7 @@ def test_workers_creating_one_storage_at_once_both_open_it(monkeypatch):
     import optuna
     import sqlalchemy
 
-    import optuna_optimizer
+    from modules import storage
     calls = []
 
     class Racing:
@@ -68,8 +68,8 @@ def test_workers_creating_one_storage_at_once_both_open_it(monkeypatch):
                                                                   "already exists"))
             self.engine = sqlalchemy.create_engine("sqlite://")
     monkeypatch.setattr(optuna.storages, "RDBStorage", Racing)
-    monkeypatch.setattr(optuna_optimizer.time, "sleep", lambda s: None)
-    optuna_optimizer.check_storage("sqlite:////tmp/shared.db")
+    monkeypatch.setattr(storage.time, "sleep", lambda s: None)
+    storage.check_storage("sqlite:////tmp/shared.db")
     assert len(calls) == 2
     # another failure is not retried: it is the user's to fix, in one line
     calls.clear()
@@ -81,5 +81,5 @@ def test_workers_creating_one_storage_at_once_both_open_it(monkeypatch):
                                                                            "authentication failed"))
     monkeypatch.setattr(optuna.storages, "RDBStorage", Refused)
     with pytest.raises(UserError, match="cannot open Optuna storage"):
-        optuna_optimizer.check_storage("postgresql://u:p@h/db")
+        storage.check_storage("postgresql://u:p@h/db")
     assert len(calls) == 1

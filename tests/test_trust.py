@@ -31,8 +31,9 @@ from modules.dataset import index_dataset, load_rgb, to_rgb
 from modules.files import atomic_torch_save, atomic_write_text, share_file
 from modules.models import build_model
 from modules.profiler import SystemSampler
+from modules.storage import without_password
 from modules.utility import load_model, save_model
-from optuna_optimizer import OptunaTuner, _without_password
+from optuna_optimizer import OptunaTuner
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,7 +68,7 @@ def deadline(seconds: int):
     ("sqlite+pysqlcipher://:passphrase@/optuna.db", "sqlite+pysqlcipher:///optuna.db"),
 ])
 def test_storage_url_shows_driver_host_port_and_database_only(url, shown):
-    assert _without_password(url) == shown
+    assert without_password(url) == shown
 
 
 @pytest.mark.parametrize("url, shown", [
@@ -79,7 +80,7 @@ def test_storage_url_shows_driver_host_port_and_database_only(url, shown):
     ("postgresql:u:pw@host/db", "<unparseable>"),
 ])
 def test_an_unparseable_url_shows_only_its_driver(url, shown):
-    assert _without_password(url) == shown
+    assert without_password(url) == shown
 
 
 @pytest.fixture(scope="module")
@@ -545,7 +546,7 @@ def test_the_saved_and_logged_command_line_has_no_storage_secret(tmp_path, monke
     and from the notebook's options() alike."""
     import pipeline
     from conftest import make_folder
-    from optuna_optimizer import shown_argv
+    from modules.storage import shown_argv
     # Log to this test's stderr: a handler an earlier test left writes to a closed stream, and
     # logging's error report quotes the source line, password included.
     pipeline.setup_logging()
