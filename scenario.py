@@ -25,7 +25,8 @@ from typing import Any, Callable
 import torch
 
 from modules import distributed, interrupts, membership
-from modules.autotune import MEASURE_SHARE, ComputeProbe, autotune, machine_key
+from modules.autotune import (FIXED_PROBE_MS, MEASURE_SHARE, ComputeProbe, autotune,
+                              fixed_step_cost, machine_key)
 from modules.checkpoints import check_format, load_checkpoint, saved_config
 from modules.clock import read_clock, read_sessions, ticking, write_clock
 from modules.config import (DEFAULTS, DISPLAY_ONLY, SPEED_ONLY, TrainConfig, UserError,
@@ -646,6 +647,16 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
                         channels_last=config.channels_last, num_classes=len(index.classes),
                         progress="test" if config.progress and distributed.is_main() else None)
     system = sampler.summary()
+    fixed = None
+    step_ms = result.timing.get("avg_step_ms")
+    if device.type == "cpu" and not config.compile and step_ms is not None and \
+            step_ms < FIXED_PROBE_MS and distributed.is_main():
+        fixed = fixed_step_cost(config, len(index.classes))
+        if fixed is not None:
+            log.info("%s: a step of %d images took %.1f ms, of %d %.1f ms (pure compute, timed "
+                     "for the diagnosis in %.1f s): %.1f ms of it does not grow with the batch",
+                     name, fixed["batch"], fixed["step_ms"], 2 * fixed["batch"],
+                     fixed["double_step_ms"], fixed["seconds"], fixed["fixed_ms"])
     carried = None
     if result.resumed_from_epoch is not None and result.resumed_from_epoch >= result.epochs_run:
         # Resumed after it had finished: this process only evaluated, so the figures measured
@@ -658,7 +669,7 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
                  if carried else "its machine figures cover only the test evaluation")
     row = result_row(name, config, result, test, index, device, system,
                      data_path_of(train_loader), carried,
-                     raced=measured_speeds(extra.get("autotune")))
+                     raced=measured_speeds(extra.get("autotune")), fixed_step=fixed)
     row["prepare_s"] = prepare_s  # the hpo scenario counts it when it takes this final run
     if result.resumed_from_epoch and not carried and row.get("energy_j") is not None:
         # Measured in this session only, while wall_s counts every session's training: no

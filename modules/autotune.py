@@ -133,6 +133,37 @@ class ComputeProbe:
                 "steps": len(times)}
 
 
+# A CPU run whose training steps took less than this, ms, is timed again at twice its batch for
+# the diagnosis: what is left of a step that does not grow with the batch (the optimizer's
+# pass over every tensor, Python, the framework's dispatch) can rule a short step. Longer
+# steps are the arithmetic's (SqueezeNet at 64 px, batch 32: 71 ms, 23% of it fixed), and
+# timing them at twice the batch would cost more.
+FIXED_PROBE_MS = 40.0
+
+
+def fixed_step_cost(config: TrainConfig, num_classes: int) -> dict[str, Any] | None:
+    """How much of a pure training step at config.batch_size does not grow with the batch: the
+    step timed at the batch and at twice it (a step takes about fixed + per image x batch).
+    {"batch", "step_ms", "double_step_ms", "fixed_ms" (at least 0), "seconds"}; None when a
+    probe could not run (out of memory at twice the batch)."""
+    started = time.perf_counter()
+    steps_ms = []
+    try:
+        for batch in (config.batch_size, 2 * config.batch_size):
+            probe = ComputeProbe(config, num_classes, batch)
+            steps_ms.append(1000 * batch / probe.measure(warmup=2, min_steps=8, max_steps=8,
+                                                         min_s=0.0)["img_s"])
+            del probe
+    except RuntimeError as exc:  # torch's OutOfMemoryError is one
+        log.info("diagnosis: could not time a step at twice the batch (%s)", _error(exc))
+        return None
+    finally:
+        _release()
+    one, two = steps_ms
+    return {"batch": config.batch_size, "step_ms": one, "double_step_ms": two,
+            "fixed_ms": max(0.0, 2 * one - two), "seconds": time.perf_counter() - started}
+
+
 def race(incumbent: ComputeProbe, challenger: ComputeProbe, *, warmup: int = 2,
          min_steps: int | None = None, max_steps: int | None = None, min_s: float | None = None,
          drop_slow: bool = True, deadline: float | None = None) -> dict[str, Any]:

@@ -20,6 +20,8 @@ class Thresholds:
     low_gpu_util_pct: float = 50.0    # GPU busy below this, % of time, ...
     low_data_wait_frac: float = 0.10  # ... while input waits below this share: overhead-bound
     batch_headroom_frac: float = 0.50  # peak / limit below this: a larger batch fits
+    fixed_step_frac: float = 0.50     # CPU: the part of a step that does not grow with the
+                                      # batch above this share: overhead-bound
     busy_machine_pct: float = 90.0    # the whole CPU busy above this, % of time, while ...
     own_cpu_frac: float = 0.60        # ... the run's processes used below this share of what
                                       # its threads could: other processes took the cores
@@ -219,19 +221,35 @@ def _overhead_bound(f: _Figures) -> dict[str, Any] | None:
     # A GPU idle most of the time with little input and copy left to blame (_input_bound
     # took the rest): per-step overhead. Else its figures would read compute-bound.
     idle_gpu = f.cuda and util is not None and util < THRESHOLDS.low_gpu_util_pct
-    if not ((ms is not None and ms < tiny) or idle_gpu):
+    # On a CPU no step is that short: a short one was timed again at twice its batch
+    # (autotune.fixed_step_cost), and what did not grow with the batch is the overhead.
+    fixed, probed = f.num("fixed_step_ms"), f.num("probe_step_ms")
+    batch = f.num("batch_size")
+    fixed_heavy = not f.cuda and fixed is not None and bool(probed) and \
+        fixed / probed > THRESHOLDS.fixed_step_frac
+    if not ((ms is not None and ms < tiny) or idle_gpu or fixed_heavy):
         return None
     why = []
     if ms is not None and ms < tiny:
         why.append(f"each step takes only {ms:.2f} ms (under {tiny:g} ms)")
+    if fixed_heavy:
+        at = f" (timed at batch {batch:.0f} and {2 * batch:.0f})" if batch else ""
+        why.append(f"{fixed:.1f} ms of each {probed:.1f} ms step does not grow with the batch{at}")
     if idle_gpu:
         why.append(f"the GPU is busy {util:.0f}% of the time" + (
             "" if wait is None else f" while input waits only {_pct(wait)}"
             if wait < THRESHOLDS.low_data_wait_frac else f" while input takes {_pct(wait)} of each step"))
     why_txt = " and ".join(why)
-    batch = f.num("batch_size")
-    recs = [f"Raise batch_size{f' from {batch:.0f}' if batch else ''} so fixed per-step costs "
-            f"are shared by more samples: {why_txt}."]
+    accum = f.num("grad_accum_steps")
+    if batch and accum and accum > 1:  # the same updates, fewer and larger batches
+        recs = [f"Raise batch_size from {batch:.0f} and lower grad_accum_steps from {accum:.0f}, "
+                f"keeping the effective batch of {batch * accum:.0f}: the same optimizer steps, "
+                f"their fixed costs shared by more samples ({why_txt})."]
+    else:
+        recs = [f"Raise batch_size{f' from {batch:.0f}' if batch else ''} so fixed per-step "
+                f"costs are shared by more samples: {why_txt}." + (
+                    " A larger batch also takes fewer optimizer steps an epoch, which can cost a "
+                    "short run accuracy: compare the validation accuracy." if fixed_heavy else "")]
     compiled = _measured_slower(f, "compile")
     if f.get("compile"):
         recs.append(f"torch.compile is on already: what is left per step is launch and Python "

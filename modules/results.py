@@ -308,12 +308,14 @@ MACHINE_FIGURES = ("gpu_util_pct", "cpu_util_pct", "process_cpu_pct", "peak_mem_
 def result_row(name: str, config: TrainConfig, result: TrainResult, test: dict[str, Any],
                index: DatasetIndex, device: torch.device, system: dict[str, Any],
                data_path: str, carried: dict[str, Any] | None = None,
-               raced: dict[str, Any] | None = None) -> dict[str, Any]:
+               raced: dict[str, Any] | None = None,
+               fixed_step: dict[str, Any] | None = None) -> dict[str, Any]:
     """The scenario's results.json object: accuracy, timing, hardware figures, diagnosis.
     carried: the earlier row of this same training, whose machine figures replace this
     process's (which trained nothing), and its step figures too when the checkpoint had none
     (one written before checkpoints carried them). raced: the autotuner's img/s per value of
-    each knob on this machine, so the diagnosis does not advise what it measured slower."""
+    each knob on this machine, so the diagnosis does not advise what it measured slower.
+    fixed_step: autotune.fixed_step_cost's timing of a short CPU step, for the diagnosis."""
     best = next((r for r in result.history if r["epoch"] == result.best_epoch), {})
     t = result.timing
     if device.type == "cuda":
@@ -362,14 +364,19 @@ def result_row(name: str, config: TrainConfig, result: TrainResult, test: dict[s
                                "gpu_util_pct", "cpu_util_pct", "process_cpu_pct",
                                "peak_mem_mb")},
         "cpu_threads": result.settings.get("cpu_threads"),
-        "batch_size": config.batch_size, "device": device.type, "mem_limit_mb": mem_limit_mb,
+        "batch_size": config.batch_size, "grad_accum_steps": config.grad_accum_steps,
+        "device": device.type, "mem_limit_mb": mem_limit_mb,
         "alloc_retries": alloc_retries, "num_workers": config.num_workers,
         "cpu_count": usable_cpus(), "channels_last": config.channels_last,
         "compile": config.compile,
         "amp_dtype": result.settings.get("amp_dtype"),
         "native_bf16": native_bf16_cpu() if device.type == "cpu" else None,
         "raced": raced,
-        "cached_decode": data_path == CachedLoader.data_path})
+        "cached_decode": data_path == CachedLoader.data_path,
+        **({"fixed_step_ms": fixed_step["fixed_ms"], "probe_step_ms": fixed_step["step_ms"]}
+           if fixed_step else {})})
+    if fixed_step:
+        row["fixed_step"] = fixed_step
     return row
 
 

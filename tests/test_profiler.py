@@ -361,6 +361,40 @@ def test_overhead_bound_from_a_tiny_step_or_an_idle_gpu():
         assert d["bottleneck"] == verdict, device
 
 
+def test_a_cpu_step_whose_fixed_cost_rules_is_overhead_bound():
+    """No CPU step is under 2 ms: SqueezeNet at 17 px, batch 4, stepped in 24 ms and read
+    compute-bound, its advice bf16, which made it slower; batch 32 ran 3.9x the samples per
+    second. Timed again at twice the batch, most of such a step does not grow with it."""
+    short = {"device": "cpu", "data_wait_frac": 0.02, "avg_step_ms": 24.0, "batch_size": 4,
+             "fixed_step_ms": 11.7, "probe_step_ms": 12.8}
+    d = diagnose(short)
+    assert d["bottleneck"] == "overhead-bound", d
+    assert "11.7 ms of each 12.8 ms step does not grow with the batch (timed at batch 4 and 8)" \
+        in d["summary"]
+    assert d["recommendations"][0].startswith("Raise batch_size from 4 so fixed per-step costs")
+    assert "fewer optimizer steps an epoch" in d["recommendations"][0]
+    # with gradient accumulation the same updates come of fewer, larger batches
+    accum = diagnose({**short, "grad_accum_steps": 4})["recommendations"][0]
+    assert accum.startswith("Raise batch_size from 4 and lower grad_accum_steps from 4, keeping "
+                            "the effective batch of 16: the same optimizer steps"), accum
+    # SqueezeNet at 64 px, batch 32: 16.5 of 70.6 ms fixed, the arithmetic's step
+    assert diagnose({**short, "fixed_step_ms": 16.5, "probe_step_ms": 70.6, "batch_size": 32})[
+        "bottleneck"] == "compute-bound"
+    # a GPU's overhead is read from its own figures
+    assert diagnose({**short, "device": "cuda", "gpu_util_pct": 95.0})["bottleneck"] == \
+        "compute-bound"
+
+
+def test_a_short_cpu_step_is_timed_at_twice_its_batch():
+    from modules.autotune import fixed_step_cost
+    from modules.config import TrainConfig
+    cost = fixed_step_cost(TrainConfig(image_size=17, batch_size=2, weights="none",
+                                       device="cpu"), 3)
+    assert cost["batch"] == 2 and cost["step_ms"] > 0 and cost["double_step_ms"] > 0
+    assert cost["fixed_ms"] == max(0.0, 2 * cost["step_ms"] - cost["double_step_ms"])
+    assert 0 < cost["seconds"] < 30
+
+
 def test_a_gpu_idle_most_of_the_time_is_never_called_compute_bound():
     """Input waits of 10-30% beside a GPU busy 12-25% of the time matched no rule, and the
     summary read "the GPU is busy 12% of the time, so the model's arithmetic sets the pace"."""
