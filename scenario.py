@@ -592,6 +592,7 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
             if taken_s and isinstance(extra.get("hpo"), dict):
                 extra["hpo"]["resolution_tuning_s"] = taken_s
         tuning_s = row_tuning_s(tuning_s, reused_s + taken_s, before, clock)
+        keep_tuning_load(extra, before)
         forget_replaced(output_dir, args.run_id)  # no trained final run to compare
         if args.profile and distributed.is_main():
             log.info("%s: no profiler trace of its own: it trains nothing the %s scenario's "
@@ -681,6 +682,8 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
         keep_timeline(row, carried, extra.get("warm_start"))
     tuning_s = row_tuning_s(tuning_s, reused_s, None if anew else carried,
                             clock if name != "baseline" else None)
+    if not anew:
+        keep_tuning_load(extra, carried)
     if name == "resolution":
         tuned["final"] = {"scenario": name, "config": config, "row": copy.deepcopy(row),
                           "tuning_s": tuning_s}
@@ -701,6 +704,7 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
                                  args.run_id)
         forget_replaced(output_dir, args.run_id)  # compared: a later --resume finds it done
         if kept is not row:
+            advise_on_tuning_load(kept)  # this scenario's tuning, not the taken run's
             log_row(kept)  # that model was offered to keep_best_model in its own session
             return kept
     log_row(row)
@@ -725,7 +729,9 @@ def tuning_load(name: str, machine: dict[str, Any], config: TrainConfig, wall_s:
         load["contended"] = contention({
             "device": "cpu", "cpu_util_pct": load["cpu_util_pct"],
             "process_cpu_pct": load["process_cpu_pct"], "cpu_count": usable_cpus(),
-            "cpu_threads": config.cpu_threads, "num_workers": config.num_workers,
+            # None: the count the tuning ran with (apply_process_settings'), not every core
+            "cpu_threads": config.cpu_threads or torch.get_num_threads(),
+            "num_workers": config.num_workers,
             "cached_decode": config.cache_decoded})
     if load["contended"] and distributed.is_main():
         log.warning("%s: %s", name, tuning_contended_advice(load["contended"]))
@@ -737,12 +743,21 @@ def advise_on_tuning_load(row: dict[str, Any]) -> dict[str, Any]:
     was contended (tuning_load): its final run's own figures may read otherwise."""
     facts = (row.get("tuning_load") or {}).get("contended")
     diagnosis = row.get("diagnosis")
-    if facts and isinstance(diagnosis, dict):
-        # a row taken from the resolution scenario may carry that scenario's
+    if isinstance(diagnosis, dict):
+        # a row taken from the resolution scenario may carry that scenario's, contended or not
         recs = [r for r in diagnosis.get("recommendations") or []
                 if not r.startswith(TUNING_CONTENDED)]
-        diagnosis["recommendations"] = [tuning_contended_advice(facts)] + recs[:2]
+        diagnosis["recommendations"] = [tuning_contended_advice(facts)] + recs[:2] if facts \
+            else recs
     return row
+
+
+def keep_tuning_load(extra: dict[str, Any], earlier: dict[str, Any] | None) -> None:
+    """A session that tuned nothing anew (a finished scenario resumed: its journal read back
+    in a moment) keeps the tuning_load of the earlier row whose tuning_s the row keeps."""
+    if earlier is not None and isinstance(earlier.get("tuning_load"), dict) and \
+            "tuning_load" in extra:
+        extra["tuning_load"] = earlier["tuning_load"]
 
 
 # extra[TUNED_ANEW]: whether this session trained or measured anything in a scenario's tuning

@@ -220,12 +220,15 @@ def targets(rows: list[dict]) -> list[str]:
     base = by.get("baseline")
     if base is None:
         return ["no baseline row: nothing to compare"]
-    contended = [r["scenario"] for r in rows
-                 if ((r.get("diagnosis") or {}).get("bottleneck")) == "cpu-contended"]
-    contended += [f"{r['scenario']}'s tuning" for r in rows
-                  if (r.get("tuning_load") or {}).get("contended")]
+    finals = [r["scenario"] for r in rows
+              if ((r.get("diagnosis") or {}).get("bottleneck")) == "cpu-contended"]
+    tunings = [f"{r['scenario']}'s tuning" for r in rows
+               if (r.get("tuning_load") or {}).get("contended")]
+    contended = finals + tunings
+    why = "; ".join((["diagnosis: cpu-contended"] if finals else []) +
+                    (["tuning_load: contended"] if tunings else []))
     out = [f"UNRELIABLE: the CPU was shared with other work during {', '.join(contended)} "
-           "(diagnosis: cpu-contended); rerun on a quiet machine"] if contended else []
+           f"({why}); rerun on a quiet machine"] if contended else []
 
     def verdict(ok: bool) -> str:
         return "UNRELIABLE" if contended else "met" if ok else "MISSED"

@@ -205,7 +205,9 @@ def default_if_better(row: dict[str, Any], same: dict[str, Any] | None) -> dict[
     kept = copy.deepcopy(same["row"])
     for key in ("warm_start", "resolution_trials"):  # the resolution scenario's own, timed
         kept.pop(key, None)                          # from its start, not the hpo scenario's
-    kept.update({k: copy.deepcopy(row[k]) for k in ("hpo", "autotune", "run_id", "start_weights")
+    kept.pop("tuning_load", None)  # the resolution scenario's (a row from results.json)
+    kept.update({k: copy.deepcopy(row[k]) for k in ("hpo", "autotune", "tuning_load", "run_id",
+                                                    "start_weights")
                  if k in row}, scenario="hpo", final_from=same["scenario"],
                 **{f"{own}_final": gave_way(row)})
     tuning_s = row["total_s"] + taken_tuning_s(kept, same, reused_seconds(row))
@@ -281,7 +283,7 @@ def earlier_if_better(row: dict[str, Any], replaced: dict[str, Any] | None,
              "study grew (%.1f%%): keeping that model", 100 * mine, 100 * before)
     kept = copy.deepcopy(earlier)
     kept.pop("replaced_final", None)
-    kept.update({k: row[k] for k in ("hpo", "autotune", "run_id") if k in row},
+    kept.update({k: row[k] for k in ("hpo", "autotune", "tuning_load", "run_id") if k in row},
                 tuning_s=row["total_s"] - replaced["seconds"], total_s=row["total_s"],
                 grown_final=gave_way(row))
     if distributed.is_main():  # a later --resume counts the kept run once, as its final run

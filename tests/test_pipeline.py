@@ -2435,3 +2435,126 @@ def test_a_tuning_slowed_by_other_processes_is_said_and_advised(small, tmp_path,
     monkeypatch.setattr(scenario, "MIN_JUDGED_TUNING_S", 5.0)
     assert scenario.tuning_load("hpo", busy, scenario.TrainConfig(cpu_threads=2), 1.0)[
         "contended"] is None
+
+
+def test_a_resume_of_a_finished_scenario_keeps_its_contended_tuning(small, tmp_path,
+                                                                   monkeypatch):
+    """review: a finished scenario resumed re-reads its tuning in under MIN_JUDGED_TUNING_S; the
+    row written again kept the earlier session's tuning_s but lost its tuning_load's facts."""
+    from modules import diagnosis
+    monkeypatch.setattr(diagnosis, "THRESHOLDS", diagnosis.Thresholds())
+    monkeypatch.setattr(scenario, "usable_cpus", lambda: 2)
+    busy = {"cpu_util_pct": 99.0, "process_cpu_pct": 40.0}
+    idle = {"cpu_util_pct": 50.0, "process_cpu_pct": 190.0}
+    state = {"first": True, "made": []}
+
+    class Sampler(scenario.SystemSampler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            state["made"].append(self)
+
+        def summary(self):  # the first session's tuning was contended
+            first = state["first"] and self is state["made"][0]
+            return {**super().summary(), **(busy if first else idle)}
+    monkeypatch.setattr(scenario, "SystemSampler", Sampler)
+    monkeypatch.setattr(scenario, "MIN_JUDGED_TUNING_S", 0.0)
+    argv = ("--data-dir", str(small), "--scenarios", "resolution", "--resolutions", "32",
+            "--image-size", "32", "--epochs", "2", "--weights", "none", "--no-autotune",
+            "--no-progress", "--output-dir", str(tmp_path / "out"))
+    assert run_main(*argv) == 0
+    first = json.loads((tmp_path / "out" / "results.json").read_text())[0]
+    assert first["tuning_load"]["contended"]
+    state["first"] = False
+    monkeypatch.setattr(scenario, "MIN_JUDGED_TUNING_S", 5.0)  # the real one: a re-read is short
+    assert run_main(*argv, "--resume") == 0
+    again = json.loads((tmp_path / "out" / "results.json").read_text())[0]
+    assert again["tuning_s"] == pytest.approx(first["tuning_s"])  # the contended seconds stay
+    assert again["tuning_load"]["contended"], again["tuning_load"]  # ... and so should the flag
+    assert again["diagnosis"]["recommendations"][0].startswith(diagnosis.TUNING_CONTENDED)
+
+
+def test_an_hpo_row_that_takes_the_resolution_final_keeps_its_own_tuning_load():
+    """review: default_if_better's row kept the resolution row's keys: the hpo scenario's own
+    tuning_load was dropped (the in-session row has none) or replaced by the resolution
+    scenario's (a row read back from results.json), its advice with it."""
+    from modules.diagnosis import TUNING_CONTENDED, tuning_contended_advice
+    from modules.final_runs import default_if_better
+
+    def row(name, val, load, recs):
+        return {"scenario": name, "val_acc": val, "test_acc": val, "epochs": 2, "wall_s": 10.0,
+                "prepare_s": 1.0, "tuning_s": 20.0, "total_s": 31.0,
+                "settings": {"weights": "w"}, "history": [], "tuning_load": load,
+                "diagnosis": {"bottleneck": "compute-bound", "summary": "",
+                              "recommendations": recs}}
+    summary = {"default_reused_from": "resolution", "keeps_default": True}
+    hpo = {**row("hpo", 0.5, {"contended": "busy (hpo)"},
+                 [tuning_contended_advice("busy (hpo)"), "x"]), "hpo": dict(summary)}
+    taken = row("resolution", 0.6, None, ["y"])
+    del taken["tuning_load"]  # tuned["final"]'s copy is made before the row gets one
+    kept = scenario.advise_on_tuning_load(default_if_better(hpo, {"scenario": "resolution",
+                                                                  "row": taken}))
+    assert kept["final_from"] == "resolution"
+    assert kept["tuning_load"] == {"contended": "busy (hpo)"}
+    assert kept["diagnosis"]["recommendations"][0].startswith(TUNING_CONTENDED)
+    # from results.json: the resolution row's own tuning_load and advice are not the hpo's
+    taken = row("resolution", 0.6, {"contended": "busy (res)"},
+                [tuning_contended_advice("busy (res)"), "y"])
+    hpo = {**row("hpo", 0.5, {"contended": None}, ["x"]), "hpo": dict(summary)}
+    kept = scenario.advise_on_tuning_load(default_if_better(hpo, {"scenario": "resolution",
+                                                                  "row": taken}))
+    assert kept["tuning_load"] == {"contended": None}
+    assert kept["diagnosis"]["recommendations"] == ["y"]
+
+
+def test_a_tuning_left_at_the_default_thread_count_is_judged_by_the_threads_it_ran(monkeypatch):
+    """review: config.cpu_threads None read as every core: one thread beside a one-core load,
+    not slowed, read as contended ('of the 200% its 2 threads could')."""
+    from modules import diagnosis
+    monkeypatch.setattr(diagnosis, "THRESHOLDS", diagnosis.Thresholds())  # conftest's off
+    monkeypatch.setattr(scenario, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(scenario.torch, "get_num_threads", lambda: 1)
+    load = scenario.tuning_load("resolution", {"cpu_util_pct": 97.0, "process_cpu_pct": 95.0},
+                                scenario.TrainConfig(cpu_threads=None, cache_decoded=True), 30.0)
+    assert load["contended"] is None, load
+
+
+@pytest.mark.xfail(strict=True, reason="review: not fixed here; the load is not persisted "
+                   "across sessions (the clock file would hold it)")
+def test_a_resume_of_an_interrupted_final_run_keeps_its_contended_tuning(small, tmp_path,
+                                                                         monkeypatch):
+    """review: tuned (contended) in one session, the final run stopped, finished in the next:
+    the row's tuning_s counts the first session's tuning, its tuning_load only the second's."""
+    from modules import checkpoints, diagnosis
+    monkeypatch.setattr(diagnosis, "THRESHOLDS", diagnosis.Thresholds())
+    monkeypatch.setattr(scenario, "usable_cpus", lambda: 2)
+    busy = {"cpu_util_pct": 99.0, "process_cpu_pct": 40.0}
+    idle = {"cpu_util_pct": 50.0, "process_cpu_pct": 190.0}
+    state = {"first": True, "made": []}
+
+    class Sampler(scenario.SystemSampler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            state["made"].append(self)
+
+        def summary(self):
+            first = state["first"] and self is state["made"][0]
+            return {**super().summary(), **(busy if first else idle)}
+    monkeypatch.setattr(scenario, "SystemSampler", Sampler)
+    monkeypatch.setattr(scenario, "MIN_JUDGED_TUNING_S", 0.0)
+    argv = ("--data-dir", str(small), "--scenarios", "resolution", "--resolutions", "32",
+            "--image-size", "32", "--epochs", "2", "--weights", "none", "--no-autotune",
+            "--no-progress", "--output-dir", str(tmp_path / "out"))
+    real = checkpoints.CheckpointSaver.save
+
+    def save_then_stop(self, *a, **k):
+        real(self, *a, **k)
+        if self.path is not None and self.path.name == "resolution.pt":  # the final run's
+            raise KeyboardInterrupt
+    with monkeypatch.context() as m:
+        m.setattr(checkpoints.CheckpointSaver, "save", save_then_stop)
+        assert run_main(*argv) != 0
+    state["first"] = False
+    monkeypatch.setattr(scenario, "MIN_JUDGED_TUNING_S", 5.0)
+    assert run_main(*argv, "--resume") == 0
+    row = json.loads((tmp_path / "out" / "results.json").read_text())[0]
+    assert row["tuning_load"]["contended"], (row["tuning_s"], row["tuning_load"])
