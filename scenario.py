@@ -28,7 +28,7 @@ from modules import distributed, interrupts, membership
 from modules.autotune import (FIXED_PROBE_MS, MEASURE_SHARE, ComputeProbe, autotune,
                               fixed_step_cost, machine_key)
 from modules.checkpoints import check_format, load_checkpoint, saved_config
-from modules.clock import read_clock, read_sessions, ticking, write_clock
+from modules.clock import read_clock, read_loads, read_sessions, ticking, write_clock
 from modules.config import (DEFAULTS, DISPLAY_ONLY, SPEED_ONLY, TrainConfig, UserError,
                             first_line)
 from modules.dataset import (COPIES_LIST, SKIPPED_LIST, DatasetIndex, data_path_of, index_dataset,
@@ -541,9 +541,11 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
     earlier_s = read_clock(clock) if resumed else 0.0
     # This session's start on the scenario's clock, after the earlier sessions'.
     sessions = [*(read_sessions(clock) if resumed else []), [started_at, earlier_s]]
+    earlier_loads = read_loads(clock) if resumed else []
     extra: dict[str, Any] = {}
     # another load on the CPU stretches the tuning's seconds as it does a final run's step
     watch = name != "baseline" and device.type == "cpu"
+    load = loads = None
     try:
         with (ticking(clock, earlier_s, started, sessions)
               if name != "baseline" and distributed.is_main() else contextlib.nullcontext()), \
@@ -556,11 +558,14 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
         set_aside_s = 0.0 if replaced.get(COUNTED) else replaced.get("seconds", 0.0)
         sessions[-1][1] += set_aside_s
         tuning_s = earlier_s + time.perf_counter() - started + set_aside_s
+        if load is not None:  # every session's load, as its seconds, judged together
+            machine = load.summary()
+            loads = [*earlier_loads, {"wall_s": time.perf_counter() - started,
+                                      **{k: machine.get(k) for k in LOAD_FIGURES}}]
         if name != "baseline" and distributed.is_main():
-            write_clock(clock, tuning_s, sessions)
-    if watch:
-        extra["tuning_load"] = tuning_load(name, load.summary(), config,
-                                           time.perf_counter() - started)
+            write_clock(clock, tuning_s, sessions, loads)
+    if loads is not None:
+        extra["tuning_load"] = tuning_load(name, loads, config)
     anew = extra.pop(TUNED_ANEW, True)
     # private to the comparison with a set-aside final run (earlier_if_better), not the row's
     earlier_final = replaced.pop(EARLIER_ROW, None)
@@ -592,7 +597,6 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
             if taken_s and isinstance(extra.get("hpo"), dict):
                 extra["hpo"]["resolution_tuning_s"] = taken_s
         tuning_s = row_tuning_s(tuning_s, reused_s + taken_s, before, clock)
-        keep_tuning_load(extra, before)
         forget_replaced(output_dir, args.run_id)  # no trained final run to compare
         if args.profile and distributed.is_main():
             log.info("%s: no profiler trace of its own: it trains nothing the %s scenario's "
@@ -650,8 +654,10 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
     system = sampler.summary()
     fixed = None
     step_ms = result.timing.get("avg_step_ms")
+    # (not after an out-of-memory recovery: twice the batch that failed would fail again)
     if device.type == "cpu" and not config.compile and step_ms is not None and \
-            step_ms < FIXED_PROBE_MS and distributed.is_main():
+            step_ms < FIXED_PROBE_MS and not result.settings.get("oom_recoveries") and \
+            distributed.is_main():
         fixed = fixed_step_cost(config, len(index.classes))
         if fixed is not None:
             log.info("%s: a step of %d images took %.1f ms, of %d %.1f ms (pure compute, timed "
@@ -682,8 +688,6 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
         keep_timeline(row, carried, extra.get("warm_start"))
     tuning_s = row_tuning_s(tuning_s, reused_s, None if anew else carried,
                             clock if name != "baseline" else None)
-    if not anew:
-        keep_tuning_load(extra, carried)
     if name == "resolution":
         tuned["final"] = {"scenario": name, "config": config, "row": copy.deepcopy(row),
                           "tuning_s": tuning_s}
@@ -713,19 +717,28 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
     return row
 
 
-# Fewer seconds of tuning than this say too little about the load (a resumed scenario's
-# journal read back): 10 samples of the machine.
+# Fewer seconds of tuning than this, over all sessions, say too little about the load: 10
+# samples of the machine.
 MIN_JUDGED_TUNING_S = 5.0
 
 
-def tuning_load(name: str, machine: dict[str, Any], config: TrainConfig, wall_s: float
-                ) -> dict[str, Any]:
-    """This session's tuning on a CPU as the machine saw it, and the facts when other processes
-    slowed it (diagnosis.contention, said in the log): its seconds, the time ratios and
-    --match-time's epochs are then the other load's, as are the speed knobs it measured."""
-    load = {"wall_s": wall_s, "cpu_util_pct": machine.get("cpu_util_pct"),
-            "process_cpu_pct": machine.get("process_cpu_pct"), "contended": None}
-    if wall_s >= MIN_JUDGED_TUNING_S:
+LOAD_FIGURES = ("cpu_util_pct", "process_cpu_pct")
+
+
+def tuning_load(name: str, loads: list[dict[str, Any]], config: TrainConfig) -> dict[str, Any]:
+    """A tuned scenario's tuning on a CPU as the machine saw it, over every session of a
+    resumed run (each {"wall_s", *LOAD_FIGURES}, weighted by its seconds), and the facts when
+    other processes slowed it (diagnosis.contention, said in the log): its seconds, the time
+    ratios and --match-time's epochs are then the other load's, as is what it measured."""
+    wall = sum(session["wall_s"] for session in loads)
+
+    def mean(key: str) -> float | None:
+        parts = [(s["wall_s"], s[key]) for s in loads if isinstance(s.get(key), (int, float))]
+        seconds = sum(w for w, _ in parts)
+        return sum(w * v for w, v in parts) / seconds if seconds > 0 else None
+    load = {"wall_s": wall, "sessions": len(loads), **{k: mean(k) for k in LOAD_FIGURES},
+            "contended": None}
+    if wall >= MIN_JUDGED_TUNING_S:
         load["contended"] = contention({
             "device": "cpu", "cpu_util_pct": load["cpu_util_pct"],
             "process_cpu_pct": load["process_cpu_pct"], "cpu_count": usable_cpus(),
@@ -750,14 +763,6 @@ def advise_on_tuning_load(row: dict[str, Any]) -> dict[str, Any]:
         diagnosis["recommendations"] = [tuning_contended_advice(facts)] + recs[:2] if facts \
             else recs
     return row
-
-
-def keep_tuning_load(extra: dict[str, Any], earlier: dict[str, Any] | None) -> None:
-    """A session that tuned nothing anew (a finished scenario resumed: its journal read back
-    in a moment) keeps the tuning_load of the earlier row whose tuning_s the row keeps."""
-    if earlier is not None and isinstance(earlier.get("tuning_load"), dict) and \
-            "tuning_load" in extra:
-        extra["tuning_load"] = earlier["tuning_load"]
 
 
 # extra[TUNED_ANEW]: whether this session trained or measured anything in a scenario's tuning

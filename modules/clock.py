@@ -37,6 +37,18 @@ def read_sessions(path: Path) -> list[list[float]]:
         return []
 
 
+def read_loads(path: Path) -> list[dict[str, Any]]:
+    """The machine's load in each earlier tuning session the clock recorded (tuning_load's
+    figures: wall_s, cpu_util_pct, process_cpu_pct), oldest first; none when unreadable or
+    written by a version without them."""
+    try:
+        loads = _clock_file(path)["loads"]
+        return [{k: float(v) if v is not None else None for k, v in load.items()}
+                for load in loads if float(load["wall_s"]) >= 0]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return []
+
+
 def _clock_file(path: Path) -> Any:
     """What a tuning clock's file holds; None where there is none that reads. A read the disk
     or drive failed stops the run instead: taken for none, the row would drop those seconds."""
@@ -71,11 +83,14 @@ def ticking(path: Path, earlier_s: float, started: float,
         thread.join()
 
 
-def write_clock(path: Path, tuning_s: float, sessions: list[list[float]] | None = None) -> None:
-    """The scenario's tuning seconds so far, and its sessions (None: those recorded)."""
+def write_clock(path: Path, tuning_s: float, sessions: list[list[float]] | None = None,
+                loads: list[dict[str, Any]] | None = None) -> None:
+    """The scenario's tuning seconds so far, its sessions and the machine's load in each that
+    ended (None: those recorded)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json(path, {"tuning_s": tuning_s,
-                          "sessions": read_sessions(path) if sessions is None else sessions})
+                          "sessions": read_sessions(path) if sessions is None else sessions,
+                          "loads": read_loads(path) if loads is None else loads})
     except (OSError, UserError) as exc:  # a clock not written costs only a resumed row's time
         log.info("could not write %s (%s)", path, first_line(exc))

@@ -195,8 +195,9 @@ def tuning_contended_advice(facts: str) -> str:
     """The recommendation for a scenario whose tuning (not its final run) shared the CPU with
     other processes: what its figures then overstate."""
     return (f"{TUNING_CONTENDED} ({facts}): its tuning seconds and its time against the "
-            f"baseline overstate what an idle machine takes, and its speed knobs and trials were "
-            f"measured under that load; run it again with the machine otherwise idle to compare.")
+            f"baseline overstate what an idle machine takes, and what it measured and trained "
+            f"while the load ran (trials, the speed knobs where it measured them) was slowed by "
+            f"it; run it again with the machine otherwise idle to compare.")
 
 
 TUNING_CONTENDED = "Its tuning ran while other processes took the cores"
@@ -233,8 +234,10 @@ def _overhead_bound(f: _Figures) -> dict[str, Any] | None:
     if ms is not None and ms < tiny:
         why.append(f"each step takes only {ms:.2f} ms (under {tiny:g} ms)")
     if fixed_heavy:
-        at = f" (timed at batch {batch:.0f} and {2 * batch:.0f})" if batch else ""
-        why.append(f"{fixed:.1f} ms of each {probed:.1f} ms step does not grow with the batch{at}")
+        at = f" at batch {batch:.0f}" if batch else ""
+        again = f", timed at {2 * batch:.0f} too" if batch else ""
+        why.append(f"{fixed:.1f} ms of a pure training step of {probed:.1f} ms{at} does not "
+                   f"grow with the batch{again}")
     if idle_gpu:
         why.append(f"the GPU is busy {util:.0f}% of the time" + (
             "" if wait is None else f" while input waits only {_pct(wait)}"
