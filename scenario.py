@@ -545,7 +545,7 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
     extra: dict[str, Any] = {}
     # another load on the CPU stretches the tuning's seconds as it does a final run's step
     watch = name != "baseline" and device.type == "cpu"
-    load = loads = None
+    load = this = None
     try:
         with (ticking(clock, earlier_s, started, sessions)
               if name != "baseline" and distributed.is_main() else contextlib.nullcontext()), \
@@ -558,13 +558,15 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
         set_aside_s = 0.0 if replaced.get(COUNTED) else replaced.get("seconds", 0.0)
         sessions[-1][1] += set_aside_s
         tuning_s = earlier_s + time.perf_counter() - started + set_aside_s
-        if load is not None:  # every session's load, as its seconds, judged together
+        # Every session's load, as its seconds, judged together; not a session that only read
+        # back what was tuned (a resume: its moment's load says nothing of that tuning).
+        if load is not None and extra.get(TUNED_ANEW, True):
             machine = load.summary()
-            loads = [*earlier_loads, {"wall_s": time.perf_counter() - started,
-                                      **{k: machine.get(k) for k in LOAD_FIGURES}}]
+            this = {"wall_s": time.perf_counter() - started,
+                    **{k: machine.get(k) for k in LOAD_FIGURES}}
         if name != "baseline" and distributed.is_main():
-            write_clock(clock, tuning_s, sessions, loads)
-    if loads is not None:
+            write_clock(clock, tuning_s, sessions, None if this is None else [*earlier_loads, this])
+    if watch and (loads := [*earlier_loads, *([this] if this else [])]):
         extra["tuning_load"] = tuning_load(name, loads, config)
     anew = extra.pop(TUNED_ANEW, True)
     # private to the comparison with a set-aside final run (earlier_if_better), not the row's

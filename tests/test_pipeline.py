@@ -2484,14 +2484,54 @@ def test_a_resume_of_a_finished_scenario_keeps_its_contended_tuning(small, tmp_p
     again = json.loads((tmp_path / "out" / "results.json").read_text())[0]
     assert again["tuning_s"] == pytest.approx(first["tuning_s"])  # the contended seconds stay
     assert again["tuning_load"]["contended"], again["tuning_load"]  # ... and so does the flag
-    assert again["tuning_load"]["sessions"] == 2
+    # the re-read tuned nothing: its load, a moment's, is neither judged nor kept
+    assert again["tuning_load"] == first["tuning_load"]
     assert again["diagnosis"]["recommendations"][0].startswith(diagnosis.TUNING_CONTENDED)
-    # each session's load is in the scenario's clock, judged together, weighted by seconds
     clock = scenario.checkpoint_file(tmp_path / "out", "resolution", scenario.CLOCK_SUFFIX,
                                      first["run_id"])
-    loads = read_loads(clock)
-    assert [load["cpu_util_pct"] for load in loads] == [99.0, None]
-    assert again["tuning_load"]["wall_s"] == pytest.approx(sum(x["wall_s"] for x in loads))
+    assert [load["cpu_util_pct"] for load in read_loads(clock)] == [99.0]
+
+
+def test_a_finished_scenario_resumed_does_not_judge_the_seconds_its_row_leaves_out(
+        small, tmp_path, monkeypatch):
+    """review: a finished scenario resumed re-reads its tuning, and row_tuning_s keeps the
+    earlier row's tuning_s without the re-read's seconds, but the re-read's load was judged
+    with the tuning's: a resume on a busy machine flipped a quiet tuning to contended."""
+    from modules import diagnosis
+    monkeypatch.setattr(diagnosis, "THRESHOLDS", diagnosis.Thresholds())
+    monkeypatch.setattr(scenario, "usable_cpus", lambda: 2)
+    busy = {"cpu_util_pct": 99.0, "process_cpu_pct": 40.0}
+    idle = {"cpu_util_pct": 50.0, "process_cpu_pct": 190.0}
+    state = {"first": True, "made": [], "pause": 0.0}
+
+    class Sampler(scenario.SystemSampler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            state["made"].append(self)
+
+        def summary(self):
+            tuning = self is state["made"][0]
+            if tuning and not state["first"]:
+                time.sleep(state["pause"])  # a long re-read on a busy machine
+            return {**super().summary(), **(idle if state["first"] or not tuning else busy)}
+    monkeypatch.setattr(scenario, "SystemSampler", Sampler)
+    monkeypatch.setattr(scenario, "MIN_JUDGED_TUNING_S", 0.0)
+    argv = ("--data-dir", str(small), "--scenarios", "resolution", "--resolutions", "32",
+            "--image-size", "32", "--epochs", "2", "--weights", "none", "--no-autotune",
+            "--no-progress", "--output-dir", str(tmp_path / "out"))
+    assert run_main(*argv) == 0
+    first = json.loads((tmp_path / "out" / "results.json").read_text())[0]
+    assert first["tuning_load"]["contended"] is None
+    state["first"] = False
+    state["made"].clear()
+    state["pause"] = 3 * first["tuning_load"]["wall_s"]
+    assert run_main(*argv, "--resume") == 0
+    again = json.loads((tmp_path / "out" / "results.json").read_text())[0]
+    assert again["tuning_s"] == pytest.approx(first["tuning_s"])  # the re-read not counted
+    assert again["tuning_load"] == first["tuning_load"]  # nor judged
+    clock = scenario.checkpoint_file(tmp_path / "out", "resolution", scenario.CLOCK_SUFFIX,
+                                     first["run_id"])
+    assert len(read_loads(clock)) == 1  # nor kept for the next resume
 
 
 def test_an_hpo_row_that_takes_the_resolution_final_keeps_its_own_tuning_load():
@@ -2577,4 +2617,4 @@ def test_a_resume_of_an_interrupted_final_run_keeps_its_contended_tuning(small, 
     assert run_main(*argv, "--resume") == 0
     row = json.loads((tmp_path / "out" / "results.json").read_text())[0]
     assert row["tuning_load"]["contended"], (row["tuning_s"], row["tuning_load"])
-    assert row["tuning_load"]["sessions"] == 2
+    assert row["tuning_load"]["sessions"] == 1  # the resumed session only read the tuning back
