@@ -31,6 +31,7 @@ from modules.files import atomic_write_text, compile_failure, user_error, worker
 from modules.hardware import PROBE_BATCHES, max_batch_size
 from modules.models import ByteMaskDropout, build_model, has_bytemask_dropout
 from modules.oom import is_out_of_memory, release
+from modules.selection import MIN_GAIN
 from modules.trainer import make_optimizer, train_step
 
 log = logging.getLogger(__name__)
@@ -45,8 +46,6 @@ MEASURE_SHARE, MIN_S_FLOOR = 0.1, 0.3
 # this much slower than the incumbent in its race is dropped after them (bf16 on a CPU without
 # bf16 units: two steps are proof enough).
 ABORT_FACTOR = 1.5
-# Keep a setting only when it is at least this much faster (timings wobble by a few percent).
-MIN_GAIN = 1.03
 # The dropout implementation is decided on the dropout layers alone, not by a training-step
 # race: the two draw different masks, so the choice decides the model trained, and where the
 # layers are a few percent of a step the race's noise would pick it (two runs of one seed then

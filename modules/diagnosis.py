@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from modules.config import UserError
+from modules.selection import MIN_GAIN
 
 
 @dataclass(frozen=True)
@@ -305,31 +306,41 @@ def _compute_bound(f: _Figures) -> dict[str, Any]:
 
 def _more_workers_no_faster(f: _Figures, workers: float | None) -> str | None:
     """The autotuner's worker race, when every count above the one kept measured no faster
-    than it: advice to raise it would go against what was measured."""
+    than it (or faster by less than MIN_GAIN, which the autotuner does not keep): advice to
+    raise it would go against what was measured."""
     raced = (f.get("raced") or {}).get("num_workers") or {}
     speeds = {int(k): v for k, v in raced.items()
               if str(k).isdigit() and isinstance(v, (int, float))}
     if workers is None or int(workers) not in speeds:
         return None
     above = {n: v for n, v in speeds.items() if n > workers}
-    if not above or any(v > speeds[int(workers)] for v in above.values()):
+    kept = speeds[int(workers)]
+    if not above or any(v >= MIN_GAIN * kept for v in above.values()):
         return None
     return ", ".join(f"{n}: {v:.0f}" for n, v in sorted(above.items())) + \
-        f" against {int(workers)}: {speeds[int(workers)]:.0f} img/s"
+        f" against {int(workers)}: {kept:.0f} img/s" + _under_gain(max(above.values()), kept)
+
+
+def _under_gain(fastest: float, kept: float) -> str:
+    """What a race's figures say when the fastest beat the kept by less than MIN_GAIN."""
+    return (f", under the {100 * (MIN_GAIN - 1):.0f}% gain the autotuner keeps a setting for"
+            if fastest > kept else "")
 
 
 def _measured_slower(f: _Figures, knob: str, on: str = "true", off: str = "false") -> str | None:
     """The autotuner's race of `knob` on this machine (`raced`: img/s per value) when it
-    measured `on` no faster than `off`, or `on` failing: advice to turn it on would go against
-    what was measured. None when it was not raced."""
+    measured `on` no faster than `off` (or faster by less than MIN_GAIN, which it does not
+    keep), or `on` failing: advice to turn it on would go against what was measured. None
+    when it was not raced."""
     raced = ((f.get("raced") or {}).get(knob)) or {}
     with_it, without = raced.get(on), raced.get(off)
     if not isinstance(without, (int, float)):
         return None
     if isinstance(with_it, str):  # failed, or abandoned at its deadline; unmeasured says nothing
         return None if with_it.startswith("not measured") else with_it
-    if isinstance(with_it, (int, float)) and with_it <= without:
-        return f"{with_it:.0f} against {without:.0f} img/s without it"
+    if isinstance(with_it, (int, float)) and with_it < MIN_GAIN * without:
+        return f"{with_it:.0f} against {without:.0f} img/s without it" + \
+            _under_gain(with_it, without)
     return None
 
 
@@ -341,7 +352,8 @@ def _cpu_compute_recs(f: _Figures, basis: str) -> list[str]:
     amp, native = f.get("amp_dtype"), f.get("native_bf16")
     slower = _measured_slower(f, "amp", "bf16", "off")
     if slower and amp != "bfloat16":
-        recs.append(f"bf16 autocast was measured slower here ({slower}): keep it off ({basis}).")
+        recs.append(f"bf16 autocast was measured no faster here ({slower}): keep it off "
+                    f"({basis}).")
     elif native:
         if amp != "bfloat16":
             recs.append(f"Try --amp bf16: this CPU has native bf16 units (AVX512-BF16/AMX); keep "
@@ -364,7 +376,8 @@ def _gpu_compute_recs(f: _Figures, basis: str) -> list[str]:
                    else -1 if m in amp else -2)
         slower = _measured_slower(f, "amp", best, "off")
         if slower:
-            recs.append(f"AMP was measured slower here ({best} {slower}): keep it off ({basis}).")
+            recs.append(f"AMP was measured no faster here ({best} {slower}): keep it off "
+                        f"({basis}).")
         else:
             recs.append(f"Turn on AMP (--amp auto): bf16/fp16 tensor cores run several times "
                         f"faster than fp32 ({basis}).")

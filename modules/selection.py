@@ -1,10 +1,16 @@
 """How the tuners compare candidates measured on one validation set: the standard error of
-an accuracy, and when two accuracies are too close to call."""
+an accuracy, and when two accuracies are too close to call; and the speed gain a measured
+setting needs to be kept."""
 from __future__ import annotations
 
 import math
 from collections import Counter
 from collections.abc import Iterable
+
+
+# The autotuner keeps a setting only when it is at least this much faster (timings wobble by
+# a few percent), and the diagnosis does not advise one measured faster by less.
+MIN_GAIN = 1.03
 
 
 def accuracy_se(acc: float, n: int) -> float:
