@@ -327,6 +327,14 @@ def _under_gain(fastest: float, kept: float) -> str:
             if fastest > kept else "")
 
 
+def _slower_or_no_faster(f: _Figures, knob: str, on: str, off: str) -> str:
+    """How a race that `on` lost reads: slower, or no faster when it was within MIN_GAIN."""
+    raced = ((f.get("raced") or {}).get(knob)) or {}
+    with_it, without = raced.get(on), raced.get(off)
+    numbers = all(isinstance(v, (int, float)) for v in (with_it, without))
+    return "slower" if numbers and with_it < without else "no faster"
+
+
 def _measured_slower(f: _Figures, knob: str, on: str = "true", off: str = "false") -> str | None:
     """The autotuner's race of `knob` on this machine (`raced`: img/s per value) when it
     measured `on` no faster than `off` (or faster by less than MIN_GAIN, which it does not
@@ -352,8 +360,9 @@ def _cpu_compute_recs(f: _Figures, basis: str) -> list[str]:
     amp, native = f.get("amp_dtype"), f.get("native_bf16")
     slower = _measured_slower(f, "amp", "bf16", "off")
     if slower and amp != "bfloat16":
-        recs.append(f"bf16 autocast was measured no faster here ({slower}): keep it off "
-                    f"({basis}).")
+        recs.append(f"bf16 autocast was measured "
+                    f"{_slower_or_no_faster(f, 'amp', 'bf16', 'off')} here ({slower}): keep it "
+                    f"off ({basis}).")
     elif native:
         if amp != "bfloat16":
             recs.append(f"Try --amp bf16: this CPU has native bf16 units (AVX512-BF16/AMX); keep "
@@ -376,8 +385,8 @@ def _gpu_compute_recs(f: _Figures, basis: str) -> list[str]:
                    else -1 if m in amp else -2)
         slower = _measured_slower(f, "amp", best, "off")
         if slower:
-            recs.append(f"AMP was measured no faster here ({best} {slower}): keep it off "
-                        f"({basis}).")
+            recs.append(f"AMP was measured {_slower_or_no_faster(f, 'amp', best, 'off')} here "
+                        f"({best} {slower}): keep it off ({basis}).")
         else:
             recs.append(f"Turn on AMP (--amp auto): bf16/fp16 tensor cores run several times "
                         f"faster than fp32 ({basis}).")
