@@ -2398,6 +2398,36 @@ def test_the_report_says_which_accuracy_chose_the_models():
     assert "Test Acc, on images nothing was chosen by, is the estimate" in text
 
 
+BUSY = {"cpu_util_pct": 99.0, "process_cpu_pct": 40.0}    # other processes took the cores
+IDLE = {"cpu_util_pct": 50.0, "process_cpu_pct": 190.0}   # this run had them
+UNREAD = {"cpu_util_pct": None, "process_cpu_pct": None}  # a moment's sampling read nothing
+
+
+def watched(monkeypatch, small, out, figures):
+    """A resolution-only run's command line on `small`, its machine sampled as `figures(tuning)`
+    says (tuning: the sampler is the first made since `made` was last cleared, the tuning's,
+    made before its final run's; returns the figures, which replace the sampler's), with the
+    contention rule's thresholds back (conftest turns them off), 2 cores, and any tuning long
+    enough to judge. Returns (argv, made)."""
+    from modules import diagnosis
+    monkeypatch.setattr(diagnosis, "THRESHOLDS", diagnosis.Thresholds())
+    monkeypatch.setattr(scenario, "MIN_JUDGED_TUNING_S", 0.0)  # these tunings take a second
+    monkeypatch.setattr(scenario, "usable_cpus", lambda: 2)
+    made = []
+
+    class Sampler(scenario.SystemSampler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+        def summary(self):
+            return {**super().summary(), **figures(self is made[0])}
+    monkeypatch.setattr(scenario, "SystemSampler", Sampler)
+    return ("--data-dir", str(small), "--scenarios", "resolution", "--resolutions", "32",
+            "--image-size", "32", "--epochs", "2", "--weights", "none", "--no-autotune",
+            "--no-progress", "--output-dir", str(out)), made
+
+
 def test_a_tuning_slowed_by_other_processes_is_said_and_advised(small, tmp_path, monkeypatch,
                                                                 capsys):
     """A quick start beside a test run: the resolution scenario's 64 px trial ran at 58 img/s
@@ -2406,24 +2436,9 @@ def test_a_tuning_slowed_by_other_processes_is_said_and_advised(small, tmp_path,
     scenario tunes, and a contended tuning is said, advised in the row's diagnosis, and makes
     the benchmark's verdicts unreliable."""
     from modules import diagnosis
-    monkeypatch.setattr(diagnosis, "THRESHOLDS", diagnosis.Thresholds())  # conftest's off
-    monkeypatch.setattr(scenario, "MIN_JUDGED_TUNING_S", 0.0)  # this tuning takes a second
-    monkeypatch.setattr(scenario, "usable_cpus", lambda: 2)
-    busy = {"cpu_util_pct": 99.0, "process_cpu_pct": 40.0}
-    made = []
-
-    class Sampler(scenario.SystemSampler):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            made.append(self)
-
-        def summary(self):  # the first made watches the tuning, the second the final run
-            return {**super().summary(), **(busy if self is made[0] else idle)}
-    idle = {"cpu_util_pct": 50.0, "process_cpu_pct": 190.0}
-    monkeypatch.setattr(scenario, "SystemSampler", Sampler)
-    assert run_main("--data-dir", str(small), "--scenarios", "resolution", "--resolutions",
-                    "32", "--image-size", "32", "--epochs", "2", "--weights", "none",
-                    "--no-autotune", "--no-progress", "--output-dir", str(tmp_path / "out")) == 0
+    argv, _ = watched(monkeypatch, small, tmp_path / "out",
+                      lambda tuning: BUSY if tuning else IDLE)
+    assert run_main(*argv) == 0
     row = json.loads((tmp_path / "out" / "results.json").read_text())[0]
     load = row["tuning_load"]
     assert load["cpu_util_pct"] == 99.0 and load["process_cpu_pct"] == 40.0
@@ -2437,18 +2452,18 @@ def test_a_tuning_slowed_by_other_processes_is_said_and_advised(small, tmp_path,
     # shown once, however often the row's diagnosis is advised again (a row taken whole)
     assert scenario.advise_on_tuning_load(row)["diagnosis"]["recommendations"] == recs
     # an idle tuning: figures kept, nothing said
-    assert scenario.tuning_load("hpo", [{"wall_s": 30.0, **idle}],
+    assert scenario.tuning_load("hpo", [{"wall_s": 30.0, **IDLE}],
                                 scenario.TrainConfig(cpu_threads=2))["contended"] is None
     # sessions of a resumed tuning are judged together, weighted by their seconds
-    both = scenario.tuning_load("hpo", [{"wall_s": 30.0, **busy}, {"wall_s": 10.0, **idle}],
+    both = scenario.tuning_load("hpo", [{"wall_s": 30.0, **BUSY}, {"wall_s": 10.0, **IDLE}],
                                 scenario.TrainConfig(cpu_threads=2))
     assert both["wall_s"] == 40.0 and both["sessions"] == 2
     assert both["cpu_util_pct"] == pytest.approx(86.75) and both["contended"] is None
-    assert scenario.tuning_load("hpo", [{"wall_s": 30.0, **busy}, {"wall_s": 1.0, **idle}],
+    assert scenario.tuning_load("hpo", [{"wall_s": 30.0, **BUSY}, {"wall_s": 1.0, **IDLE}],
                                 scenario.TrainConfig(cpu_threads=2))["contended"]
     # too short to say (a resumed scenario reading its journal back)
     monkeypatch.setattr(scenario, "MIN_JUDGED_TUNING_S", 5.0)
-    assert scenario.tuning_load("hpo", [{"wall_s": 1.0, **busy}],
+    assert scenario.tuning_load("hpo", [{"wall_s": 1.0, **BUSY}],
                                 scenario.TrainConfig(cpu_threads=2))["contended"] is None
 
 
@@ -2457,25 +2472,10 @@ def test_a_resume_of_a_finished_scenario_keeps_its_contended_tuning(small, tmp_p
     """review: a finished scenario resumed re-reads its tuning in under MIN_JUDGED_TUNING_S; the
     row written again kept the earlier session's tuning_s but lost its tuning_load's facts."""
     from modules import diagnosis
-    monkeypatch.setattr(diagnosis, "THRESHOLDS", diagnosis.Thresholds())
-    monkeypatch.setattr(scenario, "usable_cpus", lambda: 2)
-    busy = {"cpu_util_pct": 99.0, "process_cpu_pct": 40.0}
-    unread = {"cpu_util_pct": None, "process_cpu_pct": None}
-    state = {"first": True, "made": []}
-
-    class Sampler(scenario.SystemSampler):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            state["made"].append(self)
-
-        def summary(self):  # the first session's tuning was contended; the resumed one's,
-            first = state["first"] and self is state["made"][0]  # a moment, read nothing
-            return {**super().summary(), **(busy if first else unread)}
-    monkeypatch.setattr(scenario, "SystemSampler", Sampler)
-    monkeypatch.setattr(scenario, "MIN_JUDGED_TUNING_S", 0.0)
-    argv = ("--data-dir", str(small), "--scenarios", "resolution", "--resolutions", "32",
-            "--image-size", "32", "--epochs", "2", "--weights", "none", "--no-autotune",
-            "--no-progress", "--output-dir", str(tmp_path / "out"))
+    state = {"first": True}
+    # the first session's tuning was contended; the resumed one's, a moment, read nothing
+    argv, _ = watched(monkeypatch, small, tmp_path / "out",
+                      lambda tuning: BUSY if tuning and state["first"] else UNREAD)
     assert run_main(*argv) == 0
     first = json.loads((tmp_path / "out" / "results.json").read_text())[0]
     assert first["tuning_load"]["contended"]
@@ -2497,33 +2497,18 @@ def test_a_finished_scenario_resumed_does_not_judge_the_seconds_its_row_leaves_o
     """review: a finished scenario resumed re-reads its tuning, and row_tuning_s keeps the
     earlier row's tuning_s without the re-read's seconds, but the re-read's load was judged
     with the tuning's: a resume on a busy machine flipped a quiet tuning to contended."""
-    from modules import diagnosis
-    monkeypatch.setattr(diagnosis, "THRESHOLDS", diagnosis.Thresholds())
-    monkeypatch.setattr(scenario, "usable_cpus", lambda: 2)
-    busy = {"cpu_util_pct": 99.0, "process_cpu_pct": 40.0}
-    idle = {"cpu_util_pct": 50.0, "process_cpu_pct": 190.0}
-    state = {"first": True, "made": [], "pause": 0.0}
+    state = {"first": True, "pause": 0.0}
 
-    class Sampler(scenario.SystemSampler):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            state["made"].append(self)
-
-        def summary(self):
-            tuning = self is state["made"][0]
-            if tuning and not state["first"]:
-                time.sleep(state["pause"])  # a long re-read on a busy machine
-            return {**super().summary(), **(idle if state["first"] or not tuning else busy)}
-    monkeypatch.setattr(scenario, "SystemSampler", Sampler)
-    monkeypatch.setattr(scenario, "MIN_JUDGED_TUNING_S", 0.0)
-    argv = ("--data-dir", str(small), "--scenarios", "resolution", "--resolutions", "32",
-            "--image-size", "32", "--epochs", "2", "--weights", "none", "--no-autotune",
-            "--no-progress", "--output-dir", str(tmp_path / "out"))
+    def figures(tuning):
+        if tuning and not state["first"]:
+            time.sleep(state["pause"])  # a long re-read on a busy machine
+        return IDLE if state["first"] or not tuning else BUSY
+    argv, made = watched(monkeypatch, small, tmp_path / "out", figures)
     assert run_main(*argv) == 0
     first = json.loads((tmp_path / "out" / "results.json").read_text())[0]
     assert first["tuning_load"]["contended"] is None
     state["first"] = False
-    state["made"].clear()
+    made.clear()
     state["pause"] = 3 * first["tuning_load"]["wall_s"]
     assert run_main(*argv, "--resume") == 0
     again = json.loads((tmp_path / "out" / "results.json").read_text())[0]
@@ -2584,26 +2569,10 @@ def test_a_resume_of_an_interrupted_final_run_keeps_its_contended_tuning(small, 
                                                                          monkeypatch):
     """review: tuned (contended) in one session, the final run stopped, finished in the next:
     the row's tuning_s counts the first session's tuning, its tuning_load only the second's."""
-    from modules import checkpoints, diagnosis
-    monkeypatch.setattr(diagnosis, "THRESHOLDS", diagnosis.Thresholds())
-    monkeypatch.setattr(scenario, "usable_cpus", lambda: 2)
-    busy = {"cpu_util_pct": 99.0, "process_cpu_pct": 40.0}
-    unread = {"cpu_util_pct": None, "process_cpu_pct": None}
-    state = {"first": True, "made": []}
-
-    class Sampler(scenario.SystemSampler):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            state["made"].append(self)
-
-        def summary(self):
-            first = state["first"] and self is state["made"][0]
-            return {**super().summary(), **(busy if first else unread)}
-    monkeypatch.setattr(scenario, "SystemSampler", Sampler)
-    monkeypatch.setattr(scenario, "MIN_JUDGED_TUNING_S", 0.0)
-    argv = ("--data-dir", str(small), "--scenarios", "resolution", "--resolutions", "32",
-            "--image-size", "32", "--epochs", "2", "--weights", "none", "--no-autotune",
-            "--no-progress", "--output-dir", str(tmp_path / "out"))
+    from modules import checkpoints
+    state = {"first": True}
+    argv, _ = watched(monkeypatch, small, tmp_path / "out",
+                      lambda tuning: BUSY if tuning and state["first"] else UNREAD)
     real = checkpoints.CheckpointSaver.save
 
     def save_then_stop(self, *a, **k):
