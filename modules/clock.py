@@ -31,8 +31,12 @@ def read_sessions(path: Path) -> list[list[float]]:
     """The tuning sessions the clock recorded, oldest first: [time.time() at the session's
     start, the clock's seconds then] each (lineage places a trial's epochs by them); none
     when unreadable or written by a version without them."""
+    return _sessions(_clock_file(path))
+
+
+def _sessions(kept: Any) -> list[list[float]]:
     try:
-        return [[float(at), float(clock)] for at, clock in _clock_file(path)["sessions"]]
+        return [[float(at), float(clock)] for at, clock in kept["sessions"]]
     except (ValueError, KeyError, TypeError):
         return []
 
@@ -41,10 +45,13 @@ def read_loads(path: Path) -> list[dict[str, Any]]:
     """The machine's load in each earlier tuning session the clock recorded (tuning_load's
     figures: wall_s, cpu_util_pct, process_cpu_pct), oldest first; none when unreadable or
     written by a version without them."""
+    return _loads(_clock_file(path))
+
+
+def _loads(kept: Any) -> list[dict[str, Any]]:
     try:
-        loads = _clock_file(path)["loads"]
         return [{k: float(v) if v is not None else None for k, v in load.items()}
-                for load in loads if float(load["wall_s"]) >= 0]
+                for load in kept["loads"] if float(load["wall_s"]) >= 0]
     except (ValueError, KeyError, TypeError, AttributeError):
         return []
 
@@ -89,8 +96,10 @@ def write_clock(path: Path, tuning_s: float, sessions: list[list[float]] | None 
     ended (None: those recorded)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        # one read for what is kept (the ticking thread writes every CLOCK_EVERY_S, on Drive too)
+        kept = _clock_file(path) if sessions is None or loads is None else None
         write_json(path, {"tuning_s": tuning_s,
-                          "sessions": read_sessions(path) if sessions is None else sessions,
-                          "loads": read_loads(path) if loads is None else loads})
+                          "sessions": _sessions(kept) if sessions is None else sessions,
+                          "loads": _loads(kept) if loads is None else loads})
     except (OSError, UserError) as exc:  # a clock not written costs only a resumed row's time
         log.info("could not write %s (%s)", path, first_line(exc))

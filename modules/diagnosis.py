@@ -327,10 +327,15 @@ def _under_gain(fastest: float, kept: float) -> str:
             if fastest > kept else "")
 
 
+def _race(f: _Figures, knob: str, on: str, off: str) -> tuple[Any, Any]:
+    """The autotuner's figures for `knob` at `on` and at `off` (img/s, or why not measured)."""
+    raced = ((f.get("raced") or {}).get(knob)) or {}
+    return raced.get(on), raced.get(off)
+
+
 def _slower_or_no_faster(f: _Figures, knob: str, on: str, off: str) -> str:
     """How a race that `on` lost reads: slower, or no faster when it was within MIN_GAIN."""
-    raced = ((f.get("raced") or {}).get(knob)) or {}
-    with_it, without = raced.get(on), raced.get(off)
+    with_it, without = _race(f, knob, on, off)
     numbers = all(isinstance(v, (int, float)) for v in (with_it, without))
     return "slower" if numbers and with_it < without else "no faster"
 
@@ -340,8 +345,7 @@ def _measured_slower(f: _Figures, knob: str, on: str = "true", off: str = "false
     measured `on` no faster than `off` (or faster by less than MIN_GAIN, which it does not
     keep), or `on` failing: advice to turn it on would go against what was measured. None
     when it was not raced."""
-    raced = ((f.get("raced") or {}).get(knob)) or {}
-    with_it, without = raced.get(on), raced.get(off)
+    with_it, without = _race(f, knob, on, off)
     if not isinstance(without, (int, float)):
         return None
     if isinstance(with_it, str):  # failed, or abandoned at its deadline; unmeasured says nothing
