@@ -901,6 +901,9 @@ class OptunaTuner:
                  # these; the batch is left out: it may be what fits one worker's GPU.
                  "default_lr": b.lr, "default_optimizer": b.optimizer,
                  "default_weight_decay": b.weight_decay,
+                 # a searched batch is a micro-batch: with other accumulation its trials took
+                 # other effective batches and optimizer steps, judged by one ratio (choice)
+                 "grad_accum_steps": b.grad_accum_steps,
                  # torchrun's processes each train the searched batch: a trial's global batch
                  # (and steps per epoch) is that many times it
                  "processes": distributed.world_size()}

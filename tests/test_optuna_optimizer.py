@@ -1479,3 +1479,16 @@ def test_a_worker_waits_for_the_default_trial_another_is_training(index, tmp_pat
     monkeypatch.setattr(t.storage, "_get_stale_trial_ids", lambda study_id: [silent._trial_id])
     t._await_default()
     assert len(slept) == 1
+
+
+def test_a_study_resumed_with_other_accumulation_is_refused(index, tmp_path, monkeypatch):
+    """A searched batch is a micro-batch: trials of batch 16 with 4x accumulation took an
+    effective batch of 64 and a quarter of the optimizer steps of batch 16 before, under the
+    same parameter, and choice() judged every trial by this session's accumulation."""
+    monkeypatch.setattr(optuna_optimizer, "fit", fake_fit)
+    tuner(index, tmp_path).run()
+    other = OptunaTuner(index, dataclasses.replace(BASE, grad_accum_steps=4),
+                        output_dir=tmp_path / "hpo", epochs=2, batch_sizes=(8, 16), n_trials=3,
+                        resume=True)
+    with pytest.raises(UserError, match="grad_accum_steps=1.*grad_accum_steps=4"):
+        other.run()

@@ -47,3 +47,13 @@ def test_a_one_image_gap_at_full_accuracy_ties_whatever_the_rounding():
         assert beats(1.0, (n - 2) / n, n) or n < 10, n
         trials = [ResolutionTrial(64, (n - 1) / n, 1, 1, 1), ResolutionTrial(96, 1.0, 1, 1, 1)]
         assert ResolutionTuner.pick(trials, n, 64, 0.1) == 64, n  # a tie keeps the default
+
+
+def test_an_accuracy_exactly_two_standard_errors_above_chance_has_not_left_it():
+    """In whole images, 28 of 100 against chance 20% and 220 of 400 against 50% are exactly
+    two standard errors above chance, as 60 of 100 against 50% is: none has left it, whichever
+    way the floats of the difference round."""
+    assert not informative(60 / 100, 100, 50 / 100)
+    assert not informative(28 / 100, 100, 20 / 100)
+    assert not informative(220 / 400, 400, 200 / 400)
+    assert informative(29 / 100, 100, 20 / 100) and informative(221 / 400, 400, 200 / 400)
