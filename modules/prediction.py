@@ -39,8 +39,8 @@ def predict(model: nn.Module, image_paths, *, batch_size: int = 32, device=None)
         model.to(library_device(device))
     device = _model_device(model)
     transform = eval_transform(meta["image_size"], meta["mean"], meta["std"])
-    # A model trained and tested on the decoded cache saw JPEGs decoded at reduced scale (PIL's
-    # draft) before the resize: the same decode gives it the pixels its test accuracy was on.
+    # A model saved before 2026-12-07 from the decoded cache was tested on JPEGs decoded at
+    # reduced scale (PIL's draft) before the resize: the same decode gives it those pixels.
     draft = meta["image_size"] if (meta.get("extra") or {}).get("decode") == "draft" else None
     results: list[dict | None] = [None] * len(paths)
     readable: list[tuple[int, torch.Tensor]] = []

@@ -436,9 +436,9 @@ def keep_best_model(result: TrainResult, config: TrainConfig, index: DatasetInde
                       "test_acc": row["test_acc"], "val_acc": row["val_acc"],
                       "per_class_test_acc": row["per_class_test_acc"],
                       "confusion_matrix": row["confusion_matrix"],
-                      # how its images were decoded (predict decodes new ones alike)
-                      "decode": "draft" if (row.get("settings") or {}).get("data_path") ==
-                      CachedLoader.data_path else "full"})
+                      # how its test images were decoded, so predict decodes new ones alike
+                      # (models saved before 2026-12-07 from the decoded cache say "draft")
+                      "decode": "full"})
     log.info("saved %s: the best validation accuracy so far on %s (%s, %s; test %.1f%%)", path,
              index.name, mine_shown, row["scenario"], 100 * row["test_acc"])
 

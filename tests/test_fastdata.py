@@ -28,8 +28,8 @@ def test_decoding_a_large_split_is_said_as_it_starts(folder, monkeypatch, caplog
     index = index_dataset(folder)
     monkeypatch.setattr(fastdata, "CHECK_SAID_FROM", len(index.train))
     with caplog.at_level(logging.INFO, logger="modules.fastdata"):
-        fastdata.decoded_images(index.train, 16)
-        fastdata.decoded_images(index.test, 16)
+        fastdata.decoded_images(index.train, 16, draft=True)
+        fastdata.decoded_images(index.test, 16, draft=False)
     said = [r.getMessage() for r in caplog.records]
     assert said[0] == f"decoding {len(index.train)} images once at 16 px ..."
     assert [line.split(" images")[0] for line in said[1:]] == \
@@ -223,7 +223,7 @@ def test_the_cached_means_give_the_batches_their_own_means_would(folder, monkeyp
     assert fastdata.image_means(images[:0]).shape == (0, 3)
     index = index_dataset(folder)
     train = make_loaders(index, _config())[0]
-    cached, means = fastdata.decoded_images(index.train, 24)
+    cached, means = fastdata.decoded_images(index.train, 24, draft=True)
     assert train.images is cached and torch.equal(train.means, means)
     assert torch.allclose(means, cached.float().mean(dim=(2, 3)))
     seen = []
@@ -248,11 +248,47 @@ def test_passes_are_one_batch_on_a_cpu_and_up_to_100_mb_on_a_gpu():
         assert fastdata.PARAM_BATCHES % fastdata.batches_per_pass(b, 96, gpu) == 0
 
 
+def test_held_out_images_are_decoded_as_the_baseline_decodes_them(tmp_path):
+    """JPEGs twice the input size or more: the training split is decoded at reduced scale
+    (draft), much faster, but the validation and test splits in full, as the baseline's loader
+    and predict() decode them, so that every scenario is measured on the same pixels."""
+    import numpy as np
+    from PIL import Image
+
+    from modules.dataset import eval_transform, load_rgb
+    rng = np.random.default_rng(0)
+    for split in ("train", "test"):
+        for label in ("a", "b"):
+            (tmp_path / split / label).mkdir(parents=True)
+            for i in range(6):
+                pixels = rng.integers(0, 255, (160, 200, 3), np.uint8)
+                Image.fromarray(pixels).save(tmp_path / split / label / f"{i}.jpg", quality=90)
+    index = index_dataset(tmp_path)
+    train, val, test = make_loaders(index, _config(image_size=32))
+    transform = eval_transform(32)
+
+    def full(path):
+        return transform(load_rgb(path))
+
+    def drafted(path):
+        return transform(load_rgb(path, draft=32))
+    for loader, samples in ((val, index.val), (test, index.test)):
+        x = torch.cat([xb for xb, _ in loader])
+        want = torch.stack([full(p) for p, _ in samples])
+        assert torch.allclose(x, want, atol=1e-5)
+        assert (x - torch.stack([drafted(p) for p, _ in samples])).abs().max() > 0.05
+    cached, _ = fastdata.decoded_images(index.train, 32, draft=True)
+    assert torch.equal(cached, fastdata.decoded_images(index.train, 32, draft=True)[0])
+    first = torch.from_numpy(fastdata.decode_resized(index.train[0][0], 32, draft=True))
+    assert torch.equal(cached[0], first.permute(2, 0, 1))
+    assert not torch.equal(first, torch.from_numpy(fastdata.decode_resized(index.train[0][0], 32)))
+
+
 def test_images_are_decoded_once_per_size(folder, monkeypatch):
     index = index_dataset(folder)
     calls = []
     real = fastdata.decode_resized
-    monkeypatch.setattr(fastdata, "decode_resized", lambda p, s: calls.append(s) or real(p, s))
+    monkeypatch.setattr(fastdata, "decode_resized", lambda p, s, d: calls.append(s) or real(p, s, d))
     def every_split(config):
         *_, test = make_loaders(index, config)
         len(test)  # the test split is decoded at its first use
@@ -272,7 +308,7 @@ def test_a_tuning_trial_does_not_decode_the_test_images(folder, monkeypatch):
     index = index_dataset(folder)
     calls = []
     real = fastdata.decode_resized
-    monkeypatch.setattr(fastdata, "decode_resized", lambda p, s: calls.append(p) or real(p, s))
+    monkeypatch.setattr(fastdata, "decode_resized", lambda p, s, d: calls.append(p) or real(p, s, d))
     fit(index, _config(epochs=1, progress=False))
     assert len(calls) == len(index.train) + len(index.val)
     assert not {path for path, _ in index.test} & set(calls)
@@ -407,10 +443,10 @@ def test_images_rewritten_under_the_same_names_are_decoded_again(folder):
     images is keyed by the files' sizes and times, not their paths alone."""
     from PIL import Image
     index = index_dataset(folder)
-    before, _ = fastdata.decoded_images(index.test, 16)
+    before, _ = fastdata.decoded_images(index.test, 16, draft=False)
     path = index.test[0][0]
     Image.new("RGB", (40, 40)).save(path)  # black, and another size of file
-    after, _ = fastdata.decoded_images(index_dataset(folder).test, 16)
+    after, _ = fastdata.decoded_images(index_dataset(folder).test, 16, draft=False)
     assert before[0].float().mean() > 0 and after[0].float().mean() == 0
     assert after.shape[1] == 3 and after.is_contiguous()  # NCHW, decoded in place
 
@@ -420,11 +456,11 @@ def test_a_split_list_changed_in_place_is_decoded_in_its_new_order(folder):
     with the labels of the new: 38 of 54 training images carried another class's label."""
     import random
     index = index_dataset(folder, seed=1)
-    before, _ = fastdata.decoded_images(index.train, 16)
+    before, _ = fastdata.decoded_images(index.train, 16, draft=True)
     order = list(range(len(index.train)))
     random.Random(0).shuffle(order)
     index.train[:] = [index.train[i] for i in order]
-    after, _ = fastdata.decoded_images(index.train, 16)
+    after, _ = fastdata.decoded_images(index.train, 16, draft=True)
     assert torch.equal(after, before[order])
 
 

@@ -277,9 +277,9 @@ def test_a_model_file_that_cannot_be_read_now_stays_and_is_not_replaced(tmp_path
     assert not list(tmp_path.glob("d_model.unreadable-*.pt"))
 
 
-def test_a_model_of_the_decoded_cache_says_so_for_predict(tmp_path):
+def test_a_model_of_the_decoded_cache_was_tested_on_full_decodes_and_says_so(tmp_path):
     assert _keep(tmp_path, 0.5, "baseline")["decode"] == "full"
-    assert _keep(tmp_path, 0.9, "resolution", data_path="decoded cache")["decode"] == "draft"
+    assert _keep(tmp_path, 0.9, "resolution", data_path="decoded cache")["decode"] == "full"
 
 
 def test_a_resume_across_copies_now_left_out_names_them(tmp_path, capsys, monkeypatch):
