@@ -120,17 +120,32 @@ class _BeyondNoise(optuna.pruners.BasePruner):
         if step in self.early:
             if not informative(value, self.n_val, self.chance):
                 return False
-            # successive halving's promotion rule: in the top third of the trials at the rung
-            top = sorted(here, reverse=True)[max(0, len(here) // REDUCTION_FACTOR - 1)]
-            return value < top and beats(leader, value, self.n_val)
+            return _outside_top(value, here) and beats(leader, value, self.n_val)
         # clearly_ahead, in two parts. Successive halving is asked at every epoch, whatever
         # the answer will be: it records a trial's rung value at the first epoch it is asked
         # past the rung, and trials must be ranked at the rung's own epoch. Its stop holds
         # only once some trial has left chance here, and this one is clearly behind.
         verdict = self.pruner.prune(study, trial)
+        # Its ranking reads every trial's rungs, FAIL ones too (see above): at a rung it has
+        # just recorded, the trial is ranked again without them. (Hyperband reads them the same
+        # way; here it has one bracket, _rungs_passed.)
+        trials = study.get_trials(deepcopy=False)
+        now = next(t for t in trials if t.number == trial.number).system_attrs
+        rungs = [k for k in now if k.startswith("completed_rung_") and k not in trial.system_attrs]
+        if rungs:
+            verdict = any(_outside_top(now[k], [t.system_attrs[k] for t in trials
+                                                if k in t.system_attrs
+                                                and t.state != optuna.trial.TrialState.FAIL])
+                          for k in rungs)
         if not informative(leader, self.n_val, self.chance):
             return False
         return verdict and beats(leader, value, self.n_val)
+
+
+def _outside_top(value: float, values: list[float]) -> bool:
+    """Successive halving's promotion rule, failed: `value` is not in the top third of the
+    `values` at a rung (its own among them); with fewer than six, not the best."""
+    return value < sorted(values, reverse=True)[max(0, len(values) // REDUCTION_FACTOR - 1)]
 
 
 def _trained(trial) -> bool:

@@ -769,6 +769,37 @@ def test_a_trial_cut_off_with_its_session_is_no_yardstick(index, tmp_path):
     assert pruner.prune(other, retry)
 
 
+@pytest.mark.parametrize("pruner", ["asha", "hyperband"])
+def test_a_trial_cut_off_with_its_session_is_not_ranked_at_the_rung(index, tmp_path, pruner):
+    """Successive halving ranked a retry against its own cut-off attempt (FAIL), whose rung
+    value it had recorded: the retry at 70% after epoch 3 of 4, second of six at the rung, was
+    stopped as third of seven behind the attempt's 75%. Three classes, 1,000 validation
+    images: 80% beats 70% beyond the noise."""
+    t = with_val_images(tuner(index, tmp_path, epochs=4, pruner=pruner))
+    study = optuna.create_study(direction="maximize", pruner=t._make_pruner())
+
+    def add(state, acc, lr, **kw):
+        study.add_trial(optuna.trial.create_trial(
+            state=state, params={**PARAMS, "lr": lr}, distributions=t.distributions(),
+            intermediate_values={1: acc, 2: acc, 3: acc},
+            system_attrs={"completed_rung_0": acc}, **kw))
+    add(optuna.trial.TrialState.COMPLETE, 0.80, 1e-3, value=0.80, user_attrs={"default": True})
+    for acc, lr in ((0.50, 2e-3), (0.45, 3e-3), (0.40, 4e-3), (0.35, 5e-3)):
+        add(optuna.trial.TrialState.PRUNED, acc, lr, value=acc)
+    add(optuna.trial.TrialState.FAIL, 0.75, 7e-3)
+    retry = study.ask({k: v for k, v in t.distributions().items()})
+    for epoch in (1, 2, 3):
+        retry.report(0.70, epoch)
+        assert not retry.should_prune(), epoch
+    assert study.trials[-1].system_attrs["completed_rung_0"] == 0.70  # its rung recorded
+    # the same 70% third of eight at the rung, behind 80% and 72%: stopped
+    add(optuna.trial.TrialState.PRUNED, 0.72, 8e-3, value=0.72)
+    late = study.ask({k: v for k, v in t.distributions().items()})
+    for epoch in (1, 2, 3):
+        late.report(0.70, epoch)
+    assert late.should_prune()
+
+
 def test_the_default_stays_only_while_no_trial_has_left_chance(index, tmp_path, monkeypatch):
     """Three classes, 1,000 validation images: chance is 33%, two standard errors 3 points.
     Trials all at chance rank nothing: the default stays. A trial that has left chance where
