@@ -21,6 +21,7 @@ import modules.storage
 from modules import distributed
 from modules.checkpoints import save_weights
 from modules.config import OPTIMIZERS, TrainConfig, UserError, first_line
+from modules.dataset import steps_per_epoch
 from modules.files import atomic_save_figure, atomic_write_text, kept_file
 from modules.oom import release
 from modules.report import figure, write_html
@@ -209,11 +210,13 @@ class OptunaTuner:
         if not self.batch_sizes:
             raise UserError(f"no batch size in {tuple(batch_sizes)} fits "
                             f"max_batch_size={max_batch_size!r}.")
+        # Every trial trains the same epochs, so trials are compared at equal budgets.
+        self.index, self.base, self.epochs = index, base, epochs
+        self.n_train = len(index.train)  # what a trial's steps are counted over (_judged_epochs)
         # A batch whose first epoch alone takes more optimizer steps than the default trial's
         # epochs cannot be judged against it (choice): its trials could never win, and would
         # set the bar at equal epochs that prunes the others.
-        judged = tuple(b for b in self.batch_sizes
-                       if int(epochs * b / base.batch_size + 1e-9) >= 1)
+        judged = tuple(b for b in self.batch_sizes if self._judged_epochs(b) >= 1)
         self.unjudged = frozenset(self.batch_sizes) - frozenset(judged) if judged else frozenset()
         if self.unjudged:
             log.info("batch sizes %s left out of the search: over %d-epoch trials, their first "
@@ -222,8 +225,6 @@ class OptunaTuner:
                      tuple(b for b in self.batch_sizes if b not in judged), epochs,
                      base.batch_size)
             self.batch_sizes = judged
-        # Every trial trains the same epochs, so trials are compared at equal budgets.
-        self.index, self.base, self.epochs = index, base, epochs
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.n_trials, self.timeout_s, self.resume = n_trials, timeout_s, resume
@@ -1081,11 +1082,19 @@ class OptunaTuner:
                    ) -> tuple[float, int]:
         """within_default_steps for a trial of `batch_size`, validation `curve` (by epoch) and
         best value."""
-        last = min(self.epochs, int(self.epochs * batch_size / self.base.batch_size + 1e-9))
+        last = self._judged_epochs(batch_size)
         if last < 1:  # its first epoch took more steps than the default trial's epochs
             return value, 0
         values = [v for epoch, v in curve.items() if epoch <= last]
         return (max(values) if values and last < self.epochs else value), last
+
+    def _judged_epochs(self, batch_size: int) -> int:
+        """The most epochs of a trial at `batch_size` within the default trial's optimizer
+        steps (0: its first epoch alone takes more), counted as the trainer takes them: a small
+        batch's short last batch is dropped, so it takes more than the batch ratio says."""
+        def steps(batch: int) -> int:
+            return steps_per_epoch(dataclasses.replace(self.base, batch_size=batch), self.n_train)
+        return min(self.epochs, self.epochs * steps(self.base.batch_size) // steps(batch_size))
 
     def _judged(self, batch_size: int, curve: dict[int, float], value: float) -> float | None:
         """What choice() ranks a trial by, against a completed default trial; None when it

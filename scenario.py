@@ -10,7 +10,6 @@ import functools
 import hashlib
 import json
 import logging
-import math
 import os
 import shlex
 import socket
@@ -33,7 +32,7 @@ from modules.config import (DEFAULTS, DISPLAY_ONLY, SPEED_ONLY, TrainConfig, Use
                             first_line)
 from modules.dataset import (COPIES_LIST, SKIPPED_LIST, DatasetIndex, data_path_of, index_dataset,
                              index_subset, load_rgb, make_loader, printable, resolve_source,
-                             subset, train_transform)
+                             steps_per_epoch, subset, train_transform)
 from modules.device import (apply_process_settings, autocast_dtype, process_settings_kept,
                             resolve_device, usable_cpus)
 from modules.diagnosis import TUNING_CONTENDED, contention, tuning_contended_advice
@@ -305,10 +304,7 @@ def _saved_autotune(path: Path, start: TrainConfig, finished: bool = False
 
 def planned_steps(config: TrainConfig, n_train: int, epochs: int | None = None) -> int:
     """Optimizer steps a training of `epochs` (default config.epochs) will take."""
-    # Under torchrun each process takes its shard of the images (DistributedSampler).
-    per_epoch = math.ceil(max(1, n_train // distributed.world_size() // config.batch_size)
-                          / config.grad_accum_steps)
-    return per_epoch * (epochs or config.epochs)
+    return steps_per_epoch(config, n_train) * (epochs or config.epochs)
 
 
 def tuned_resolutions(args: RunOptions, device: torch.device, default: int) -> list[int]:

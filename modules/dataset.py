@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import logging
+import math
 import os
 import random
 import re
@@ -1099,6 +1100,13 @@ def drops_last(sampler: Sampler[int] | None, batch_size: int) -> bool:
     """Training drops a short last batch when there is more than one: a lone last sample would
     break BatchNorm in train mode. Evaluation keeps every sample."""
     return isinstance(sampler, (EpochSampler, DistributedSampler)) and len(sampler) > batch_size
+
+
+def steps_per_epoch(config: TrainConfig, n_train: int) -> int:
+    """Optimizer steps in an epoch over n_train images: each process's share (train_sampler)
+    in batches, less a short last one (drops_last), grad_accum_steps batches a step."""
+    return math.ceil(max(1, n_train // distributed.world_size() // config.batch_size)
+                     / config.grad_accum_steps)
 
 
 class EvalShard(Sampler[int]):

@@ -950,6 +950,30 @@ def test_a_trial_whose_first_epoch_outsteps_the_default_trial_does_not_win(index
     assert t.within_default_steps(t.study.trials[1], t.study.trials[0])[1] == 0
 
 
+def test_a_trials_steps_are_counted_as_the_trainer_takes_them(tmp_path, monkeypatch):
+    """A small batch takes more optimizer steps than the batch ratio says: the trainer drops a
+    short last batch. 1,200 images, 12-epoch trials: the default's batch 32 takes 37 steps an
+    epoch, 444 in all, and batch 16 75 an epoch, 450 after epoch 6, the ratio's epoch: it is
+    judged after epoch 5. 100 images, 4 epochs: batch 64 takes 4 steps in all, and batch 16's
+    first epoch alone 6: left out of the search. Steps are counted per process under torchrun
+    and per grad_accum_steps batches."""
+    def at(n_train, batch, epochs, **changes):
+        index = SimpleNamespace(train=[None] * n_train, val=[], classes=["a", "b", "c"])
+        base = dataclasses.replace(BASE, batch_size=batch, **changes)
+        return OptunaTuner(index, base, output_dir=tmp_path / f"{n_train}-{batch}-{changes}",
+                           epochs=epochs, batch_sizes=(16, 32, 64))
+
+    t = at(1200, 32, 12)
+    assert t._judged_at(16, {e: e / 100 for e in range(1, 13)}, 0.12) == (0.05, 5)
+    assert at(1200, 32, 12, grad_accum_steps=2)._judged_at(16, {6: 0.5}, 0.6) == (0.5, 6)
+    t = at(100, 64, 4)
+    assert t.unjudged == {16} and t.batch_sizes == (32, 64)
+    assert t._judged_at(32, {1: 0.5, 2: 0.6}, 0.6) == (0.5, 1)
+    monkeypatch.setattr(optuna_optimizer.distributed, "world_size", lambda: 2)
+    t = at(100, 64, 4)  # 50 images a process: one step an epoch at either batch
+    assert not t.unjudged and t._judged_at(32, {1: 0.5, 2: 0.6}, 0.6) == (0.6, 4)
+
+
 def test_the_trials_are_ranked_within_the_default_trials_steps(index, tmp_path):
     """The search's best is the trial ahead within the default trial's optimizer steps, not
     the one ahead at its last epoch: batch 4 ends highest by its extra steps (45% after epoch
