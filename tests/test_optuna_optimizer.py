@@ -951,12 +951,12 @@ def test_a_trial_whose_first_epoch_outsteps_the_default_trial_does_not_win(index
 
 
 def test_a_trials_steps_are_counted_as_the_trainer_takes_them(tmp_path, monkeypatch):
-    """A small batch takes more optimizer steps than the batch ratio says: the trainer drops a
-    short last batch. 1,200 images, 12-epoch trials: the default's batch 32 takes 37 steps an
-    epoch, 444 in all, and batch 16 75 an epoch, 450 after epoch 6, the ratio's epoch: it is
-    judged after epoch 5. 100 images, 4 epochs: batch 64 takes 4 steps in all, and batch 16's
-    first epoch alone 6: left out of the search. Steps are counted per process under torchrun
-    and per grad_accum_steps batches."""
+    """Steps are counted as the trainer takes them, per process under torchrun and per
+    grad_accum_steps batches. 100 images, 4 epochs: batch 64 takes 4 steps in all, and batch
+    16's first epoch alone 6, where the batch ratio said one epoch's would be 4: left out of the
+    search. A short last batch dropped each epoch is within STEP_SLACK: over 1,200 images the
+    default's batch 32 takes 37 steps an epoch, batch 16 75, and batch 16 is judged after half
+    the epochs (12-epoch trials: 450 steps to 444; 4-epoch ones: 150 to 148), not fewer."""
     def at(n_train, batch, epochs, **changes):
         index = SimpleNamespace(train=[None] * n_train, val=[], classes=["a", "b", "c"])
         base = dataclasses.replace(BASE, batch_size=batch, **changes)
@@ -964,7 +964,8 @@ def test_a_trials_steps_are_counted_as_the_trainer_takes_them(tmp_path, monkeypa
                            epochs=epochs, batch_sizes=(16, 32, 64))
 
     t = at(1200, 32, 12)
-    assert t._judged_at(16, {e: e / 100 for e in range(1, 13)}, 0.12) == (0.05, 5)
+    assert t._judged_at(16, {e: e / 100 for e in range(1, 13)}, 0.12) == (0.06, 6)
+    assert at(1200, 32, 4)._judged_at(16, {1: 0.1, 2: 0.2, 3: 0.3}, 0.4) == (0.2, 2)
     assert at(1200, 32, 12, grad_accum_steps=2)._judged_at(16, {6: 0.5}, 0.6) == (0.5, 6)
     t = at(100, 64, 4)
     assert t.unjudged == {16} and t.batch_sizes == (32, 64)
