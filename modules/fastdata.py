@@ -52,23 +52,21 @@ PARAM_BATCHES = 64  # training batches whose augmentation parameters are drawn t
 # launches, and one pass costs the launches of one batch.
 GPU_PASS_BYTES = 100 * 2**20
 
-# (image list, size, draft) -> (the decoded images, their per-channel means)
-_MEMO: OrderedDict[tuple[str, int, bool], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+# (image list, size) -> (the decoded images, their per-channel means)
+_MEMO: OrderedDict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
 _SAID_IN_RAM: set[tuple[int, int]] = set()  # caches logged as kept in RAM
 MEANS_CHUNK = 256  # images converted to float at a time while their means are taken
 
 
 # ----------------------------------------------------------------------------- the cache
 
-def decode_resized(path: str, size: int, draft: bool = False) -> np.ndarray:
-    """One image as a size x size x 3 uint8 array, resized as dataset.eval_transform resizes.
-    draft: a JPEG decodes at the smallest DCT scale of at least `size` first (from twice the
-    size up, several times faster; pixels differ from a full decode by 1-2 levels on average).
-    Training images are decoded so, under augmentation that moves them by far more; validation
-    and test images in full, as the baseline's loader and predict() decode them: every
-    scenario is measured on the same pixels."""
+def decode_resized(path: str, size: int) -> np.ndarray:
+    """One image as a size x size x 3 uint8 array, decoded and resized as the baseline's
+    dataset.eval_transform and predict() do: every scenario trains and is tested on the same
+    pixels. (A JPEG's draft decode at a reduced DCT scale, used until 2026-12-07, is about 5x
+    faster on a 4-megapixel photo but 1-2 levels off on average, up to 39: docs/speed.md.)"""
     try:
-        rgb = load_rgb(path, draft=size if draft else None)
+        rgb = load_rgb(path)
         if rgb.size != (size, size):
             rgb = rgb.resize((size, size), Image.BILINEAR)
         return np.array(rgb, dtype=np.uint8)  # a writable copy, owned by the array
@@ -80,7 +78,7 @@ def cache_bytes(n_images: int, size: int) -> int:
     return n_images * 3 * size * size
 
 
-def _key(samples: list[Sample], size: int, draft: bool) -> tuple[str, int, bool]:
+def _key(samples: list[Sample], size: int) -> tuple[str, int]:
     """The samples' files, in order, by path, size and modification time: images rewritten
     under the same names (a notebook re-run on fixed or other data) are decoded again. The
     files are stated once per split list as it stands (an index makes new lists; a list
@@ -100,7 +98,7 @@ def _key(samples: list[Sample], size: int, draft: bool) -> tuple[str, int, bool]
         held = _STAMPS[id(samples)] = (samples, order, digest)
         while len(_STAMPS) > 16:  # the newest indexes' splits; each entry holds its list
             _STAMPS.pop(next(iter(_STAMPS)))
-    return held[2], size, draft
+    return held[2], size
 
 
 # id(split list) -> (the list, the digest of its paths in order, that of its files): _key
@@ -114,12 +112,11 @@ def image_means(images: torch.Tensor) -> torch.Tensor:
         if len(images) else torch.zeros((0, 3))
 
 
-def decoded_images(samples: list[Sample], size: int, draft: bool
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def decoded_images(samples: list[Sample], size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """((N, 3, size, size) uint8 of the samples' images, their (N, 3) image_means), decoded
-    once per process and size (decode_resized: `draft` for training images). The means are taken once here rather than from every augmented
+    once per process and size. The means are taken once here rather than from every augmented
     batch, which would be a pass over each batch every step (docs/speed.md has its cost)."""
-    key = _key(samples, size, draft)
+    key = _key(samples, size)
     if key in _MEMO:
         _MEMO.move_to_end(key)
         return _MEMO[key]
@@ -128,7 +125,7 @@ def decoded_images(samples: list[Sample], size: int, draft: bool
     images = torch.empty((len(samples), 3, size, size), dtype=torch.uint8)
 
     def fill(i: int) -> None:  # PIL decodes with the GIL released: threads run in parallel
-        images[i] = torch.from_numpy(decode_resized(samples[i][0], size, draft)).permute(2, 0, 1)
+        images[i] = torch.from_numpy(decode_resized(samples[i][0], size)).permute(2, 0, 1)
 
     started = time.perf_counter()
     if len(samples) >= CHECK_SAID_FROM:  # 5 s for Intel's training split at 150 px, silent
@@ -516,10 +513,10 @@ def cached_loaders(index, config: TrainConfig, test: bool = True
                  "(%.0f%% of available RAM): streaming images from disk instead.",
                  needed / 1e9, size, budget / 1e9, 100 * CACHE_RAM_FRACTION)
         return None
-    keys = {_key(s, size, s is index.train) for s in splits}
+    keys = {_key(s, size) for s in splits}
     ranks = distributed.local_world_size()
     new_bytes = ranks * sum(cache_bytes(len(s), size) for s in splits
-                            if _key(s, size, s is index.train) not in _MEMO)
+                            if _key(s, size) not in _MEMO)
     evicted = False
     for key in [k for k in _MEMO if k not in keys]:  # least recently used first
         if held + new_bytes <= budget:
@@ -544,7 +541,7 @@ def cached_loaders(index, config: TrainConfig, test: bool = True
                      size, 100 * CACHE_GPU_FRACTION, free / 2**20, 100 * MEMORY_MARGIN,
                      total / 2**20)
     def loader(samples: list, train: bool) -> CachedLoader:
-        images, means = decoded_images(samples, size, draft=train)
+        images, means = decoded_images(samples, size)
         labels = torch.tensor([label for _, label in samples], dtype=torch.int64)
         moved = None
         if on_gpu:

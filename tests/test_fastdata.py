@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from modules import fastdata
-from modules.config import TrainConfig, UserError
+from modules.config import IMAGENET_MEAN, IMAGENET_STD, TrainConfig, UserError
 from modules.dataset import index_dataset
 from modules.loaders import make_loaders
 from modules.oom import TORCH_OOM, OutOfMemoryError
@@ -28,8 +28,8 @@ def test_decoding_a_large_split_is_said_as_it_starts(folder, monkeypatch, caplog
     index = index_dataset(folder)
     monkeypatch.setattr(fastdata, "CHECK_SAID_FROM", len(index.train))
     with caplog.at_level(logging.INFO, logger="modules.fastdata"):
-        fastdata.decoded_images(index.train, 16, draft=True)
-        fastdata.decoded_images(index.test, 16, draft=False)
+        fastdata.decoded_images(index.train, 16)
+        fastdata.decoded_images(index.test, 16)
     said = [r.getMessage() for r in caplog.records]
     assert said[0] == f"decoding {len(index.train)} images once at 16 px ..."
     assert [line.split(" images")[0] for line in said[1:]] == \
@@ -223,7 +223,7 @@ def test_the_cached_means_give_the_batches_their_own_means_would(folder, monkeyp
     assert fastdata.image_means(images[:0]).shape == (0, 3)
     index = index_dataset(folder)
     train = make_loaders(index, _config())[0]
-    cached, means = fastdata.decoded_images(index.train, 24, draft=True)
+    cached, means = fastdata.decoded_images(index.train, 24)
     assert train.images is cached and torch.equal(train.means, means)
     assert torch.allclose(means, cached.float().mean(dim=(2, 3)))
     seen = []
@@ -248,10 +248,10 @@ def test_passes_are_one_batch_on_a_cpu_and_up_to_100_mb_on_a_gpu():
         assert fastdata.PARAM_BATCHES % fastdata.batches_per_pass(b, 96, gpu) == 0
 
 
-def test_held_out_images_are_decoded_as_the_baseline_decodes_them(tmp_path):
-    """JPEGs twice the input size or more: the training split is decoded at reduced scale
-    (draft), much faster, but the validation and test splits in full, as the baseline's loader
-    and predict() decode them, so that every scenario is measured on the same pixels."""
+def test_every_split_is_decoded_as_the_baseline_decodes_it(tmp_path):
+    """JPEGs twice the input size or more, where a reduced-scale (draft) decode would be
+    faster: every split of the cache holds the pixels the baseline's loader and predict() give,
+    so that the scenarios train and are tested on the same images."""
     import numpy as np
     from PIL import Image
 
@@ -264,31 +264,26 @@ def test_held_out_images_are_decoded_as_the_baseline_decodes_them(tmp_path):
                 pixels = rng.integers(0, 255, (160, 200, 3), np.uint8)
                 Image.fromarray(pixels).save(tmp_path / split / label / f"{i}.jpg", quality=90)
     index = index_dataset(tmp_path)
-    train, val, test = make_loaders(index, _config(image_size=32))
+    _, val, test = make_loaders(index, _config(image_size=32))
     transform = eval_transform(32)
-
-    def full(path):
-        return transform(load_rgb(path))
-
-    def drafted(path):
-        return transform(load_rgb(path, draft=32))
+    mean = torch.tensor(IMAGENET_MEAN)[:, None, None]
+    std = torch.tensor(IMAGENET_STD)[:, None, None]
     for loader, samples in ((val, index.val), (test, index.test)):
         x = torch.cat([xb for xb, _ in loader])
-        want = torch.stack([full(p) for p, _ in samples])
+        want = torch.stack([transform(load_rgb(p)) for p, _ in samples])
         assert torch.allclose(x, want, atol=1e-5)
-        assert (x - torch.stack([drafted(p) for p, _ in samples])).abs().max() > 0.05
-    cached, _ = fastdata.decoded_images(index.train, 32, draft=True)
-    assert torch.equal(cached, fastdata.decoded_images(index.train, 32, draft=True)[0])
-    first = torch.from_numpy(fastdata.decode_resized(index.train[0][0], 32, draft=True))
-    assert torch.equal(cached[0], first.permute(2, 0, 1))
-    assert not torch.equal(first, torch.from_numpy(fastdata.decode_resized(index.train[0][0], 32)))
+        drafted = torch.stack([transform(load_rgb(p, draft=32)) for p, _ in samples])
+        assert (x - drafted).abs().max() > 0.05
+    cached, _ = fastdata.decoded_images(index.train, 32)
+    want = torch.stack([transform(load_rgb(p)) for p, _ in index.train])
+    assert torch.allclose((cached.float() / 255 - mean) / std, want, atol=1e-5)
 
 
 def test_images_are_decoded_once_per_size(folder, monkeypatch):
     index = index_dataset(folder)
     calls = []
     real = fastdata.decode_resized
-    monkeypatch.setattr(fastdata, "decode_resized", lambda p, s, d: calls.append(s) or real(p, s, d))
+    monkeypatch.setattr(fastdata, "decode_resized", lambda p, s: calls.append(s) or real(p, s))
     def every_split(config):
         *_, test = make_loaders(index, config)
         len(test)  # the test split is decoded at its first use
@@ -308,7 +303,7 @@ def test_a_tuning_trial_does_not_decode_the_test_images(folder, monkeypatch):
     index = index_dataset(folder)
     calls = []
     real = fastdata.decode_resized
-    monkeypatch.setattr(fastdata, "decode_resized", lambda p, s, d: calls.append(p) or real(p, s, d))
+    monkeypatch.setattr(fastdata, "decode_resized", lambda p, s: calls.append(p) or real(p, s))
     fit(index, _config(epochs=1, progress=False))
     assert len(calls) == len(index.train) + len(index.val)
     assert not {path for path, _ in index.test} & set(calls)
@@ -443,10 +438,10 @@ def test_images_rewritten_under_the_same_names_are_decoded_again(folder):
     images is keyed by the files' sizes and times, not their paths alone."""
     from PIL import Image
     index = index_dataset(folder)
-    before, _ = fastdata.decoded_images(index.test, 16, draft=False)
+    before, _ = fastdata.decoded_images(index.test, 16)
     path = index.test[0][0]
     Image.new("RGB", (40, 40)).save(path)  # black, and another size of file
-    after, _ = fastdata.decoded_images(index_dataset(folder).test, 16, draft=False)
+    after, _ = fastdata.decoded_images(index_dataset(folder).test, 16)
     assert before[0].float().mean() > 0 and after[0].float().mean() == 0
     assert after.shape[1] == 3 and after.is_contiguous()  # NCHW, decoded in place
 
@@ -456,11 +451,11 @@ def test_a_split_list_changed_in_place_is_decoded_in_its_new_order(folder):
     with the labels of the new: 38 of 54 training images carried another class's label."""
     import random
     index = index_dataset(folder, seed=1)
-    before, _ = fastdata.decoded_images(index.train, 16, draft=True)
+    before, _ = fastdata.decoded_images(index.train, 16)
     order = list(range(len(index.train)))
     random.Random(0).shuffle(order)
     index.train[:] = [index.train[i] for i in order]
-    after, _ = fastdata.decoded_images(index.train, 16, draft=True)
+    after, _ = fastdata.decoded_images(index.train, 16)
     assert torch.equal(after, before[order])
 
 

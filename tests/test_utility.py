@@ -395,13 +395,14 @@ def test_predict_decodes_as_an_older_model_was_tested_on_the_decoded_cache(tmp_p
     import numpy as np
     from PIL import Image
 
-    from modules import fastdata, prediction
-    from modules.dataset import eval_transform
+    from modules import prediction
+    from modules.dataset import eval_transform, load_rgb
     path = tmp_path / "photo.jpg"
     rng = np.random.default_rng(0)
     Image.fromarray(rng.integers(0, 255, (480, 640, 3), np.uint8)).save(path, quality=90)
     size = 32
-    cached = torch.from_numpy(fastdata.decode_resized(str(path), size, draft=True)).permute(2, 0, 1)
+    drafted_rgb = load_rgb(path, draft=size).resize((size, size), Image.BILINEAR)
+    cached = torch.from_numpy(np.array(drafted_rgb)).permute(2, 0, 1)
     mean, std = torch.tensor(IMAGENET_MEAN)[:, None, None], torch.tensor(IMAGENET_STD)[:, None, None]
     expected = (cached.float() / 255 - mean) / std
     transform = eval_transform(size)
