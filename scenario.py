@@ -27,7 +27,7 @@ from modules import distributed, interrupts, membership
 from modules.autotune import (FIXED_PROBE_MS, MEASURE_SHARE, ComputeProbe, autotune,
                               fixed_step_cost, machine_key)
 from modules.checkpoints import check_format, load_checkpoint, saved_config
-from modules.clock import read_clock, read_loads, read_sessions, ticking, write_clock
+from modules.clock import read_kept, ticking, write_clock
 from modules.config import (DEFAULTS, DISPLAY_ONLY, SPEED_ONLY, TrainConfig, UserError,
                             first_line)
 from modules.dataset import (COPIES_LIST, SKIPPED_LIST, DatasetIndex, data_path_of, index_dataset,
@@ -534,10 +534,9 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
     default_size = config.image_size  # the baseline's
     clock = checkpoint_file(output_dir, name, CLOCK_SUFFIX, args.run_id)
     resumed = args.resume and name != "baseline"
-    earlier_s = read_clock(clock) if resumed else 0.0
+    earlier_s, sessions, earlier_loads = read_kept(clock) if resumed else (0.0, [], [])
     # This session's start on the scenario's clock, after the earlier sessions'.
-    sessions = [*(read_sessions(clock) if resumed else []), [started_at, earlier_s]]
-    earlier_loads = read_loads(clock) if resumed else []
+    sessions = [*sessions, [started_at, earlier_s]]
     extra: dict[str, Any] = {}
     # another load on the CPU stretches the tuning's seconds as it does a final run's step
     watch = name != "baseline" and device.type == "cpu"

@@ -21,10 +21,20 @@ def read_clock(path: Path) -> float:
     """Seconds earlier sessions of this run spent tuning the scenario (their tuning_s), so
     that a resumed row's time counts them; 0 when none was recorded. A session killed outside
     Python (a lost Colab VM) recorded them up to CLOCK_EVERY_S before it ended (ticking)."""
+    return _seconds(_clock_file(path))
+
+
+def _seconds(kept: Any) -> float:
     try:
-        return max(0.0, float(_clock_file(path)["tuning_s"]))
+        return max(0.0, float(kept["tuning_s"]))
     except (ValueError, KeyError, TypeError):
         return 0.0
+
+
+def read_kept(path: Path) -> tuple[float, list[list[float]], list[dict[str, Any]]]:
+    """read_clock, read_sessions and read_loads from one read of the file (on Drive in Colab)."""
+    kept = _clock_file(path)
+    return _seconds(kept), _sessions(kept), _loads(kept)
 
 
 def read_sessions(path: Path) -> list[list[float]]:
