@@ -143,8 +143,9 @@ def _input_bound(f: _Figures) -> dict[str, Any] | None:
         recs.append(f"Raise num_workers{start}{target}: {waits}.")
     recs.append(f"Cache the decoded images in memory so later epochs skip JPEG decoding: "
                 f"{waits}.")
-    recs.append(f"Lower the decode cost: decode JPEGs at reduced size (PIL draft mode) or store "
-                f"images pre-resized to the input size ({_pct(wait)} of step time is input).")
+    recs.append(f"Lower the decode cost: store images pre-resized to the input size, or decode "
+                f"JPEGs at reduced size (PIL draft mode) for training and testing alike: it gives "
+                f"other pixels ({_pct(wait)} of step time is input).")
     if f.cuda:
         recs.append(f"Move augmentation to the GPU (batched transforms after the copy) to take "
                     f"it off the {cores:.0f} CPU cores." if cores else
