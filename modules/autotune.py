@@ -1050,7 +1050,11 @@ def _measured_at_other_size(key: str, plan: list[tuple[str, list[Any]]], run_id:
 
 def _source(choice: _Choice, run_id: str | None) -> str:
     """Where a choice made in this process came from, as a reuse names it: a notebook's
-    kernel runs one run after another, each reusing the last one's."""
+    kernel runs one run after another, each reusing the last one's. A choice this process
+    took from a cache file names that file and when it was measured: it was not measured in
+    this run, nor in the run that took it."""
+    if choice.findings.get("reused_from"):
+        return choice.findings["reused_from"]
     if choice.run_id == run_id:
         return "this run"
     return f"run {choice.run_id}, earlier in this process ({choice.origin})"

@@ -670,6 +670,21 @@ def test_a_choice_is_reused_by_a_later_scenario_and_from_the_machine_cache(tmp_p
     assert "reused_from" not in other
 
 
+def test_a_choice_taken_from_the_cache_is_named_so_by_the_later_scenarios_too(tmp_path):
+    """The resolution scenario took the choice from an earlier run's cache file; the hpo
+    scenario, at the same settings, reused it and said "this run", as if this run had
+    measured it (and the benchmarks' table did not mark its row cached)."""
+    cache = tmp_path / "autotune_cache.json"
+    at.autotune(_config(), 3, planned_steps=10, cache_path=cache, run_id="earlier")
+    at._RESULTS.clear()  # a new process
+    _, first = at.autotune(_config(), 3, planned_steps=10, cache_path=cache, run_id="now")
+    _, later = at.autotune(_config(), 3, planned_steps=10, cache_path=cache, run_id="now")
+    assert str(cache) in first["reused_from"]
+    assert later["reused_from"] == first["reused_from"]
+    _, notebook = at.autotune(_config(), 3, planned_steps=10, cache_path=cache, run_id="next")
+    assert notebook["reused_from"] == first["reused_from"]
+
+
 def test_the_compute_probe_times_the_step_that_trains_clipping_included():
     """The probe's step is the trainer's (train_step): with --max-grad-norm its update is
     clipped as training's is, where a step of its own would not be."""
