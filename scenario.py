@@ -520,7 +520,8 @@ def tune_scenario(name: str, config: TrainConfig, args: RunOptions, index: Datas
         extra.update(tuning, **{TUNED_ANEW: extra.get(TUNED_ANEW) or tuning[TUNED_ANEW]})
     elif name == "hpo":
         config, tuning = tune_hyperparameters(config, args, index, output_dir, device,
-                                              tuned.get("trial"), default_size, budget)
+                                              tuned.get("trial"), default_size, budget,
+                                              probed=probed_fit(findings, config))
         extra.update(tuning, **{TUNED_ANEW: extra.get(TUNED_ANEW) or
                                 tuning.get(TUNED_ANEW, True)})
     return config, extra
@@ -1047,22 +1048,37 @@ def lineage(warm: dict[str, Any] | None, sessions: list[list[float]], tuning_s: 
                       "val_acc": p["val_acc"]} for p in earlier] + curve
 
 
+def probed_fit(findings: dict[str, Any] | None, config: TrainConfig) -> int | None:
+    """The largest batch the autotuner's memory probe found to fit at config's size, when it
+    probed as far as the search's largest batch; None: the search probes for itself (a CPU,
+    a batch the user fixed, a probe the budget left out, a choice saved by a version that
+    probed less far)."""
+    knob = ((findings or {}).get("knobs") or {}).get("batch_size") or {}
+    fits, upto = knob.get("fits"), knob.get("probed_upto")
+    if not isinstance(fits, int) or not isinstance(upto, int) or upto < max(BATCH_SIZES) or \
+            (findings or {}).get("image_size", config.image_size) != config.image_size:
+        return None
+    return fits
+
+
 def tune_hyperparameters(config: TrainConfig, args: RunOptions, index: DatasetIndex,
                          output_dir: Path, device: torch.device,
                          earlier: EarlierTrial | None = None, default_size: int | None = None,
-                         budget: tuple[float | None, str] = (None, "")
-                         ) -> tuple[TrainConfig, dict[str, Any]]:
+                         budget: tuple[float | None, str] = (None, ""),
+                         probed: int | None = None) -> tuple[TrainConfig, dict[str, Any]]:
     """The search, then the final run's configuration: the search's winner only when it beat
     the default configuration (its first trial) on validation, else the default. `earlier`:
     a trial already trained (the resolution scenario's), the default trial when it matches.
     default_size: the baseline's size (search_epochs). budget: (seconds its trials may train
-    in all, why), from search_budget."""
+    in all, why), from search_budget. probed: the largest batch that fits at config's size,
+    as the autotuner's memory probe found it (None: probed here)."""
     if not distributed.is_main():
         # Under torchrun rank 0 runs the study; every trial trains data-parallel on all ranks.
         follow_trials(index)
         return distributed.expect(distributed.from_main(None)), {}
     try:
-        return _search(config, args, index, output_dir, device, earlier, default_size, budget)
+        return _search(config, args, index, output_dir, device, earlier, default_size, budget,
+                       probed)
     except UserError as exc:  # a study of other data, a storage refused ... (between trials)
         distributed.tell_the_others(exc)
         raise
@@ -1070,7 +1086,8 @@ def tune_hyperparameters(config: TrainConfig, args: RunOptions, index: DatasetIn
 
 def _search(config: TrainConfig, args: RunOptions, index: DatasetIndex, output_dir: Path,
             device: torch.device, earlier: EarlierTrial | None, default_size: int | None,
-            budget: tuple[float | None, str]) -> tuple[TrainConfig, dict[str, Any]]:
+            budget: tuple[float | None, str], probed: int | None = None
+            ) -> tuple[TrainConfig, dict[str, Any]]:
     """tune_hyperparameters on rank 0 (outside torchrun, the only one)."""
     n_trials = trial_count(args)
     trial_epochs = search_epochs(config, default_size)
@@ -1105,7 +1122,12 @@ def _search(config: TrainConfig, args: RunOptions, index: DatasetIndex, output_d
              + " it was started with" if kept else "")
     # Batch sizes are searched only up to what the GPU holds at this resolution.
     probing = time.perf_counter()
-    largest = max_batch_size(config, len(index.classes), device, upto=max(BATCH_SIZES))
+    if probed is not None:
+        largest = probed
+        log.info("memory probe at %d px: up to batch %d fits, as the autotuner's probe found "
+                 "(not probed again)", config.image_size, largest)
+    else:
+        largest = max_batch_size(config, len(index.classes), device, upto=max(BATCH_SIZES))
     # measuring, as the autotuner's is (None on a CPU, where it probes nothing)
     probe_s = time.perf_counter() - probing if device.type == "cuda" else None
     # A study of its own for each run in the output dir's SQLite file; on a shared --storage

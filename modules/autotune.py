@@ -28,7 +28,7 @@ from modules.config import LEARNING_ONLY, NO_WORKERS, TrainConfig, UserError, fi
 from modules.deadline import run_with_deadline
 from modules.device import apply_process_settings, autocast_dtype, resolve_device, usable_cpus
 from modules.files import atomic_write_text, compile_failure, user_error, worker_free
-from modules.hardware import PROBE_BATCHES, max_batch_size
+from modules.hardware import PROBE_BATCHES, PROBE_UPTO, max_batch_size
 from modules.models import ByteMaskDropout, build_model, has_bytemask_dropout
 from modules.oom import is_out_of_memory, release
 from modules.selection import MIN_GAIN
@@ -1224,7 +1224,9 @@ def _fit_batch(config: TrainConfig, num_classes: int, device: torch.device,
     """Micro-batch and accumulation that hold the effective batch within the device's memory
     (micro x accumulation may round it up by less than one sample per micro-batch)."""
     effective = effective or config.effective_batch_size
-    fits = max_batch_size(config, num_classes, device, upto=effective)
+    # as many probes as up to `effective` (the third, when the line says more fit, is larger)
+    upto = max(effective, PROBE_UPTO)
+    fits = max_batch_size(config, num_classes, device, upto=upto)
     if fits is None:
         return config, {"choice": config.batch_size, "img_s": {}, "reason": (
             "CPU: RAM, not device memory, bounds the batch here, and "
@@ -1235,5 +1237,5 @@ def _fit_batch(config: TrainConfig, num_classes: int, device: torch.device,
     reason = (f"the memory probe fits up to {fits} samples per step at {config.image_size} px; "
               f"effective batch {micro * accum} = {micro} x {accum}"
               + (f" (asked for {effective})" if micro * accum != effective else ""))
-    return chosen, {"choice": micro, "grad_accum_steps": accum, "fits": fits, "reason": reason,
-                    "img_s": {}}
+    return chosen, {"choice": micro, "grad_accum_steps": accum, "fits": fits,
+                    "probed_upto": upto, "reason": reason, "img_s": {}}

@@ -15,6 +15,9 @@ from modules.trainer import make_optimizer, train_step
 log = logging.getLogger(__name__)
 
 PROBE_BATCHES = (4, 16)  # two small batches; memory grows linearly in the batch size
+# The autotuner's probe asks up to the search's largest batch (optuna_optimizer.BATCH_SIZES),
+# so that the hpo scenario reads its bound from that probe instead of probing again.
+PROBE_UPTO = 256
 
 
 def step_peak_bytes(config: TrainConfig, num_classes: int, batch_size: int,

@@ -111,3 +111,55 @@ def test_a_single_image_over_the_margin_still_trains_with_a_warning(monkeypatch,
     with caplog.at_level("WARNING", logger="modules.hardware"):
         assert max_batch_size(CONFIG, 6, torch.device("cuda"), margin=0.8) == 1
     assert "a step of 1 image takes more than 80% of the GPU" in caplog.text
+
+
+def test_the_search_reads_its_batch_bound_from_the_autotuners_probe(tmp_path, monkeypatch):
+    """The hpo scenario's autotune probes memory up to the search's largest batch, so the
+    search takes its bound from that probe instead of probing the same size again (three
+    more fresh models' first steps, outside the measuring budget)."""
+    import pipeline
+    import scenario
+    from modules import autotune
+    from optuna_optimizer import BATCH_SIZES
+    from conftest import make_folder
+    probes = []
+
+    def step_peak(config, num_classes, batch_size, device):
+        probes.append(batch_size)
+        return 2**30 + batch_size * 40 * 2**20
+    monkeypatch.setattr(modules.hardware, "step_peak_bytes", step_peak)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: SimpleNamespace(total_memory=16 * 2**30))
+    cuda = torch.device("cuda")
+    config = TrainConfig(image_size=64, batch_size=64, weights="none")
+    fitted, knob = autotune._fit_batch(config, 6, cuda)
+    assert (fitted.batch_size, fitted.grad_accum_steps) == (64, 1) and len(probes) == 3
+    findings = {"image_size": 64, "knobs": {"batch_size": knob}}
+    probed = scenario.probed_fit(findings, config)
+    assert probed == max_batch_size(config, 6, cuda, upto=max(BATCH_SIZES)) == 256
+    # not when the probe stopped short of the search's largest batch (an older choice), nor
+    # at another size
+    assert scenario.probed_fit({**findings, "knobs": {"batch_size": {
+        **knob, "probed_upto": 64}}}, config) is None
+    assert scenario.probed_fit({**findings, "image_size": 48}, config) is None
+    assert scenario.probed_fit({"knobs": {"batch_size": {"choice": 32}}}, config) is None
+
+    def no_probe(*a, **k):
+        raise AssertionError("probed again")
+    seen = {}
+
+    class Recorded(Exception):
+        pass
+
+    def tuner(*_, **kwargs):
+        seen.update(kwargs)
+        raise Recorded
+    monkeypatch.setattr(scenario, "max_batch_size", no_probe)
+    monkeypatch.setattr(scenario, "OptunaTuner", tuner)
+    args = pipeline.parse_args(["--output-dir", str(tmp_path)])
+    index = pipeline.load_data(pipeline.parse_args(["--data-dir", str(make_folder(
+        tmp_path / "d"))]), tmp_path)
+    with pytest.raises(Recorded):
+        scenario.tune_hyperparameters(config, args, index, tmp_path, torch.device("cpu"),
+                                      probed=probed)
+    assert seen["max_batch_size"] == 256
