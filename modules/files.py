@@ -294,13 +294,19 @@ def read_torch_file(path: Path, what: str, remedy: str = "") -> Any:
         with torch.serialization.safe_globals([argparse.Namespace]):
             return torch.load(path, map_location="cpu", weights_only=True)
     except (OSError, MemoryError) as exc:
-        raise ReadFailed(f"could not read {what} {str(path)!r} ({_error_name(exc)}).") from None
+        # A zip cut short within its first 64 KiB: torch's reader seeks before the file's start
+        # to find the central directory, and Python's file says EINVAL; not the disk's failure.
+        if not (isinstance(exc, OSError) and exc.errno not in IO_FAILED and _cut_zip(path)):
+            raise ReadFailed(f"could not read {what} {str(path)!r} ({_error_name(exc)}).") \
+                from None
+        raise UserError(f"{what} {str(path)!r} is cut short (an incomplete copy or "
+                        f"download?){then}.") from None
     except UserError:
         raise
     except Exception as exc:
         # torch's own refusal, which it also gives a file that is no pickle at all (a JPEG)
         pickled = "weights only load failed" in str(exc).lower() and _torch_magic(path)
-        cut = _head(path) == ZIP_MAGIC and not zipfile.is_zipfile(path)
+        cut = _cut_zip(path)
         raise UserError(f"{what} {str(path)!r} is " + (
             "cut short (an incomplete copy or download?)" if cut else
             "empty" if path.stat().st_size == 0 else
@@ -323,6 +329,11 @@ def _damaged_entry(path: Path) -> str | None:
 
 
 ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since torch 1.6
+
+
+def _cut_zip(path: Path) -> bool:
+    """Whether the file starts as torch.save's zip does and is no whole zip."""
+    return _head(path) == ZIP_MAGIC and not zipfile.is_zipfile(path)
 
 
 def _head(path: Path) -> bytes:

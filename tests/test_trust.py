@@ -494,6 +494,21 @@ def test_truncated_text_and_pickled_code_files_are_user_errors(tmp_path, payload
     assert not marker.exists()
 
 
+def test_a_file_cut_short_in_its_first_64_kib_is_said_so(tmp_path, payload):
+    """torch's zip reader seeks 64 KiB back from the end to find the central directory: a
+    file cut short below that raised OSError(EINVAL), which was taken for the disk failing.
+    A checkpoint so cut stopped --resume with no remedy, and a <dataset>_model.pt so cut was
+    never set aside, so that no later run saved its best model."""
+    from modules.files import read_torch_file
+    whole = tmp_path / "whole.pt"
+    torch.save({"big": torch.zeros(200_000)}, whole)
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(whole.read_bytes()[:30_000])
+    with pytest.raises(UserError, match=r"is cut short \(an incomplete copy or download\?\); "
+                                        "delete it"):
+        read_torch_file(cut, "checkpoint", "delete it")
+
+
 def test_a_model_file_changed_on_disk_is_refused_not_loaded(tmp_path, payload):
     """torch.load reads a zip without checking its stored checksums: a file with one weight
     changed by a bad copy loaded, and predicted one class for every image under the accuracy
