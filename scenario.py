@@ -650,18 +650,6 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
                         channels_last=config.channels_last, num_classes=len(index.classes),
                         progress="test" if config.progress and distributed.is_main() else None)
     system = sampler.summary()
-    fixed = None
-    step_ms = result.timing.get("avg_step_ms")
-    # (not after an out-of-memory recovery: twice the batch that failed would fail again)
-    if device.type == "cpu" and not config.compile and step_ms is not None and \
-            step_ms < FIXED_PROBE_MS and not result.settings.get("oom_recoveries") and \
-            distributed.is_main():
-        fixed = fixed_step_cost(config, len(index.classes))
-        if fixed is not None:
-            log.info("%s: a step of %d images took %.1f ms, of %d %.1f ms (pure compute, timed "
-                     "for the diagnosis in %.1f s): %.1f ms of it does not grow with the batch",
-                     name, fixed["batch"], fixed["step_ms"], 2 * fixed["batch"],
-                     fixed["double_step_ms"], fixed["seconds"], fixed["fixed_ms"])
     carried = None
     if result.resumed_from_epoch is not None and result.resumed_from_epoch >= result.epochs_run:
         # Resumed after it had finished: this process only evaluated, so the figures measured
@@ -672,6 +660,20 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
                                        args.run_id), json.loads(json.dumps(json_safe(result.history))))
         log.info("%s had finished; %s", name, "keeping the figures measured while it trained"
                  if carried else "its machine figures cover only the test evaluation")
+    # Its row's pure-step timing too: measured again now, under another load, it would give
+    # the row a diagnosis at odds with the step time carried beside it.
+    fixed = carried.get("fixed_step") if carried else None
+    step_ms = result.timing.get("avg_step_ms")
+    # (not after an out-of-memory recovery: twice the batch that failed would fail again)
+    if not carried and device.type == "cpu" and not config.compile and step_ms is not None and \
+            step_ms < FIXED_PROBE_MS and not result.settings.get("oom_recoveries") and \
+            distributed.is_main():
+        fixed = fixed_step_cost(config, len(index.classes))
+        if fixed is not None:
+            log.info("%s: a step of %d images took %.1f ms, of %d %.1f ms (pure compute, timed "
+                     "for the diagnosis in %.1f s): %.1f ms of it does not grow with the batch",
+                     name, fixed["batch"], fixed["step_ms"], 2 * fixed["batch"],
+                     fixed["double_step_ms"], fixed["seconds"], fixed["fixed_ms"])
     row = result_row(name, config, result, test, index, device, system,
                      data_path_of(train_loader), carried,
                      raced=measured_speeds(extra.get("autotune")), fixed_step=fixed)

@@ -1936,6 +1936,26 @@ def test_a_growth_cut_short_is_finished_under_a_spent_automatic_budget(small, tm
     assert row["hpo"]["n_trials"] == 3 and row["hpo"]["time_budget_s"] is None
 
 
+def test_a_finished_scenario_resumed_keeps_its_pure_step_timing(small, tmp_path, monkeypatch):
+    """A --resume that finds a scenario finished only evaluates it, and its row keeps the
+    figures measured while it trained: its pure-step timing too, which a probe under this
+    session's load gave a diagnosis at odds with the carried step time (a fixed cost above
+    the step itself on a busy machine)."""
+    out = tmp_path / "out"
+    argv = ("--data-dir", str(small), "--image-size", "32", "--epochs", "1", "--batch-size",
+            "4", "--weights", "none", "--no-progress", "--output-dir", str(out))
+    assert run_main(*argv) == 0
+    first = json.loads((out / "results.json").read_text())[-1]
+    assert first.get("fixed_step")
+    busy = {"batch": 4, "step_ms": 900.0, "double_step_ms": 300.0, "fixed_ms": 1500.0,
+            "seconds": 9.0}
+    monkeypatch.setattr(scenario, "fixed_step_cost", lambda *a, **k: busy)
+    assert run_main(*argv, "--resume") == 0
+    again = json.loads((out / "results.json").read_text())[-1]
+    assert again["fixed_step"] == first["fixed_step"]
+    assert again["diagnosis"] == first["diagnosis"]
+
+
 def test_a_finished_search_resumed_keeps_its_row(small, tmp_path, monkeypatch):
     """--resume of a finished run only evaluates: its row kept the budget the search ran
     under (the session, its final run begun, was given none), the session it resumed from
