@@ -50,12 +50,12 @@ from modules.models import pinned_weights_file, possible_starts, start_weights, 
 from modules.monitor import SystemSampler
 from modules.oom import is_out_of_memory, release
 from modules.profiler import TorchProfiler
-from modules.report import (baseline_source_lines, plot_comparison, results_table, table_markdown,
-                            write_report)
-from modules.results import (CLOCK_SUFFIX, checkpoint_file, compare_to_baseline, forget_refused_run,
-                             footprint, json_safe, keep_best_model, mark_finished, merge_results,
-                             previous_row, result_row, run_folder, run_record_beside, start_run,
-                             write_json)
+from modules.report import (REPORT_MD, baseline_source_lines, plot_comparison, results_table,
+                            table_markdown, write_report)
+from modules.results import (CLOCK_SUFFIX, RUN_FILE, checkpoint_file, compare_to_baseline,
+                             forget_refused_run, footprint, json_safe, keep_best_model,
+                             mark_finished, merge_results, previous_row, result_row, run_folder,
+                             run_record_beside, start_run, write_json)
 from modules.storage import check_storage, shown_argv
 from modules.trainer import TIMING_WARMUP_STEPS, prepare, train
 from optuna_optimizer import BATCH_SIZES, EarlierTrial, OptunaTuner, end_trials, follow_trials
@@ -1411,6 +1411,11 @@ def run(args: RunOptions, index: DatasetIndex | None = None) -> list[dict[str, A
     if not distributed.is_main():  # under torchrun: one set of logs, rank 0's
         logging.getLogger().setLevel(logging.WARNING)
     output_dir = prepare_output_dir(args.output_dir)
+    # A folder where the run writes its results would end it after training, its rows lost.
+    for name in ("results.json", REPORT_MD, RUN_FILE):
+        if (output_dir / name).is_dir():
+            raise UserError(f"{str(output_dir / name)!r} is a folder where this run writes a "
+                            "file: move it away, or pass another --output-dir.")
     if args.local_dir:
         prepare_output_dir(args.local_dir, "--local-dir")
     if args.storage and "hpo" in args.scenarios:

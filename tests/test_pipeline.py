@@ -493,6 +493,16 @@ def test_unwritable_output_dir_is_one_clear_line(small, tmp_path, capsys):
     assert run_main("--data-dir", str(small), "--image-size", "32", "--epochs", "1",
                     "--weights", "none", "--no-progress", "--output-dir", str(out)) == 2
     assert "a file stands where a folder of that path is to be" in capsys.readouterr().err
+    # and a folder where a file of the output is to be: results.json ended the run after
+    # training with a traceback (IsADirectoryError), its row lost
+    (out / "checkpoints").unlink()
+    for name in ("results.json", "report.md", "latest_run.json"):
+        (out / name).mkdir()
+        assert run_main("--data-dir", str(small), "--image-size", "32", "--epochs", "1",
+                        "--weights", "none", "--no-progress", "--scenarios", "baseline",
+                        "--output-dir", str(out)) == 2
+        assert f"{name}' is a folder where this run writes a file" in capsys.readouterr().err
+        (out / name).rmdir()
 
 
 def test_paths_the_system_cannot_follow_or_hold_are_one_line(small, tmp_path, capsys):
