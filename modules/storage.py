@@ -70,8 +70,12 @@ class Storage(optuna.storages.RDBStorage):
 
 def storage_error(url: str, exc: Exception) -> UserError:
     first = scrub(first_line(exc, limit=1000), url)
+    damaged = url.startswith("sqlite") and any(
+        words in first.lower() for words in ("malformed", "not a database"))
     return UserError(f"cannot open Optuna storage {without_password(url)!r} "
-                     f"({type(exc).__name__}: {first}).")
+                     f"({type(exc).__name__}: {first})" + (
+                         ": the file is damaged; move it away to start the search over (its "
+                         "trials are trained again)" if damaged else "") + ".")
 
 
 def check_storage(url: str) -> None:

@@ -369,6 +369,11 @@ def test_a_wrong_storage_is_refused_before_any_training(tmp_path, capsys):
                           "--storage", f"sqlite:///{tmp_path / 'no' / 'such' / 'dir.db'}"])
     assert code == 2 and "cannot open Optuna storage" in capsys.readouterr().err
     assert not (tmp_path / "o" / "results.json").exists()  # the baseline did not train
+    # a damaged study database says so and what to do, not only SQLite's words
+    damaged = tmp_path / "study.db"
+    damaged.write_bytes(b"SQLite format 3\x00" + bytes(range(256)) * 20)
+    with pytest.raises(UserError, match=r"not a database\): the file is damaged; move it away"):
+        check_storage(f"sqlite:///{damaged}")
 
 
 def test_train_and_test_folders_are_found_whatever_their_case(tmp_path):
