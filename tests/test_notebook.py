@@ -317,6 +317,44 @@ def test_kaggle_secrets_reach_kagglehub_a_token_or_the_legacy_pair(monkeypatch, 
     assert os.environ["KAGGLE_API_TOKEN"] == "KGAT_fixed"
 
 
+def test_a_kaggle_secret_deleted_since_is_not_kept(monkeypatch, capsys):
+    """Run all again after swapping a refused KAGGLE_API_TOKEN secret for the legacy
+    KAGGLE_USERNAME and KAGGLE_KEY: the token the cell copied before stayed in the
+    environment, where kagglehub reads a token first, and the refused one was sent again.
+    A variable the user set otherwise (%env) is left alone."""
+    import types
+    cell = next(source(c) for c in cells() if "KAGGLE_API_TOKEN" in source(c)
+                and c["cell_type"] == "code")
+    secrets = {}
+
+    def get(name):
+        if name not in secrets:
+            raise type("SecretNotFoundError", (Exception,), {})(name)
+        return secrets[name]
+    colab = types.ModuleType("google.colab")
+    colab.userdata = types.SimpleNamespace(get=get)
+    try:
+        import google  # noqa: F401  (a namespace package, there with protobuf)
+    except ImportError:
+        monkeypatch.setitem(sys.modules, "google", types.ModuleType("google"))
+    monkeypatch.setitem(sys.modules, "google.colab", colab)
+    for name in ("KAGGLE_API_TOKEN", "KAGGLE_USERNAME", "KAGGLE_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    session = {"DATASET": "intel", "DATA_DIR": "", "IN_COLAB": True}  # one kernel's names
+    secrets.update(KAGGLE_API_TOKEN="KGAT_refused")
+    exec(cell, session)
+    secrets.clear()
+    secrets.update(KAGGLE_USERNAME="me", KAGGLE_KEY="key")
+    exec(cell, session)
+    assert "KAGGLE_API_TOKEN" not in os.environ
+    assert (os.environ["KAGGLE_USERNAME"], os.environ["KAGGLE_KEY"]) == ("me", "key")
+    # set by the user in the session, not from a secret: kept
+    monkeypatch.setenv("KAGGLE_API_TOKEN", "KGAT_typed")
+    exec(cell, session)
+    assert os.environ["KAGGLE_API_TOKEN"] == "KGAT_typed"
+    capsys.readouterr()
+
+
 def test_the_stop_button_says_how_to_continue(monkeypatch, capsys):
     """Stop (a KeyboardInterrupt) in a run cell: one line naming RESUME, not a traceback."""
     handlers = {}
