@@ -277,6 +277,32 @@ def test_drive_folders_are_checked_before_anything_is_written(tmp_path, monkeypa
         str(mount / "MyDrive" / "runs")
 
 
+def test_a_relative_output_dir_is_where_the_notebook_started(tmp_path, monkeypatch):
+    """In Colab the set-up cell moves into the clone: a relative OUTPUT_DIR was made inside it,
+    unlike DATA_DIR and WEIGHTS. drive/MyDrive/results (as DATA_DIR's drive/MyDrive/photos)
+    was then a folder of the VM, lost with it, without a word, and the set-up cell's "delete
+    its folder" advice deleted the outputs (others/) with the clone."""
+    cell = source(cells()[4])
+    checks = cell[:cell.index("args = pipeline.options(")]
+    start, clone = tmp_path / "content", tmp_path / "content" / "hwtrain"
+    clone.mkdir(parents=True)
+    monkeypatch.chdir(clone)  # the set-up cell's %cd
+
+    def run(**params):
+        names = {"IN_COLAB": True, "USE_DRIVE": False, "OUTPUT_DIR": "others", "DATA_DIR": "",
+                 "WEIGHTS": "imagenet", "DRIVE_MOUNT": str(start / "drive"), "START": start,
+                 "Path": Path, **params}
+        exec(checks, names)
+        return names["OUTPUT_DIR"]
+    assert run() == str(start / "others")
+    with pytest.raises(UserError, match="OUTPUT_DIR is on Google Drive"):
+        run(OUTPUT_DIR="drive/MyDrive/results")  # Drive not mounted: said, not made here
+    (start / "drive" / "MyDrive").mkdir(parents=True)
+    assert run(OUTPUT_DIR="drive/MyDrive/results") == str(start / "drive" / "MyDrive" / "results")
+    assert run(OUTPUT_DIR="/elsewhere/out") == "/elsewhere/out"
+    assert run(OUTPUT_DIR="") == ""  # left to the options' own one-line refusal
+
+
 def test_kaggle_secrets_reach_kagglehub_a_token_or_the_legacy_pair(monkeypatch, capsys):
     """The Kaggle cell copies Colab's secrets into the environment kagglehub reads: the API
     token Kaggle generates now, or the legacy username and key; it names the ones it could not
