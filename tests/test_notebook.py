@@ -556,6 +556,24 @@ def test_the_set_up_cell_without_the_project_or_repo_url_is_one_line(tmp_path):
     assert not tracebacks(ran) and "To exit" not in said
 
 
+def test_a_token_in_repo_url_is_not_printed_when_the_clone_fails(tmp_path):
+    """The failed clone's line showed REPO_URL verbatim, user:token@ included, into the
+    notebook's saved outputs (git's own message hides it)."""
+    papermill = pytest.importorskip("papermill")
+    nbformat = pytest.importorskip("nbformat")
+    url = "https://alice:ghp_SECRET123@127.0.0.1:9/alice/hwtrain.git"
+    notebook = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell(f"REPO_URL = {url!r}\nREPO_REF = 'main'"),
+        nbformat.v4.new_code_cell(source(cells()[3]))])
+    nbformat.write(notebook, tmp_path / "token.ipynb")
+    with pytest.raises(papermill.PapermillExecutionError):
+        papermill.execute_notebook(str(tmp_path / "token.ipynb"), str(tmp_path / "out.ipynb"),
+                                   cwd=str(tmp_path), kernel_name="python3", progress_bar=False)
+    said = printed(json.loads((tmp_path / "out.ipynb").read_text()))
+    assert "UsageError: git clone https://127.0.0.1:9/alice/hwtrain.git failed" in said
+    assert "SECRET" not in said
+
+
 def test_the_set_up_cell_run_again_in_one_session_follows_repo_ref(tmp_path):
     """Run all again in the same session, after changing REPO_REF: the working folder is by
     then the clone, and the cell still moves it to the new ref; as the session still runs the
