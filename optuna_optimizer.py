@@ -963,22 +963,42 @@ class OptunaTuner:
         """On a shared study, the default configuration's trial that another worker is still
         training is waited for: choice() would otherwise find no default to compare the
         search with, and keep it untrained, whatever this worker's trials reached. A trial
-        whose worker has gone silent (no heartbeat for GRACE_S) is not waited for: the next
-        worker to start retries it."""
+        whose worker has gone silent (no heartbeat for GRACE_S, a killed worker) is failed,
+        which queues it again, and trained here: left RUNNING, it was retried only when some
+        worker next started a trial, which a worker restarted within the grace period had
+        done already."""
         said = False
         while self._default_trial() is None:
-            pending = next((t for t in self.study.get_trials(
-                deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
-                if t.user_attrs.get("default")), None)
-            if pending is None or pending._trial_id in self.storage._get_stale_trial_ids(
+            pending = self._running_default()
+            if pending is not None and pending._trial_id in self.storage._get_stale_trial_ids(
                     self.study._study_id):
-                return
+                with warnings.catch_warnings():  # flagged experimental
+                    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                    optuna.storages.fail_stale_trials(self.study)  # its retry queued
+                pending = self._running_default()  # another worker's retry of it, if any
+            if pending is None:
+                if not any(t.user_attrs.get("default") for t in self.study.get_trials(
+                        deepcopy=False, states=(optuna.trial.TrialState.WAITING,))):
+                    return
+                log.info("study %r: the default configuration's trial was cut off with its "
+                         "worker: training it here, as the search is judged against it",
+                         self.study_name)
+                self.study.optimize(self.objective, n_trials=1,
+                                    callbacks=[self._log_trial, self._copy_to_mirror],
+                                    gc_after_trial=True)
+                continue
             if not said:
                 log.info("study %r: waiting for trial %d, the default configuration, which "
                          "another worker is training: the search is judged against it",
                          self.study_name, pending.number)
                 said = True
             time.sleep(modules.storage.HEARTBEAT_S)
+
+    def _running_default(self) -> optuna.trial.FrozenTrial | None:
+        """The default configuration's trial, RUNNING (on a shared study, maybe elsewhere)."""
+        return next((t for t in self.study.get_trials(
+            deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
+            if t.user_attrs.get("default")), None)
 
     def _failed_default(self) -> str | None:
         """Why the default configuration's trial ended without a result (it diverged, ran out

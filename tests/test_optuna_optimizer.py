@@ -1528,13 +1528,41 @@ def test_a_worker_waits_for_the_default_trial_another_is_training(index, tmp_pat
         t._await_default()
     assert len(slept) == 1 and t._default_trial().number == other.number
     assert f"waiting for trial {other.number}, the default configuration" in caplog.text
-    # a default trial whose worker went silent is not waited for
+    # a default trial whose worker went silent is not waited for: it is trained here
+    monkeypatch.setattr(optuna_optimizer, "fit", fake_fit)
     t.study = optuna.create_study(storage=t.storage, study_name="s2", direction="maximize")
     silent = t.study.ask(t.distributions())
     silent.set_user_attr("default", True)
     monkeypatch.setattr(t.storage, "_get_stale_trial_ids", lambda study_id: [silent._trial_id])
     t._await_default()
-    assert len(slept) == 1
+    assert len(slept) == 1 and t._default_trial().system_attrs["failed_trial"] == silent.number
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")  # our study.ask() plays the dead run
+def test_a_default_trial_whose_worker_died_is_trained_by_the_worker_waiting_for_it(
+        index, tmp_path, monkeypatch):
+    """A worker killed while it trained the default trial, restarted (or joined by another)
+    before the heartbeat's grace period: its trials started while the dead one still looked
+    alive, so none retried it, and after waiting out the grace period it kept the default
+    untrained ("no completed trial to compare with"), the dead trial left RUNNING."""
+    monkeypatch.setattr(optuna_optimizer, "fit", fake_fit)
+    monkeypatch.setattr(modules.storage, "HEARTBEAT_S", 1)
+    monkeypatch.setattr(modules.storage, "GRACE_S", 3)
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    dead_worker = tuner(index, tmp_path / "a", storage=url, shared=True)
+    study = optuna.create_study(storage=dead_worker.storage, study_name=dead_worker.study_name,
+                                direction="maximize")
+    study.set_user_attr("data_fingerprint", dead_worker.data_fingerprint)
+    study.enqueue_trial(dead_worker.default_params(), user_attrs={"default": True})
+    dead = study.ask()  # the default trial, RUNNING, then its worker is killed
+    dead_worker.storage.record_heartbeat(dead._trial_id)
+    t = tuner(index, tmp_path / "b", storage=url, shared=True, n_trials=1)
+    summary = t.run()
+    default = [x for x in t.study.trials if x.user_attrs.get("default")]
+    assert [x.state for x in default] == [optuna.trial.TrialState.FAIL,
+                                          optuna.trial.TrialState.COMPLETE]
+    assert summary["default_value"] is not None
+    assert "no completed trial" not in summary["choice"]
 
 
 def test_a_study_resumed_with_other_accumulation_is_refused(index, tmp_path, monkeypatch):
