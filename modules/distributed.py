@@ -135,7 +135,7 @@ def tell_the_others(exc: Exception) -> None:
     struck inside a tuning trial (`amid_trial`), where they wait in its training's
     collectives instead."""
     if world_size() > 1 and not getattr(exc, "amid_trial", False):
-        from_main(Failed(first_line(exc)))
+        from_main(Failed(first_line(exc, limit=1000)))  # whole: it says what to do at its end
 
 
 def from_main(value):

@@ -406,3 +406,19 @@ def test_the_run_record_names_torchrun_as_its_command(monkeypatch):
     assert scenario.launcher() == ["torchrun", "--nnodes=2", "--nproc-per-node=2"]
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert scenario.launcher() == ["torchrun", "--standalone", "--nproc-per-node=4"]
+
+
+def test_the_other_ranks_stop_with_rank_0s_whole_line(monkeypatch):
+    """The other ranks printed rank 0's error cut at 120 characters, losing what it says to
+    do at its end ("resume with the settings it started with ...")."""
+    from modules import distributed
+    sent = []
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    monkeypatch.setattr(distributed, "from_main", sent.append)
+    message = ("cannot resume study 'hpo-d' in sqlite:///x.db: its trials trained processes=1, "
+               "this run's would train processes=2 (resume with the settings it started with, "
+               "or give this run its own study; nothing was deleted).")
+    distributed.tell_the_others(distributed.UserError(message))
+    with pytest.raises(distributed.UserError) as raised:
+        distributed.expect(sent[0])
+    assert str(raised.value) == message
