@@ -1366,7 +1366,8 @@ def write_outputs(results: list[dict[str, Any]], output_dir: Path, run_id: str |
     plot_comparison({r["scenario"]: r["history"] for r in current}, output_dir)
     ran = {r["scenario"] for r in current}
     also = (("resolution_tradeoff.png",) if "resolution" in ran else ()) + ((
-        "best_params.json", "optuna_history.png", "optuna_importance.png") if "hpo" in ran else ())
+        "best_params.json", "optuna_history.png", "optuna_importance.png", "optuna_history.html",
+        "optuna_importance.html") if "hpo" in ran else ())
     # The top level shows the newest run; its own copy stays in runs/<run>/report.
     write_report(current, output_dir, earlier=[r for r in results if r not in current],
                  unfinished=unfinished, also=also,

@@ -4,6 +4,7 @@ scenario's diagnosis."""
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from modules.prediction import predict
 LOSS_PNG = "training_loss_comparison.png"
 ACCURACY_PNG = "training_accuracy_comparison.png"
 COMPARISON_HTML = "training_comparison.html"
+PLOTLY_JS = "plotly.min.js"  # the HTML charts' script, beside them
 NA = "n/a"
 BREAKDOWN_PNG = "step_time_breakdown.png"
 CONFUSION_PNG = "confusion_matrix.png"
@@ -409,8 +411,15 @@ def write_report(rows: list[dict[str, Any]], out_dir: Path,
     atomic_write_text(render_report(rows, charts, earlier, unfinished), path)
     if copy_to is not None:
         copy_to.mkdir(parents=True, exist_ok=True)
-        for name in (REPORT_MD, *charts, *also):
-            if (out_dir / name).is_file():  # a copy, not a link: an editor may save in place
+        for name in (REPORT_MD, COMPARISON_HTML, *charts, *also):
+            if not (out_dir / name).is_file():
+                continue
+            if name.endswith(".html"):  # its script stays one file, the output folder's
+                bundle = Path(os.path.relpath(out_dir / PLOTLY_JS, copy_to)).as_posix()
+                page = (out_dir / name).read_text(encoding="utf-8")
+                atomic_write_text(page.replace(f'src="{PLOTLY_JS}"', f'src="{bundle}"'),
+                                  copy_to / name)
+            else:  # a copy, not a link: an editor may save in place
                 atomic_copy(out_dir / name, copy_to / name)
     return path
 
@@ -643,7 +652,7 @@ def write_html(fig, path: Path) -> Path:
     script's path."""
     import plotly
 
-    bundle = path.parent / "plotly.min.js"
+    bundle = path.parent / PLOTLY_JS
     script = plotly.offline.get_plotlyjs()
     # One left by another plotly version could break the page: replaced when it differs.
     if not bundle.exists() or bundle.read_text(encoding="utf-8", errors="replace") != script:

@@ -267,6 +267,10 @@ def test_each_finished_scenario_is_in_results_json_before_the_next_one_runs(smal
     assert (kept / "report.md").read_text() == report
     assert (kept / "training_accuracy_comparison.png").exists()
     assert not (kept / "resolution_tradeoff.png").exists()
+    # the interactive chart too (the next run wrote over it), its script the output folder's
+    page = (kept / "training_comparison.html").read_text()
+    assert 'src="../../../plotly.min.js"' in page and (out / "plotly.min.js").is_file()
+    assert page.replace("../../../", "") == (out / "training_comparison.html").read_text()
 
 
 @pytest.mark.parametrize("argv, message", [
