@@ -540,9 +540,18 @@ TOOL_FOLDERS = {"__macosx", "__pycache__"}
 def _class_dirs(folder: Path) -> list[Path]:
     """Class folders: all but hidden ones and tools' own (TOOL_FOLDERS), by name, upper case
     first on every system (Windows sorts paths ignoring case: a copy of the data there would
-    draw other splits from the same seed)."""
-    return sorted((p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")
-                   and p.name.lower() not in TOOL_FOLDERS), key=lambda p: p.name)
+    draw other splits from the same seed). A link whose target is gone (a drive not mounted)
+    stops the run in one line: neither a folder nor a file, it would drop a whole class (or
+    split) without a word. (A broken link named as an image is an image, skipped and
+    counted where images are read.)"""
+    entries = [p for p in folder.iterdir() if not p.name.startswith(".")]
+    broken = [p for p in entries if p.is_symlink() and not p.exists()
+              and p.suffix.lower() not in IMAGE_EXTS]
+    if broken:
+        raise UserError(f"{str(broken[0])!r} is a link to {os.readlink(broken[0])!r}, which "
+                        "does not exist (a drive not mounted?); fix the link or remove it.")
+    return sorted((p for p in entries if p.is_dir() and p.name.lower() not in TOOL_FOLDERS),
+                  key=lambda p: p.name)
 
 
 def _loose_images(folder: Path) -> int:
@@ -649,6 +658,8 @@ def _check_image(path: Path, sizes: dict[str, int] | None) -> str | None:
         return None
     except PermissionError:
         return "unreadable (permission denied)"
+    except FileNotFoundError:  # a link whose target is gone: its path, cut at 60, said less
+        return "a link to a missing file" if path.is_symlink() else "no longer there"
     except Image.DecompressionBombError:
         return "too large (decompression bomb guard)"
     except OSError as exc:

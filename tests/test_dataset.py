@@ -1010,3 +1010,21 @@ def test_an_image_lost_during_training_says_why_and_how_to_go_on(tmp_path, monke
     with pytest.raises(ReadFailed, match=r"^could not read or write '.*a\.png' \(Input/output "
                        r"error\): the disk or network drive failed; .*--resume"):
         data[0]
+
+
+def test_a_broken_link_to_a_class_folder_is_one_line_not_a_class_dropped(tmp_path):
+    """A class folder linked in from a drive that is not mounted is neither a folder nor a
+    file: it was left out without a word, and the run trained on the other classes."""
+    root = make_folder(tmp_path / "d", layout="class folders")
+    (root / "teal").symlink_to(tmp_path / "not-mounted" / "teal")
+    with pytest.raises(UserError, match=r"'.*teal' is a link to '.*not-mounted/teal', which "
+                                        r"does not exist") as err:
+        index_dataset(root)
+    assert "\n" not in str(err.value)
+
+
+def test_a_broken_link_to_an_image_is_skipped_as_such(folder):
+    (folder / "train" / "red" / "gone.jpg").symlink_to(folder / "nowhere.jpg")
+    index = index_dataset(folder)
+    assert ("a link to a missing file" in dict((Path(p).name, r) for p, r in index.skipped)
+            ["gone.jpg"])
