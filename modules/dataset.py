@@ -691,6 +691,14 @@ def _scan_split(folder: Path, split: str, check: bool, seen: dict[str, Path],
     classes = _class_dirs(folder)
     if not classes:
         raise UserError(f"the {split} folder {str(folder)!r} has no class folders.")
+    # <class>/train/ and <class>/test/: read as one class each, the held-out images would be
+    # trained on and another test split drawn, without a word.
+    inner = [next((d for d in _class_dirs(c) if split_of(d.name)), None) for c in classes]
+    if len(classes) > 1 and all(inner):
+        raise UserError(f"the class folders in {str(folder)!r} hold split folders "
+                        f"({inner[0].relative_to(folder).as_posix()}/ ...): this reads "
+                        "train/<class>/ and test/<class>/, or class folders alone; move the "
+                        "images so.")
     loose = _loose_images(folder)
     if loose:
         ignored[OUTSIDE_CLASSES] = ignored.get(OUTSIDE_CLASSES, 0) + loose

@@ -1028,3 +1028,20 @@ def test_a_broken_link_to_an_image_is_skipped_as_such(folder):
     index = index_dataset(folder)
     assert ("a link to a missing file" in dict((Path(p).name, r) for p, r in index.skipped)
             ["gone.jpg"])
+
+
+def test_split_folders_inside_class_folders_are_one_line(tmp_path):
+    """<class>/train/ and <class>/test/ were read as one class each: the images the user held
+    out were trained on, and another test split drawn, without a word."""
+    for name in ("cat", "dog"):
+        for split in ("train", "test"):
+            for i in range(3):
+                write_image(tmp_path / "d" / name / split / f"{i}.png", (i * 40, 0, 0))
+    with pytest.raises(UserError, match=r"class folders in .* hold split folders \(cat/test/ "
+                                        r"\.\.\.\): this reads train/<class>/") as err:
+        index_dataset(tmp_path / "d")
+    assert "\n" not in str(err.value)
+    # a class folder with subfolders of its own is read as before
+    (tmp_path / "d" / "dog" / "train").rename(tmp_path / "d" / "dog" / "puppies")
+    (tmp_path / "d" / "dog" / "test").rename(tmp_path / "d" / "dog" / "adults")
+    assert index_dataset(tmp_path / "d").classes == ["cat", "dog"]
