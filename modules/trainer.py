@@ -460,6 +460,10 @@ class _Epochs:
         # window would otherwise train nothing and never stop).
         progress.consecutive_bad = 0 if step_ok else progress.consecutive_bad + bad
         progress.nonfinite_steps += bad
+        if not step_ok and self.norm_buffers:
+            # before the run may stop here: a model kept (a notebook's retry) must not carry
+            # the NaN window's BatchNorm statistics, which no later update can wash out
+            torch._foreach_copy_(self.norm_buffers, self.norm_saved)
         if progress.consecutive_bad >= self.config.max_nonfinite_steps:
             raise DivergedError(
                 f"training diverged: the loss was NaN/inf in {progress.consecutive_bad} "
@@ -474,8 +478,6 @@ class _Epochs:
                 optimizer_step(self.model, self.optimizer, self.scaler, self.config.max_grad_norm)
                 distributed.broadcast_state(self.model, buffers_only=True)
                 self.applied += 1
-            elif self.norm_buffers:
-                torch._foreach_copy_(self.norm_buffers, self.norm_saved)
             # A skipped window still uses up its step of the schedule (as fp16's GradScaler
             # skips do), so cosine and one-cycle end at the run's last window.
             with warnings.catch_warnings():  # a first window skipped: no optimizer.step() yet

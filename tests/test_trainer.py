@@ -351,6 +351,30 @@ def test_a_model_retried_after_a_divergence_starts_from_clean_gradients():
                                                for p in model.parameters())
 
 
+def test_a_divergence_leaves_batchnorms_statistics_finite_for_a_retry():
+    """The window that stopped the run had moved BatchNorm's running statistics to NaN: a
+    retry on the same model then validated every epoch at 0% with a NaN loss, as a result."""
+    class Normed(TinyNet):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.BatchNorm2d(4)
+
+        def forward(self, x):
+            return self.fc(torch.relu(self.norm(self.conv(x))).mean(dim=(2, 3)))
+    config = dataclasses.replace(BASE, epochs=2, batch_size=8, max_nonfinite_steps=2)
+    set_seed(0)
+    model = Normed()
+    bad = colour_data(40)
+    bad.tensors[0][:] = float("nan")
+    val = loader(colour_data(12), config, False)
+    with pytest.raises(DivergedError):
+        train(model, loader(bad, config), val, config)
+    assert all(torch.isfinite(b.float()).all() for b in model.buffers())
+    result = train(model, loader(colour_data(40), config), val, config)
+    assert all(math.isfinite(row["val_loss"]) for row in result.history)
+    assert result.best_val_acc > 0.5
+
+
 def test_a_run_shorter_than_the_limit_whose_every_step_is_nan_is_no_result():
     """Three batches in all, each NaN, under a limit of 5 in a row: no update was applied,
     and the run must not end as if it trained (a tuner would score the untrained model)."""
