@@ -669,6 +669,12 @@ def forward_backward(forward, x: torch.Tensor, y: torch.Tensor, splits: int, win
     nominal = nominal or n
     size = math.ceil(n / splits)
     chunks = [(x, y)] if size >= n else list(zip(x.split(size), y.split(size)))
+    if len(chunks) > 1 and chunks[-1][1].shape[0] == 1 < size:
+        # a lone last sample (10 in pieces of 3: 3, 3, 3, 1) breaks BatchNorm in train mode
+        # where its maps are 1x1, as training's short last batch would (drops_last): it joins
+        # the chunk before it
+        (ax, ay), (bx, by) = chunks[-2], chunks.pop()
+        chunks[-1] = (torch.cat([ax, bx]), torch.cat([ay, by]))
     finite, parts = None, []
     for k, (cx, cy) in enumerate(chunks):
         with region("forward"), \

@@ -119,6 +119,16 @@ def test_oom_halves_the_micro_batch_and_trains_like_a_run_with_memory(
                            "8 and 2x more accumulation: the effective batch stays 32")
 
 
+def test_an_oom_split_leaves_no_lone_sample_for_batchnorm():
+    """A batch of 10 in pieces of 3 was cut 3, 3, 3, 1: resnet18's last BatchNorm at 32 px
+    sees 1x1 maps, and one sample there is a ValueError traceback in train mode."""
+    config = dataclasses.replace(BASE, model="resnet18", batch_size=10, grad_accum_steps=1,
+                                 epochs=1)
+    result = run(config, limit=4, make=lambda: build_model("resnet18", 3, "none"),
+                 train_data=data(40, config.image_size))
+    assert result.settings["micro_batch_size"] == 3 and result.history[0]["samples"] == 40
+
+
 def test_the_report_says_a_scenario_went_on_in_micro_batches():
     from modules.report import render_report
     settings = {"batch_size": 16, "micro_batch_size": 4, "oom_recoveries": 2}
