@@ -303,14 +303,13 @@ def test_a_relative_output_dir_is_where_the_notebook_started(tmp_path, monkeypat
     assert run(OUTPUT_DIR="") == ""  # left to the options' own one-line refusal
 
 
-def test_kaggle_secrets_reach_kagglehub_a_token_or_the_legacy_pair(monkeypatch, capsys):
-    """The Kaggle cell copies Colab's secrets into the environment kagglehub reads: the API
-    token Kaggle generates now, or the legacy username and key; it names the ones it could not
-    read, and never prints a value."""
+def kaggle_cell_with_fake_secrets(monkeypatch) -> tuple[str, dict[str, str]]:
+    """The Kaggle cell's source, and the dict a fake google.colab.userdata reads secrets
+    from (a name not in it raises SecretNotFoundError, as Colab's does)."""
     import types
     cell = next(source(c) for c in cells() if "KAGGLE_API_TOKEN" in source(c)
                 and c["cell_type"] == "code")
-    secrets = {}
+    secrets: dict[str, str] = {}
 
     def get(name):
         if name not in secrets:
@@ -323,6 +322,14 @@ def test_kaggle_secrets_reach_kagglehub_a_token_or_the_legacy_pair(monkeypatch, 
     except ImportError:
         monkeypatch.setitem(sys.modules, "google", types.ModuleType("google"))
     monkeypatch.setitem(sys.modules, "google.colab", colab)
+    return cell, secrets
+
+
+def test_kaggle_secrets_reach_kagglehub_a_token_or_the_legacy_pair(monkeypatch, capsys):
+    """The Kaggle cell copies Colab's secrets into the environment kagglehub reads: the API
+    token Kaggle generates now, or the legacy username and key; it names the ones it could not
+    read, and never prints a value."""
+    cell, secrets = kaggle_cell_with_fake_secrets(monkeypatch)
     for given, said in (({"KAGGLE_API_TOKEN": "KGAT_secret"}, ""),
                         ({"KAGGLE_USERNAME": "me", "KAGGLE_KEY": "secret"}, ""),
                         ({"KAGGLE_KEY": "secret"}, "Colab secrets not read (KAGGLE_API_TOKEN: "
@@ -348,22 +355,7 @@ def test_a_kaggle_secret_deleted_since_is_not_kept(monkeypatch, capsys):
     KAGGLE_USERNAME and KAGGLE_KEY: the token the cell copied before stayed in the
     environment, where kagglehub reads a token first, and the refused one was sent again.
     A variable the user set otherwise (%env) is left alone."""
-    import types
-    cell = next(source(c) for c in cells() if "KAGGLE_API_TOKEN" in source(c)
-                and c["cell_type"] == "code")
-    secrets = {}
-
-    def get(name):
-        if name not in secrets:
-            raise type("SecretNotFoundError", (Exception,), {})(name)
-        return secrets[name]
-    colab = types.ModuleType("google.colab")
-    colab.userdata = types.SimpleNamespace(get=get)
-    try:
-        import google  # noqa: F401  (a namespace package, there with protobuf)
-    except ImportError:
-        monkeypatch.setitem(sys.modules, "google", types.ModuleType("google"))
-    monkeypatch.setitem(sys.modules, "google.colab", colab)
+    cell, secrets = kaggle_cell_with_fake_secrets(monkeypatch)
     for name in ("KAGGLE_API_TOKEN", "KAGGLE_USERNAME", "KAGGLE_KEY"):
         monkeypatch.delenv(name, raising=False)
     session = {"DATASET": "intel", "DATA_DIR": "", "IN_COLAB": True}  # one kernel's names

@@ -351,16 +351,19 @@ def test_a_model_retried_after_a_divergence_starts_from_clean_gradients():
                                                for p in model.parameters())
 
 
+class Normed(TinyNet):
+    """TinyNet with a BatchNorm, whose running statistics move in the forward pass."""
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.norm(self.conv(x))).mean(dim=(2, 3)))
+
+
 def test_a_divergence_leaves_batchnorms_statistics_finite_for_a_retry():
     """The window that stopped the run had moved BatchNorm's running statistics to NaN: a
     retry on the same model then validated every epoch at 0% with a NaN loss, as a result."""
-    class Normed(TinyNet):
-        def __init__(self):
-            super().__init__()
-            self.norm = nn.BatchNorm2d(4)
-
-        def forward(self, x):
-            return self.fc(torch.relu(self.norm(self.conv(x))).mean(dim=(2, 3)))
     config = dataclasses.replace(BASE, epochs=2, batch_size=8, max_nonfinite_steps=2)
     set_seed(0)
     model = Normed()
@@ -469,13 +472,6 @@ def test_a_resumed_run_diverges_where_the_uninterrupted_one_does(tmp_path):
 def test_a_skipped_batch_leaves_batchnorms_statistics_as_they_were():
     """BatchNorm (resnet18, mobilenet) updates its running statistics in the forward pass: a
     batch skipped for a NaN/inf must not leave them NaN, or every later evaluation is."""
-    class Normed(TinyNet):
-        def __init__(self):
-            super().__init__()
-            self.norm = nn.BatchNorm2d(4)
-
-        def forward(self, x):
-            return self.fc(torch.relu(self.norm(self.conv(x))).mean(dim=(2, 3)))
     data = colour_data()
     data.tensors[0][5] = float("inf")  # one batch an epoch
     config = dataclasses.replace(BASE, epochs=2)
