@@ -554,6 +554,15 @@ def _class_dirs(folder: Path) -> list[Path]:
                   key=lambda p: p.name)
 
 
+def _split_folder_in(folder: Path) -> Path | None:
+    """A folder inside a class folder named as a split (train/, test/ ...), or None. Only
+    entries so named are stat'ed: a class folder holds thousands of images, on Drive slow to
+    stat."""
+    with os.scandir(folder) as entries:
+        return next((Path(e.path) for e in entries if not e.name.startswith(".")
+                     and split_of(e.name) and e.is_dir()), None)
+
+
 def _loose_images(folder: Path) -> int:
     """Image files directly in `folder` (not hidden): beside class or split folders, in no
     class."""
@@ -693,7 +702,7 @@ def _scan_split(folder: Path, split: str, check: bool, seen: dict[str, Path],
         raise UserError(f"the {split} folder {str(folder)!r} has no class folders.")
     # <class>/train/ and <class>/test/: read as one class each, the held-out images would be
     # trained on and another test split drawn, without a word.
-    inner = [next((d for d in _class_dirs(c) if split_of(d.name)), None) for c in classes]
+    inner = [_split_folder_in(c) for c in classes]
     if len(classes) > 1 and all(inner):
         raise UserError(f"the class folders in {str(folder)!r} hold split folders "
                         f"({inner[0].relative_to(folder).as_posix()}/ ...): this reads "
