@@ -8,7 +8,7 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from modules.config import UserError, first_line
 from modules.files import io_failed
@@ -17,11 +17,23 @@ from modules.results import write_json
 log = logging.getLogger("scenario")  # the run log names its lines as when they were in scenario.py
 
 
-def read_clock(path: Path) -> float:
-    """Seconds earlier sessions of this run spent tuning the scenario (their tuning_s), so
-    that a resumed row's time counts them; 0 when none was recorded. A session killed outside
-    Python (a lost Colab VM) recorded them up to CLOCK_EVERY_S before it ended (ticking)."""
-    return _seconds(_clock_file(path))
+class Kept(NamedTuple):
+    """What a scenario's clock file holds from the earlier sessions of this run."""
+    seconds: float  # spent tuning the scenario (their tuning_s), so a resumed row counts them
+    # [time.time() at each session's start, the clock's seconds then], oldest first (lineage
+    # places a trial's epochs by them)
+    sessions: list[list[float]]
+    # the machine's load in each session (tuning_load's figures: wall_s, cpu_util_pct,
+    # process_cpu_pct), oldest first
+    loads: list[dict[str, Any]]
+
+
+def read_kept(path: Path) -> Kept:
+    """The clock file's figures, from one read of it (on Drive in Colab); each is none (0 s)
+    when unreadable or written by a version without it. A session killed outside Python (a
+    lost Colab VM) recorded its seconds up to CLOCK_EVERY_S before it ended (ticking)."""
+    kept = _clock_file(path)
+    return Kept(_seconds(kept), _sessions(kept), _loads(kept))
 
 
 def _seconds(kept: Any) -> float:
@@ -31,31 +43,11 @@ def _seconds(kept: Any) -> float:
         return 0.0
 
 
-def read_kept(path: Path) -> tuple[float, list[list[float]], list[dict[str, Any]]]:
-    """read_clock, read_sessions and read_loads from one read of the file (on Drive in Colab)."""
-    kept = _clock_file(path)
-    return _seconds(kept), _sessions(kept), _loads(kept)
-
-
-def read_sessions(path: Path) -> list[list[float]]:
-    """The tuning sessions the clock recorded, oldest first: [time.time() at the session's
-    start, the clock's seconds then] each (lineage places a trial's epochs by them); none
-    when unreadable or written by a version without them."""
-    return _sessions(_clock_file(path))
-
-
 def _sessions(kept: Any) -> list[list[float]]:
     try:
         return [[float(at), float(clock)] for at, clock in kept["sessions"]]
     except (ValueError, KeyError, TypeError):
         return []
-
-
-def read_loads(path: Path) -> list[dict[str, Any]]:
-    """The machine's load in each earlier tuning session the clock recorded (tuning_load's
-    figures: wall_s, cpu_util_pct, process_cpu_pct), oldest first; none when unreadable or
-    written by a version without them."""
-    return _loads(_clock_file(path))
 
 
 def _loads(kept: Any) -> list[dict[str, Any]]:
@@ -85,7 +77,7 @@ def ticking(path: Path, earlier_s: float, started: float,
             sessions: list[list[float]] | None = None):
     """While tuning, the clock is written every CLOCK_EVERY_S from a background thread, so a
     session killed outside Python (kill -9, a lost Colab VM: no finally runs) leaves its
-    seconds up to then for the resumed row (and `sessions`, read_sessions)."""
+    seconds up to then for the resumed row (and `sessions`: read_kept)."""
     stop = threading.Event()
 
     def tick() -> None:

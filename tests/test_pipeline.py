@@ -21,7 +21,7 @@ import scenario
 import resolution_tuner
 from conftest import COLOURS, make_folder, run_path, write_image
 from modules import final_runs, hostmem, report
-from modules.clock import read_clock, read_loads, read_sessions, ticking, write_clock
+from modules.clock import read_kept, ticking, write_clock
 from modules.config import UserError
 from modules.results import MACHINE_FIGURES, STEP_FIGURES
 from modules.utility import load_model, predict, results_table
@@ -764,7 +764,7 @@ def test_hpo_takes_the_resolution_final_when_it_would_train_the_same(small, tmp_
         pytest.approx(hpo["tuning_s"])
     # its clock, read back from the row, is its own time: a grown study adds to that
     own = hpo["tuning_s"] - taken - hpo["hpo"]["default_reused_s"]
-    assert read_clock(clock) == pytest.approx(own)
+    assert read_kept(clock).seconds == pytest.approx(own)
     assert again["hpo"]["history"] == hpo["history"] and again["hpo"]["final_from"] == "resolution"
     # ... and its start trial's epochs, trained in the resolution scenario's session, stay: the
     # curve the time to the baseline's accuracy is read off
@@ -794,8 +794,8 @@ def test_hpo_takes_the_resolution_final_when_it_would_train_the_same(small, tmp_
         again = scenarios(tmp_path / "lower", "--resume")["hpo"]
         assert again["tuning_s"] == pytest.approx(lower["tuning_s"])
         assert again["default_final"]["wall_s"] == lower["default_final"]["wall_s"]
-        assert read_clock(scenario.checkpoint_file(
-            tmp_path / "lower", "hpo", scenario.CLOCK_SUFFIX, lower["run_id"])) == \
+        assert read_kept(scenario.checkpoint_file(
+            tmp_path / "lower", "hpo", scenario.CLOCK_SUFFIX, lower["run_id"])).seconds == \
             pytest.approx(lower["default_final"]["tuning_s"] - lower["hpo"]["default_reused_s"])
     runs = run_path(tmp_path / "lower", "runs")
     assert [p.name[:12] for p in runs.glob("hpo.*")] == ["hpo.default-"]
@@ -2033,23 +2033,24 @@ def test_the_tuning_clock_is_written_while_tuning(tmp_path, monkeypatch):
         deadline = time.monotonic() + 10
         while not clock.exists() and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert read_clock(clock) >= 30.0  # earlier sessions' seconds and this one's
-    assert read_clock(clock) >= 30.0
+        assert read_kept(clock).seconds >= 30.0  # earlier sessions' seconds and this one's
+    assert read_kept(clock).seconds >= 30.0
     # the sessions given are written; a write without them keeps those recorded
     with ticking(clock, 30.0, started, [[1.0, 0.0], [5.0, 30.0]]):
         time.sleep(0.2)
-    assert read_sessions(clock) == [[1.0, 0.0], [5.0, 30.0]]
+    assert read_kept(clock).sessions == [[1.0, 0.0], [5.0, 30.0]]
     write_clock(clock, 40.0)
-    assert read_sessions(clock) == [[1.0, 0.0], [5.0, 30.0]]
+    assert read_kept(clock).sessions == [[1.0, 0.0], [5.0, 30.0]]
     # each ended session's load on the machine too, kept by a write that does not give them
     write_clock(clock, 40.0, loads=[{"wall_s": 30.0, "cpu_util_pct": 99.0,
                                      "process_cpu_pct": None}])
     write_clock(clock, 40.0)
-    assert read_loads(clock) == [{"wall_s": 30.0, "cpu_util_pct": 99.0, "process_cpu_pct": None}]
+    assert read_kept(clock).loads == [{"wall_s": 30.0, "cpu_util_pct": 99.0,
+                                       "process_cpu_pct": None}]
     damaged = tmp_path / "damaged.clock.json"
     damaged.write_text(json.dumps({"tuning_s": 1.0, "loads": [{"wall_s": "x"}]}))
-    assert read_loads(damaged) == []  # none, as for the sessions
-    assert read_clock(clock) == 40.0
+    assert read_kept(damaged).loads == []  # none, as for the sessions
+    assert read_kept(clock).seconds == 40.0
 
 
 def test_a_grown_studys_new_final_run_gives_way_to_a_better_earlier_one(tmp_path):
@@ -2523,7 +2524,7 @@ def test_a_resume_of_a_finished_scenario_keeps_its_contended_tuning(small, tmp_p
     assert again["diagnosis"]["recommendations"][0].startswith(diagnosis.TUNING_CONTENDED)
     clock = scenario.checkpoint_file(tmp_path / "out", "resolution", scenario.CLOCK_SUFFIX,
                                      first["run_id"])
-    assert [load["cpu_util_pct"] for load in read_loads(clock)] == [99.0]
+    assert [load["cpu_util_pct"] for load in read_kept(clock).loads] == [99.0]
 
 
 def test_a_finished_scenario_resumed_does_not_judge_the_seconds_its_row_leaves_out(
@@ -2550,7 +2551,7 @@ def test_a_finished_scenario_resumed_does_not_judge_the_seconds_its_row_leaves_o
     assert again["tuning_load"] == first["tuning_load"]  # nor judged
     clock = scenario.checkpoint_file(tmp_path / "out", "resolution", scenario.CLOCK_SUFFIX,
                                      first["run_id"])
-    assert len(read_loads(clock)) == 1  # nor kept for the next resume
+    assert len(read_kept(clock).loads) == 1  # nor kept for the next resume
 
 
 def test_an_hpo_row_that_takes_the_resolution_final_keeps_its_own_tuning_load():

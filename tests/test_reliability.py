@@ -1057,9 +1057,7 @@ def test_a_resume_that_cannot_read_its_run_files_stops_rather_than_redo(tmp_path
     from modules.files import ReadFailed
     from resolution_tuner import ResolutionTuner
     for read, path, missing in (
-            (clock.read_clock, tmp_path / "clock.json", 0.0),
-            (clock.read_sessions, tmp_path / "clock.json", []),
-            (clock.read_loads, tmp_path / "clock.json", []),
+            (clock.read_kept, tmp_path / "clock.json", (0.0, [], [])),
             (results.earlier_rows, tmp_path / "results.json", [])):
         assert read(path) == missing
         path.write_text("{}")
