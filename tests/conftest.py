@@ -37,6 +37,25 @@ def _own_torch_home(tmp_path_factory):
     os.environ["TORCH_HOME"] = str(tmp_path_factory.mktemp("torch-home"))
 
 
+class Recorded(Exception):
+    """Raised by record_tuner's stand-in once it has recorded what it was given."""
+
+
+def record_tuner(monkeypatch) -> dict:
+    """scenario.OptunaTuner replaced by a subclass that records what a search is given (its
+    keyword arguments, and its start configuration as "base") in the dict returned, then
+    raises Recorded instead of searching."""
+    import scenario
+    seen: dict = {}
+
+    class Tuner(scenario.OptunaTuner):
+        def __init__(self, index, base, **kwargs):
+            seen.update(kwargs, base=base)
+            raise Recorded
+    monkeypatch.setattr(scenario, "OptunaTuner", Tuner)
+    return seen
+
+
 def write_image(path: Path, colour: tuple[int, int, int], size: int = 32, mode: str = "RGB",
                 fmt: str | None = None, seed: int | None = None) -> Path:
     """A noisy image whose dominant colour carries its class; its noise seeded by the path's

@@ -121,7 +121,7 @@ def test_the_search_reads_its_batch_bound_from_the_autotuners_probe(tmp_path, mo
     import scenario
     from modules import autotune
     from optuna_optimizer import BATCH_SIZES
-    from conftest import make_folder
+    from conftest import Recorded, make_folder, record_tuner
     probes = []
 
     def step_peak(config, num_classes, batch_size, device):
@@ -146,16 +146,8 @@ def test_the_search_reads_its_batch_bound_from_the_autotuners_probe(tmp_path, mo
 
     def no_probe(*a, **k):
         raise AssertionError("probed again")
-    seen = {}
-
-    class Recorded(Exception):
-        pass
-
-    def tuner(*_, **kwargs):
-        seen.update(kwargs)
-        raise Recorded
+    seen = record_tuner(monkeypatch)
     monkeypatch.setattr(scenario, "max_batch_size", no_probe)
-    monkeypatch.setattr(scenario, "OptunaTuner", tuner)
     args = pipeline.parse_args(["--output-dir", str(tmp_path)])
     index = pipeline.load_data(pipeline.parse_args(["--data-dir", str(make_folder(
         tmp_path / "d"))]), tmp_path)

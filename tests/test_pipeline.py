@@ -19,7 +19,7 @@ import torch
 import pipeline
 import scenario
 import resolution_tuner
-from conftest import COLOURS, make_folder, run_path, write_image
+from conftest import COLOURS, Recorded, make_folder, record_tuner, run_path, write_image
 from modules import final_runs, hostmem, report
 from modules.clock import read_kept, ticking, write_clock
 from modules.config import UserError
@@ -1598,15 +1598,7 @@ def test_schedule_momentum_cudnn_and_pruner_options_reach_the_run(tmp_path, monk
         config = pipeline.scenario_config(name, args, torch.device("cpu"))
         assert (config.scheduler, config.momentum, config.cudnn_benchmark) == \
             ("onecycle", 0.5, False)
-    seen = {}
-
-    class Recorded(Exception):
-        pass
-
-    def tuner(*_, **kwargs):
-        seen.update(kwargs)
-        raise Recorded
-    monkeypatch.setattr(scenario, "OptunaTuner", tuner)
+    seen = record_tuner(monkeypatch)
     data = make_folder(tmp_path / "d")
     index = pipeline.load_data(pipeline.parse_args(["--data-dir", str(data)]), tmp_path)
     with pytest.raises(Recorded):
@@ -1639,15 +1631,7 @@ def test_the_search_looks_at_a_smaller_size_from_144_px_up(tmp_path, monkeypatch
     assert config.image_size == 150
     least = [scenario.least_tuning_epochs("hpo", args, config, index, cpu) for args, _ in runs]
     assert least[0] == pytest.approx(least[1] * (112 / 150) ** 2)
-    seen = {}
-
-    class Recorded(Exception):
-        pass
-
-    def tuner(index, base, **kwargs):
-        seen.update(kwargs, base=base)
-        raise Recorded
-    monkeypatch.setattr(scenario, "OptunaTuner", tuner)
+    seen = record_tuner(monkeypatch)
     for args, trials in runs:
         with pytest.raises(Recorded):
             scenario.tune_hyperparameters(config, args, index, tmp_path, cpu)
@@ -1674,21 +1658,12 @@ def test_the_hpo_scenario_bounds_its_search_and_measuring_by_the_baselines_time(
                                                                                  monkeypatch):
     """The baseline's total time of the same run reaches the search as its time budget, and
     the autotuner, whose measuring share counts the search's steps only as far as it reaches."""
-    seen = {}
-
-    class Recorded(Exception):
-        pass
-
-    class Tuner(scenario.OptunaTuner):
-        def __init__(self, *_, **kwargs):
-            seen.update(kwargs)
-            raise Recorded
+    seen = record_tuner(monkeypatch)
 
     def measured(config, args, index, steps, saved, time_capped=None, unbudgeted=0,
                  finished=False):
         seen["time_capped"] = time_capped
         return config, None
-    monkeypatch.setattr(scenario, "OptunaTuner", Tuner)
     monkeypatch.setattr(scenario, "autotune_scenario", measured)
     data = make_folder(tmp_path / "d")
     args = pipeline.parse_args(["--data-dir", str(data), "--output-dir", str(tmp_path / "o")])
