@@ -4,6 +4,8 @@ everything that trains or measures imports it; it imports only the config and th
 allocator."""
 from __future__ import annotations
 
+import functools
+import logging
 import math
 import os
 from collections.abc import Iterator
@@ -16,6 +18,7 @@ from torch.profiler import record_function
 from modules import hostmem
 from modules.config import TrainConfig, UserError, first_line
 
+log = logging.getLogger(__name__)
 
 STARTUP_THREADS = torch.get_num_threads()
 _own_threads = STARTUP_THREADS  # the count a run found (process_settings_kept)
@@ -119,6 +122,8 @@ def autocast_dtype(amp: str, device: torch.device) -> torch.dtype | None:
             raise UserError("--amp fp16 needs a CUDA GPU; on CPU use --amp off or bf16.")
         return torch.float16
     if amp == "bf16":
+        if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 8:
+            _warn_emulated_bf16(torch.cuda.get_device_name(device))
         return torch.bfloat16
     # auto: bf16 on Ampere and newer (no GradScaler needed), fp16 + GradScaler on older GPUs
     # such as the T4. On CPU autocast stays off: without native bf16 units it is several times
@@ -126,6 +131,13 @@ def autocast_dtype(amp: str, device: torch.device) -> torch.dtype | None:
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.get_device_capability(device)[0] >= 8 else torch.float16
     return None
+
+
+@functools.cache
+def _warn_emulated_bf16(gpu: str) -> None:
+    """Once a GPU: a run resumed on an older GPU keeps the bf16 its settings were saved with."""
+    log.warning("--amp bf16 on %s: GPUs before Ampere (compute capability 8) have no bf16 "
+                "units, so it is emulated and slower than --amp fp16 or auto", gpu)
 
 
 def native_bf16_cpu() -> bool:

@@ -34,7 +34,9 @@ def step_peak_bytes(config: TrainConfig, num_classes: int, batch_size: int,
     y = torch.randint(0, num_classes, (batch_size,), device=device)
     dtype = autocast_dtype(config.amp, device)
     amp = dtype is not None
-    scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
+    # Scale 1: at the default 65536 SqueezeNet's first fp16 step from random weights
+    # overflows, the scaler skips optimizer.step() and its state would go unmeasured.
+    scaler = torch.amp.GradScaler("cuda", init_scale=1.0, enabled=dtype == torch.float16)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     train_step(model, model, optimizer, scaler, x, y, device=device, dtype=dtype,
@@ -137,14 +139,15 @@ def _max_batch_size(config: TrainConfig, num_classes: int, device: torch.device,
     if upto is not None:
         fits = min(fits, upto)
     # Large batches can pick cuDNN algorithms with bigger workspaces than the line predicts:
-    # a third probe at the prediction halves the batch when it ran out of memory, and when it
-    # overshot, takes the smaller of two readings of the overshoot: a larger fixed part (a
-    # workspace) at the same cost an image, or a steeper cost an image through the first
-    # probe. Scaling the batch alone would leave the fixed part over the budget.
+    # a third probe at the prediction bisects down to the probe that fit when it ran out of
+    # memory, and when it overshot, takes the smaller of two readings of the overshoot: a
+    # larger fixed part (a workspace) at the same cost an image, or a steeper cost an image
+    # through the first probe. Scaling the batch alone would leave the fixed part over the
+    # budget.
     if fits > large:
         third = peak(fits)
         if third is None:
-            fits = max(1, fits // 2)
+            fits = _largest_fitting(peak, large, fits, budget)
         elif third > budget:
             fixed_more = third - per_sample * fits
             steeper = max(1.0, (third - low) / (fits - small))

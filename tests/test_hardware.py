@@ -155,3 +155,46 @@ def test_the_search_reads_its_batch_bound_from_the_autotuners_probe(tmp_path, mo
         scenario.tune_hyperparameters(config, args, index, tmp_path, torch.device("cpu"),
                                       probed=probed)
     assert seen["max_batch_size"] == 256
+
+
+def test_the_fp16_probe_step_allocates_the_optimizer_state_it_counts(monkeypatch):
+    """At GradScaler's default scale (65536) SqueezeNet's first fp16 step from random weights
+    overflowed and was skipped, so the AdamW state the probe means to count was never made.
+    Run on the CPU: the GPU's fp16 decision and a CPU scaler, the CUDA memory calls stubbed."""
+    made = {}
+    real_optimizer = modules.hardware.make_optimizer
+
+    def optimizer(model, config, device):
+        made["optimizer"] = real_optimizer(model, config, device)
+        return made["optimizer"]
+
+    class CpuScaler(torch.amp.GradScaler):
+        def __init__(self, device, **kwargs):
+            super().__init__("cpu", **kwargs)
+    for name in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda *args: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *args: 0)
+    monkeypatch.setattr(modules.hardware, "autocast_dtype", lambda amp, device: torch.float16)
+    monkeypatch.setattr(modules.hardware, "make_optimizer", optimizer)
+    monkeypatch.setattr(torch.amp, "GradScaler", CpuScaler)
+    torch.manual_seed(0)
+    step_peak_bytes(CONFIG, 6, 4, torch.device("cpu"))
+    params = [p for group in made["optimizer"].param_groups for p in group["params"]]
+    assert len(made["optimizer"].state) == len(params)
+
+
+def test_a_third_probe_out_of_memory_bisects_to_a_batch_that_fits(monkeypatch):
+    """500 MB fixed and 50 MB an image on a 15,800 MB GPU, out of memory from 100 images
+    (a workspace the line through 4 and 16 does not see): halving the line's 231 gave 115,
+    which does not fit either."""
+    mb = 2**20
+
+    def step_peak(config, num_classes, batch_size, device):
+        if batch_size >= 100:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory.")
+        return (500 + 50 * batch_size) * mb
+    monkeypatch.setattr(modules.hardware, "step_peak_bytes", step_peak)
+    monkeypatch.setattr(modules.hardware, "release", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: SimpleNamespace(total_memory=15800 * mb))
+    assert max_batch_size(CONFIG, 6, torch.device("cuda"), margin=0.8) == 99

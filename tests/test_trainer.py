@@ -984,3 +984,17 @@ def test_the_last_short_window_of_an_epoch_is_stepped_within_it():
     one, four = trained(32, 1, epochs=1).model, trained(8, 4, epochs=1).model
     for a, b in zip(one.parameters(), four.parameters()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_bf16_on_a_gpu_without_bf16_units_warns_once(monkeypatch, caplog):
+    """A T4 (compute capability 7.5) runs bf16 emulated; --amp bf16 there, or a run resumed
+    on it with bf16 saved from an A100, says so once."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    cuda = torch.device("cuda")
+    with caplog.at_level("WARNING", logger="modules.device"):
+        assert autocast_dtype("bf16", cuda) is torch.bfloat16
+        assert autocast_dtype("bf16", cuda) is torch.bfloat16
+        assert autocast_dtype("auto", cuda) is torch.float16
+    assert caplog.text.count("--amp bf16 on Tesla T4") == 1
+    assert "emulated" in caplog.text
