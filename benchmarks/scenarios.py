@@ -71,19 +71,37 @@ def data_folder(name: str, root: Path) -> list[str]:
         return ["--dataset", name]
     if Path(name).is_dir():
         return ["--data-dir", name]
+    known_set(name)
     from real_data import REAL_SETS  # beside this file
-    if name not in REAL_SETS:
-        raise SystemExit(f"error: unknown data set {name!r}: synthetic, intel, a folder, or one of "
-                         f"{', '.join(REAL_SETS)}")
     folder = root / name
     if not folder.exists():
         # Written beside it and renamed when whole: an interrupted export is made again, not
         # taken as the set (Animal-MNIST is written class by class).
         partial = root / f".{name}.partial"
         shutil.rmtree(partial, ignore_errors=True)
-        REAL_SETS[name](partial)
+        try:
+            REAL_SETS[name](partial)
+        except ImportError as exc:  # scikit-learn for digits (not in benchmarks/requirements)
+            raise SystemExit(f"error: the {name} set needs {exc.name or 'a package'}: pip "
+                             f"install {PACKAGES.get(name, exc.name)}") from None
+        except RuntimeError as exc:  # real_data's own line: animal-mnist, elpv-dataset
+            raise SystemExit(f"error: {exc}") from None
         partial.rename(folder)
     return ["--data-dir", str(folder)]
+
+
+# The pip packages a real set's export imports, where real_data does not say so itself.
+PACKAGES = {"digits": "scikit-learn"}
+
+
+def known_set(name: str) -> None:
+    """One line for a data set name data_folder would refuse, said before any set is made."""
+    if name in ("synthetic", "intel") or Path(name).is_dir():
+        return
+    from real_data import REAL_SETS  # beside this file
+    if name not in REAL_SETS:
+        raise SystemExit(f"error: unknown data set {name!r}: synthetic, intel, a folder, or one of "
+                         f"{', '.join(REAL_SETS)}")
 
 
 # --pretrain-on: the input size and epochs the stand-in for ImageNet weights is trained at, once.
@@ -93,6 +111,7 @@ PRETRAIN_SIZE, PRETRAIN_EPOCHS = 64, 12
 def pretrain_model(name: str, dataset: str, pipeline_args: list[str]) -> str:
     """The model --pretrain-on trains (the pipeline's, as its options after -- choose it),
     after its one-line refusals, before any data is made or trained."""
+    known_set(name)  # before the set under test is exported
     if Path(name).name == Path(dataset).name:
         raise SystemExit(f"--pretrain-on {name}: pretrain on another set than --dataset, or "
                          "the scenarios are tested on images their start weights were trained on")
@@ -398,9 +417,11 @@ def compare_fidelity(data: list[str], args, out: Path) -> list[str]:
     tuner = OptunaTuner(index, config, output_dir=out, epochs=scenario.short_budget(config),
                         storage="sqlite:///:memory:")
     low_size = args.fidelity_size or scenario.lower_size(config.image_size)
-    if low_size == config.image_size:
-        raise SystemExit(f"error: --fidelity-size {low_size} is the search's own size: give a "
-                         "lower one")
+    if low_size >= config.image_size:
+        raise SystemExit(f"error: --fidelity-size {low_size} is "
+                         + ("the search's own size" if low_size == config.image_size else
+                            f"above the search's {config.image_size} px")
+                         + ": give a lower one")
     try:  # the model's limits, said before any configuration trains
         scenario.dataclasses.replace(config, image_size=low_size)
     except pipeline.UserError as exc:
@@ -442,7 +463,11 @@ def compare_fidelity(data: list[str], args, out: Path) -> list[str]:
     # Spearman also ranks the configurations still at chance, whose order is noise; the
     # verdict asks only about the pairs whose order at the search's size is real.
     apart, kept = agree["pairs_apart"], agree["pairs_same_order"]
-    same = apart > 0 and kept >= 0.9 * apart and regret <= margin
+    if apart == 0:  # every configuration within noise of the others: no order to keep
+        lines.append(f"n/a: no two configurations apart at {config.image_size} px by more "
+                     f"than one SE, so {low_size} px has no order to keep")
+        return lines
+    same = kept >= 0.9 * apart and regret <= margin
     lines.append(f"{low_size} px {'ranks' if same else 'does NOT rank'} the configurations the "
                  f"way {config.image_size} px does (at least 90% of the pairs apart kept in "
                  "order, and its pick within one SE of the best)")
@@ -472,6 +497,9 @@ def main(argv: list[str] | None = None) -> int:
                         "stand-in for ImageNet weights, unreachable offline), e.g. animals")
     p.add_argument("pipeline_args", nargs="*", help="more pipeline.py options, after --")
     args = p.parse_args(argv)
+    if args.search_only and not (args.compare_search or args.compare_fidelity):
+        p.error("--search-only skips the three scenarios: give it with --compare-search or "
+                "--compare-fidelity")
     pipeline.setup_logging()
     out = Path(args.output_dir)
     try:  # before the runs: a --json that cannot be written is said now, not after them
@@ -497,6 +525,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.compare_fidelity:
             lines += compare_fidelity(data, args, out / "fidelity")
         print("\n".join(lines))
+        if args.json:
+            Path(args.json).write_text(json.dumps({"lines": lines, "rows": []}, indent=1))
         return 0
     code = pipeline.main(data + ["--device", args.device, "--output-dir", str(out / "run"),
                                  "--no-progress"] + (["--quick"] if args.quick else [])

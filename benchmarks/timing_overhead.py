@@ -55,6 +55,11 @@ def main() -> None:
     try:  # the model's limits, and a device that is not here, in one line
         TrainConfig(model="squeezenet1_1", image_size=args.image_size)
         resolve_device(args.device)
+        if args.json:  # before the measuring, as the other benchmarks make theirs
+            try:
+                args.json.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise UserError(f"cannot make {exc.filename!r} ({exc.strerror})") from None
     except UserError as exc:
         p.exit(2, f"error: {exc}\n")
     device = torch.device(args.device)
