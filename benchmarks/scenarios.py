@@ -81,7 +81,7 @@ def data_folder(name: str, root: Path) -> list[str]:
         shutil.rmtree(partial, ignore_errors=True)
         try:
             REAL_SETS[name](partial)
-        except ImportError as exc:  # scikit-learn for digits (not in benchmarks/requirements)
+        except ImportError as exc:  # scikit-learn for digits, when only requirements.txt is in
             raise SystemExit(f"error: the {name} set needs {exc.name or 'a package'}: pip "
                              f"install {PACKAGES.get(name, exc.name)}") from None
         except RuntimeError as exc:  # real_data's own line: animal-mnist, elpv-dataset
