@@ -536,8 +536,8 @@ def refuse_changed_resume(name: str, config: TrainConfig, args: RunOptions,
     refused in one line now, before its tuning, which would otherwise train every size again
     under the new settings (and add those seconds to the run's clock) only for the final
     run's checkpoint to refuse them. Not the settings the tuning decides (the picked size, the
-    batch the autotuner fits, the warm-up) nor the epochs unless --epochs is given
-    (fill_time takes the checkpoint's); the trainer still checks them all."""
+    batch and accumulation the autotuner fits, the warm-up) nor the epochs unless --epochs is
+    given (fill_time takes the checkpoint's); the trainer still checks them all."""
     def changed() -> str | None:
         path = checkpoint_file(output_dir, name, run_id=args.run_id)
         if not path.exists():
@@ -546,7 +546,7 @@ def refuse_changed_resume(name: str, config: TrainConfig, args: RunOptions,
             saved = saved_config(check_format(load_checkpoint(path), path))
         except (OSError, KeyError, TypeError, ValueError, RuntimeError, UserError):
             return None  # the trainer says what is wrong with it
-        skip = {"image_size", "batch_size", "warmup_epochs"} | (
+        skip = {"image_size", "batch_size", "grad_accum_steps", "warmup_epochs"} | (
             set() if args.epochs is not None else {"epochs"})
         keys = [k for k in RESUME_KEYS if k not in skip and saved[k] != getattr(config, k)]
         if not keys:
