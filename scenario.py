@@ -26,7 +26,7 @@ import torch
 from modules import distributed, interrupts, membership
 from modules.autotune import (FIXED_PROBE_MS, MEASURE_SHARE, ComputeProbe, autotune,
                               fixed_step_cost, machine_key)
-from modules.checkpoints import RESUME_KEYS, check_format, load_checkpoint, saved_config
+from modules.checkpoints import check_format, load_checkpoint, saved_config
 from modules.clock import read_kept, ticking, write_clock
 from modules.config import (DEFAULTS, DISPLAY_ONLY, SPEED_ONLY, TrainConfig, UserError,
                             first_line)
@@ -144,6 +144,15 @@ class RunOptions:
     autotune: bool
     run_id: str | None = None   # set by run(): a new run's, or with --resume the newest run's
     command: str | None = None  # the equivalent `python pipeline.py ...` line
+
+
+def learning_options(args: RunOptions) -> dict[str, Any]:
+    """The options that change what a run learns, as given (None: the default): a resume
+    with others is refused (start_run). The data, seed, --quick and --weights are checked
+    there by what they select; --n-trials and --time-budget may change to grow a search."""
+    return {key: getattr(args, key) for key in (
+        "model", "epochs", "image_size", "batch_size", "lr", "scheduler", "momentum",
+        "grad_accum_steps", "max_grad_norm", "resolutions", "search_size")}
 
 
 def scenario_config(name: str, args: RunOptions, device: torch.device) -> TrainConfig:
@@ -488,9 +497,6 @@ def tune_scenario(name: str, config: TrainConfig, args: RunOptions, index: Datas
                              "data and settings)", size, run_id)
                     extra["resolution_from"] = run_id
             config = dataclasses.replace(config, image_size=size or config.image_size)
-    if name == "resolution" and args.resume:
-        # before the sizes are tuned again, which the final run's checkpoint refuses after
-        refuse_changed_resume(name, config, args, output_dir)
     if name != "baseline":
         # The measuring budget is a share of the least the scenario trains (the tuners may stop
         # trials early, and the search's time budget end it), so that it stays within that
@@ -528,36 +534,6 @@ def tune_scenario(name: str, config: TrainConfig, args: RunOptions, index: Datas
         extra.update(tuning, **{TUNED_ANEW: extra.get(TUNED_ANEW) or
                                 tuning.get(TUNED_ANEW, True)})
     return config, extra
-
-
-def refuse_changed_resume(name: str, config: TrainConfig, args: RunOptions,
-                          output_dir: Path) -> None:
-    """A resume whose settings differ from those the scenario's final run started with is
-    refused in one line now, before its tuning, which would otherwise train every size again
-    under the new settings (and add those seconds to the run's clock) only for the final
-    run's checkpoint to refuse them. Not the settings the tuning decides (the picked size, the
-    batch and accumulation the autotuner fits, the warm-up) nor the epochs unless --epochs is
-    given (fill_time takes the checkpoint's); the trainer still checks them all."""
-    def changed() -> str | None:
-        path = checkpoint_file(output_dir, name, run_id=args.run_id)
-        if not path.exists():
-            return None
-        try:
-            saved = saved_config(check_format(load_checkpoint(path), path))
-        except (OSError, KeyError, TypeError, ValueError, RuntimeError, UserError):
-            return None  # the trainer says what is wrong with it
-        skip = {"image_size", "batch_size", "grad_accum_steps", "warmup_epochs"} | (
-            set() if args.epochs is not None else {"epochs"})
-        keys = [k for k in RESUME_KEYS if k not in skip and saved[k] != getattr(config, k)]
-        if not keys:
-            return None
-        diffs = ", ".join(f"{k} {saved[k]!r} -> {getattr(config, k)!r}" for k in keys)
-        return (f"cannot resume from {str(path)!r}: settings changed ({diffs}); resume with the "
-                "options the run was started with (the 'resuming run' line names its command), "
-                "or run without --resume to start over.")
-    message = distributed.from_main(changed() if distributed.is_main() else None)
-    if message is not None:
-        raise UserError(message)
 
 
 def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: Path,
@@ -1472,7 +1448,7 @@ def run(args: RunOptions, index: DatasetIndex | None = None) -> list[dict[str, A
         args.run_id = distributed.from_main(start_run(
             output_dir, index, resume=args.resume, seed=args.seed, quick=args.quick,
             weights=str(start.resolve()) if start else args.weights, model=args.model,
-            scenarios=list(args.scenarios),
+            scenarios=list(args.scenarios), settings=learning_options(args),
             command=args.command or shlex.join(launcher() + shown_argv(sys.argv))))
         runs = run_folder(output_dir, "runs", args.run_id)
         with (run_log(runs / "run.log", data_record(index, runs) + [

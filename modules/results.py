@@ -126,7 +126,8 @@ def forget_refused_run(output_dir: Path, run_id: str) -> None:
 def start_run(output_dir: Path, index: DatasetIndex, *, resume: bool, command: str,
               seed: int | None = None, quick: bool | None = None,
               weights: str | None = None, model: str | None = None,
-              scenarios: list[str] | None = None) -> str:
+              scenarios: list[str] | None = None,
+              settings: dict[str, Any] | None = None) -> str:
     """This run's id: with resume the newest run's, which must be on the same data and start
     from the same weights; else a new one (the UTC time), recorded as the newest. Earlier
     runs' files stay. `seed`, `quick`: the --seed the data was split with and whether --quick
@@ -138,7 +139,10 @@ def start_run(output_dir: Path, index: DatasetIndex, *, resume: bool, command: s
     random start again where the weights are reachable now), or is refused where they were
     fetched then and are unreachable now: trials from either start would be compared.
     `scenarios`: the scenarios the run trains, recorded; a finished run is resumed only with
-    none it did not have (it trains nothing then: its study grows with --n-trials)."""
+    none it did not have (it trains nothing then: its study grows with --n-trials).
+    `settings`: the learning options as given (None: the default), recorded; a resume with
+    others is refused, since a scenario still tuning would train its trials again under them
+    where its journal holds the run's own (a final run's checkpoint refuses them, later)."""
     keep_random_start(None)  # a start kept for a resumed run is that run's alone
     runs = _runs(output_dir)
     newest = runs[0] if runs else None
@@ -188,6 +192,7 @@ def start_run(output_dir: Path, index: DatasetIndex, *, resume: bool, command: s
                 f"from --weights {latest['weights']}, this one from --weights {weights}: pass "
                 f"--weights {latest['weights']} to continue it, or drop --resume to start a new "
                 "run beside it (nothing is deleted).")
+        _same_settings(latest, output_dir, settings)
         _same_start(latest, output_dir, weights, model)
         had = latest.get("scenarios")
         added = [s for s in scenarios or [] if had is not None and s not in had]
@@ -233,7 +238,7 @@ def start_run(output_dir: Path, index: DatasetIndex, *, resume: bool, command: s
     if distributed.is_main():
         record = {"run_id": run_id, "dataset": index.name, "data_fingerprint": fingerprint,
                   "n_images": index.n_images(), "seed": seed, "quick": quick,
-                  "weights": weights, "scenarios": scenarios,
+                  "weights": weights, "scenarios": scenarios, "settings": settings,
                   "start": resolved_start(model, weights) if model and weights else None,
                   "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                   "command": command}
@@ -248,6 +253,29 @@ def _left_unfinished(output_dir: Path, record: dict[str, Any]) -> bool:
     done = {r["scenario"] for r in run_rows(output_dir, record["run_id"])}
     return not record.get("finished") and bool(set(record.get("scenarios") or []) - done) \
         and _has_progress(output_dir, record["run_id"])
+
+
+def _same_settings(latest: dict[str, Any], output_dir: Path,
+                   settings: dict[str, Any] | None) -> None:
+    """A resumed run goes on with the learning options it recorded (start_run)."""
+    before = latest.get("settings")
+    if not before or not settings:
+        return  # a run of a version that did not record them
+    changed = [k for k in settings if k in before and before[k] != settings[k]]
+    if not changed:
+        return
+
+    def shown(value: Any) -> str:
+        if value is None:
+            return "not given"
+        return ",".join(map(str, value)) if isinstance(value, list) else str(value)
+    diffs = ", ".join(f"--{k.replace('_', '-')} {shown(before[k])} -> {shown(settings[k])}"
+                      for k in changed)
+    command = latest.get("command") or "its run.log names its command"
+    raise UserError(
+        f"cannot resume: the newest run in {output_dir} ({latest['run_id']}) was started with "
+        f"other options ({diffs}): give the options it was started with ({command}), or drop "
+        "--resume to start a new run beside it (nothing is deleted).")
 
 
 def _same_start(latest: dict[str, Any], output_dir: Path, weights: str | None,

@@ -2597,37 +2597,3 @@ def test_a_resume_of_an_interrupted_final_run_keeps_its_contended_tuning(small, 
     row = json.loads((tmp_path / "out" / "results.json").read_text())[0]
     assert row["tuning_load"]["contended"], (row["tuning_s"], row["tuning_load"])
     assert row["tuning_load"]["sessions"] == 1  # the resumed session only read the tuning back
-
-
-def test_a_resume_with_other_settings_is_refused_before_the_sizes_are_tuned_again(
-        tmp_path, monkeypatch):
-    """Once the resolution final run has started, its checkpoint fixes the settings: a resume
-    with another --epochs (--lr, --seed ...) trained every size again under the new settings,
-    adding their seconds to the run's clock, before the checkpoint refused it."""
-    from modules.checkpoints import CHECKPOINT_FORMAT, save_checkpoint
-    from modules.results import checkpoint_file
-    argv = ["--scenarios", "resolution", "--no-autotune", "--device", "cpu", "--resume"]
-    started = pipeline.parse_args([*argv, "--epochs", "30"])
-    config = pipeline.scenario_config("resolution", started, torch.device("cpu"))
-    path = checkpoint_file(tmp_path, "resolution", run_id="r1")
-    path.parent.mkdir(parents=True)
-    # the final run trains at the picked size, with its batch (--epochs: those epochs)
-    save_checkpoint(path, {"format": CHECKPOINT_FORMAT, "config": dataclasses.replace(
-        config, image_size=48, batch_size=16, warmup_epochs=1).to_dict()})
-
-    def tuned(*_args, **_kwargs):
-        raise AssertionError("tuned again")
-    monkeypatch.setattr(scenario, "tune_resolution", tuned)
-    for changed, said in ((["--epochs", "24"], "epochs 30 -> 24"),
-                          (["--epochs", "30", "--lr", "0.01"], "lr 0.001 -> 0.01")):
-        args = pipeline.parse_args([*argv, *changed])
-        args.run_id = "r1"
-        with pytest.raises(UserError, match=re.escape(said)):
-            scenario.tune_scenario("resolution", pipeline.scenario_config(
-                "resolution", args, torch.device("cpu")), args, None, tmp_path,
-                torch.device("cpu"), {})
-    for same in (["--epochs", "30"], []):  # without --epochs the checkpoint's stand
-        args = pipeline.parse_args([*argv, *same])
-        args.run_id = "r1"
-        scenario.refuse_changed_resume("resolution", pipeline.scenario_config(
-            "resolution", args, torch.device("cpu")), args, tmp_path)

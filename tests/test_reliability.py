@@ -474,6 +474,41 @@ def test_a_resume_after_toggling_quick_names_quick(tmp_path):
         start_run(out, full, resume=True, command="", seed=42, quick=False)
 
 
+def test_a_resume_with_other_learning_options_is_refused_at_the_start(tmp_path):
+    """Interrupted while the resolution tuner trained its sizes and resumed with --epochs 24
+    for 30, the run trained every size again under 24 without a word (its journal keyed by
+    the settings), the row then mixing two runs' seconds; only a final run's checkpoint
+    refused other options."""
+    from types import SimpleNamespace
+
+    from modules.config import UserError
+    from modules.results import start_run
+    from scenario import learning_options
+    out = tmp_path / "out"
+    data = SimpleNamespace(name="synthetic", n_images=lambda: 104, fingerprint=lambda: "f",
+                           same_data=lambda recorded: recorded == "f")
+    given = dict.fromkeys(("model", "epochs", "image_size", "batch_size", "lr", "scheduler",
+                           "momentum", "grad_accum_steps", "max_grad_norm", "resolutions",
+                           "search_size"))
+    settings = learning_options(SimpleNamespace(**{**given, "model": "squeezenet1_1",
+                                                   "epochs": 30, "resolutions": [24, 32],
+                                                   "search_size": "auto"}))
+    run = start_run(out, data, resume=False, command="python pipeline.py --epochs 30",
+                    seed=42, quick=False, settings=settings)
+    with pytest.raises(UserError, match=r"started with other options \(--epochs 30 -> 24, "
+                                        r"--lr not given -> 0.01\): give the options it was "
+                                        r"started with \(python pipeline.py --epochs 30\)"):
+        start_run(out, data, resume=True, command="", seed=42, quick=False,
+                  settings={**settings, "epochs": 24, "lr": 0.01})
+    with pytest.raises(UserError, match=r"--resolutions 24,32 -> 24"):
+        start_run(out, data, resume=True, command="", seed=42, quick=False,
+                  settings={**settings, "resolutions": [24]})
+    assert start_run(out, data, resume=True, command="", seed=42, quick=False,
+                     settings=dict(settings)) == run
+    # a run recorded by a version without them is resumed as before
+    assert start_run(out, data, resume=True, command="", seed=42, quick=False) == run
+
+
 def test_resume_names_checkpoints_of_a_version_before_run_ids(tmp_path, caplog):
     """checkpoints/baseline.pt, written before runs had ids: --resume said "no earlier run"
     beside an interrupted one it cannot continue."""
