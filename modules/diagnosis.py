@@ -256,7 +256,11 @@ def _overhead_bound(f: _Figures) -> dict[str, Any] | None:
                     " A larger batch also takes fewer optimizer steps an epoch, which can cost a "
                     "short run accuracy: compare the validation accuracy." if fixed_heavy else "")]
     compiled = _measured_slower(f, "compile")
-    if f.get("compile"):
+    if f.get("compile_failed"):  # asked for, could not build: the steps ran eager
+        recs.append(f"torch.compile failed here ({f.get('compile_failed')}), so these steps ran "
+                    f"eager, not compiled: a larger batch or input size spreads their fixed "
+                    f"costs ({why_txt}).")
+    elif f.get("compile"):
         recs.append(f"torch.compile is on already: what is left per step is launch and Python "
                     f"overhead that a larger batch or input size spreads ({why_txt}).")
     elif compiled:

@@ -729,3 +729,32 @@ def test_a_gpu_without_a_utilisation_reading_keeps_its_memory_peak(monkeypatch):
     sampler._read_gpu()
     sampler._read_gpu()
     assert sampler._gpu_util == [] and sampler._gpu_mem_peak == 512 * 2**20
+
+
+def test_a_compile_that_fell_back_to_eager_is_not_called_on_already():
+    """--compile that could not build (compile_failed) trained eager: the row's diagnosis must
+    not say that torch.compile is on already."""
+    from types import SimpleNamespace
+
+    from modules.config import TrainConfig
+    from modules.results import result_row
+    from modules.trainer import TrainResult
+    history = [{"epoch": 1, "train_acc": .5, "train_loss": 1.0, "val_acc": .5, "val_loss": 1.0}]
+    result = TrainResult(
+        model=nn.Linear(2, 2), history=history, best_epoch=1, best_val_acc=.5, epochs_run=1,
+        nonfinite_steps=0, stopped_early=False, resumed_from_epoch=None, wall_s=10.0,
+        time_to_best_s=10.0,
+        timing={"steps": 100, "avg_step_ms": 1.2, "samples_per_s": 26000.0,
+                "data_wait_frac": 0.02, "h2d_frac": 0.0},
+        settings={"amp_dtype": "fp32", "cpu_threads": 2, "compile_failed": "no C++ compiler"})
+    index = SimpleNamespace(name="x", fingerprint=lambda: "f", val=[0] * 10, test=[0] * 10,
+                            classes=["a", "b"], skipped_files=0, ignored={}, copies=[])
+    test = {"acc": .5, "loss": 1.0, "per_class_acc": [.5, .5], "confusion": [[1, 1], [1, 1]]}
+    row = result_row("resolution", TrainConfig(compile=True), result, test, index,
+                     torch.device("cpu"), {"cpu_util_pct": 50.0, "process_cpu_pct": 100.0},
+                     "decoded cache")
+    recs = row["diagnosis"]["recommendations"]
+    assert row["diagnosis"]["bottleneck"] == "overhead-bound"
+    assert not any("is on already" in r for r in recs)
+    assert not any("Try --compile" in r for r in recs)
+    assert any("torch.compile failed here (no C++ compiler)" in r for r in recs)
