@@ -99,7 +99,7 @@ def _memory_bound(f: _Figures) -> dict[str, Any] | None:
     batch = f.num("batch_size")
     recs = [f"Lower batch_size{f' from {batch:.0f}' if batch else ''} and raise "
             f"grad_accum_steps to keep the effective batch: {used}{retry_txt}."]
-    if f.cuda and f.get("amp_dtype") in (None, "fp32"):
+    if f.cuda and f.get("amp_dtype") in (None, "fp32") and not _amp_slower(f)[1]:
         recs.append(f"Turn on AMP (--amp auto): 16-bit activations take half the memory of fp32; "
                     f"{used}.")
     if retries:
@@ -211,10 +211,16 @@ def _transfer_bound(f: _Figures) -> dict[str, Any] | None:
     if not f.cuda or h2d is None or h2d <= THRESHOLDS.h2d_frac:
         return None
     share = f"{_pct(h2d)} of each{_step(f)} step is spent copying batches to the device"
-    recs = [f"Set pin_memory=True and copy with non_blocking=True so the copy overlaps compute: "
-            f"{share}.",
-            f"Send uint8 images (a quarter of float32's bytes) and convert/normalise on the device: "
-            f"{share}."]
+    recs = []
+    if not f.get("pin_memory"):
+        recs.append(f"Set pin_memory=True (--pin-memory) and copy with non_blocking=True so the "
+                    f"copy overlaps compute: {share}.")
+    if not f.get("cached_decode"):  # the decoded cache's batches are uint8 already
+        recs.append(f"Send uint8 images (a quarter of float32's bytes) and convert/normalise on "
+                    f"the device: {share}.")
+    if not recs:
+        recs.append(f"The copies are pinned and uint8 already: a smaller --image-size copies "
+                    f"fewer bytes a step, a larger --batch-size fewer copies an epoch: {share}.")
     return _result("transfer-bound", f"Transfer-bound: {share}.", recs)
 
 
@@ -361,6 +367,15 @@ def _measured_slower(f: _Figures, knob: str, on: str = "true", off: str = "false
     return None
 
 
+def _amp_slower(f: _Figures) -> tuple[str, str | None]:
+    """The fastest 16-bit mode the autotuner raced (a failed one ranks below any speed), and
+    _measured_slower's reading of it against fp32."""
+    amp = (f.get("raced") or {}).get("amp") or {}
+    best = max(("bf16", "fp16"), key=lambda m: amp[m] if isinstance(amp.get(m), (int, float))
+               else -1 if m in amp else -2)
+    return best, _measured_slower(f, "amp", best, "off")
+
+
 def _cpu_compute_recs(f: _Figures, basis: str) -> list[str]:
     recs = []
     if not f.get("channels_last") and not _measured_slower(f, "channels_last"):
@@ -388,11 +403,7 @@ def _cpu_compute_recs(f: _Figures, basis: str) -> list[str]:
 def _gpu_compute_recs(f: _Figures, basis: str) -> list[str]:
     recs = []
     if f.get("amp_dtype") in (None, "fp32"):
-        # AMP stands or falls by its fastest 16-bit mode raced; a failed one ranks below any speed.
-        amp = (f.get("raced") or {}).get("amp") or {}
-        best = max(("bf16", "fp16"), key=lambda m: amp[m] if isinstance(amp.get(m), (int, float))
-                   else -1 if m in amp else -2)
-        slower = _measured_slower(f, "amp", best, "off")
+        best, slower = _amp_slower(f)
         if slower:
             recs.append(f"AMP was measured {_slower_or_no_faster(f, 'amp', best, 'off')} here "
                         f"({best} {slower}): keep it off ({basis}).")

@@ -396,6 +396,7 @@ def result_row(name: str, config: TrainConfig, result: TrainResult, test: dict[s
         "device": device.type, "mem_limit_mb": mem_limit_mb,
         "alloc_retries": alloc_retries, "num_workers": config.num_workers,
         "cpu_count": usable_cpus(), "channels_last": config.channels_last,
+        "pin_memory": config.pin_memory,
         # --compile that fell back to eager (compile_failed) trained eager: not "on already"
         "compile": config.compile and not result.settings.get("compile_failed"),
         "compile_failed": result.settings.get("compile_failed"),

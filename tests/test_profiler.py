@@ -357,12 +357,23 @@ def test_memory_bound_from_peak_memory_or_allocator_retries():
     assert d["bottleneck"] == "memory-bound"  # outranks the input wait
     assert any("95%" in r and "64" in r for r in d["recommendations"])
     assert diagnose({"alloc_retries": 3, "device": "cuda"})["bottleneck"] == "memory-bound"
+    # AMP for memory only where the autotuner did not measure it slower (docs/speed.md)
+    full = {"peak_mem_mb": 7600, "mem_limit_mb": 8000, "device": "cuda", "amp_dtype": "fp32"}
+    assert any("Turn on AMP" in r for r in diagnose(full)["recommendations"])
+    slower = {**full, "raced": {"amp": {"off": 900, "fp16": 700}}}
+    assert not any("Turn on AMP" in r for r in diagnose(slower)["recommendations"])
 
 
 def test_transfer_bound_recommends_pinned_memory():
     d = diagnose({"data_wait_frac": 0.05, "h2d_frac": 0.25, "avg_step_ms": 40, "device": "cuda"})
     assert d["bottleneck"] == "transfer-bound"
     assert any("pin_memory" in r and "25%" in r for r in d["recommendations"])
+    # what the run already does is not advised again
+    tuned = {"data_wait_frac": 0.05, "h2d_frac": 0.25, "avg_step_ms": 40, "device": "cuda",
+             "pin_memory": True, "cached_decode": True}
+    recs = diagnose(tuned)["recommendations"]
+    assert recs and not any("Set pin_memory" in r or "Send uint8" in r for r in recs)
+    assert "pinned and uint8 already" in recs[0]
     # on a CPU that share is a channels_last conversion: nothing is transferred or pinned
     d = diagnose({"data_wait_frac": 0.05, "h2d_frac": 0.25, "avg_step_ms": 40, "device": "cpu"})
     assert d["bottleneck"] != "transfer-bound"
