@@ -840,7 +840,10 @@ def estimate(args: RunOptions, index: DatasetIndex) -> dict[str, Any]:
         if name == "hpo":  # its trials' size (search_size), and the time budget (search_budget)
             tuning *= search_cost(args, config.image_size)
             bound = search_budget(args, baseline_s)[0]
-            tuning = tuning if bound is None else min(tuning, bound)
+            # The budget stops only the start of new trials: the one under way when it runs
+            # out (the default's, the first, at least) trains on to its end.
+            trial_s = short_budget(config) * epoch_s * search_cost(args, config.image_size)
+            tuning = tuning if bound is None else min(tuning, bound + trial_s)
         for into, spent in ((scenarios, tuning), (least, min(tuning, fewest))):
             spent += decode
             epochs = config.epochs

@@ -1553,6 +1553,26 @@ def test_the_estimate_s_range_never_runs_backwards_and_says_what_its_low_end_tak
             pipeline.estimate_words(plan)
 
 
+def test_the_estimate_s_search_trains_the_trial_its_time_budget_finds_under_way(
+        small, tmp_path, monkeypatch):
+    """The time budget stops only new trials: the default's, the first, trains to its end
+    however small the budget (--time-budget 1 read "about 39 s" for a run of 56 s, its 4-epoch
+    default trial left out); the search is no longer than every trial in full either."""
+    _estimate_at_speeds(monkeypatch, slow=10.0, fast=10.0)
+    argv = ["--data-dir", str(small), "--image-size", "32", "--weights", "none",
+            "--output-dir", str(tmp_path / "out"), "--scenarios", "hpo", "--no-match-time",
+            "--n-trials", "4"]
+    index = pipeline.load_data(pipeline.parse_args(argv), tmp_path / "out")
+
+    def hpo(*more: str) -> float:
+        return pipeline.estimate(pipeline.parse_args(argv + list(more)), index)["scenarios"]["hpo"]
+    one, every = hpo("--n-trials", "1"), hpo()
+    trial_s = (every - one) / 3  # four trials against one
+    assert trial_s > 5
+    assert hpo("--time-budget", "1") == pytest.approx(one + 1, rel=1e-3)
+    assert hpo("--time-budget", "100000") == pytest.approx(every, rel=1e-3)
+
+
 def test_the_estimate_reads_as_a_range_where_the_tuners_can_stop_early():
     """Every trial in full alone read 1.8x what a tuned scenario took (hpo: 97 s for 55)."""
     plan = {"device": "cpu", "scenarios": {"baseline": 75.6, "resolution": 79.0, "hpo": 96.7},
