@@ -2,12 +2,15 @@
 classes, where class pairs share layout and palette and differ only in a fine texture."""
 from __future__ import annotations
 
+import io
 import os
 import secrets
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
+
+from modules.config import UserError
 
 CLASSES = ("buildings", "forest", "glacier", "mountain", "sea", "street")
 SIZE = 150
@@ -28,22 +31,48 @@ def ensure_synthetic(root: str | Path, n_train_per_class: int, n_test_per_class:
     """Make sure root holds at least these many images per class in Intel's layout
     root/seg_train/seg_train/<class>/<i>.jpg and root/seg_test/seg_test/<class>/<i>.jpg (150x150 RGB JPEG).
     Generates only missing files (image i of class c of split s is a pure function of (seed, s, c, i)),
-    so a larger request extends a smaller cache and a repeated request does nothing. Returns root."""
+    so a larger request extends a smaller cache and a repeated request does nothing. A cache this
+    generator would not have drawn (another version's, or made where numpy or Pillow compute it
+    otherwise) is not extended: UserError. Returns root."""
     root = Path(root)
+    missing = []
     for split, count in (("train", n_train_per_class), ("test", n_test_per_class)):
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ValueError(f"images per class must be an integer >= 0, but got {count!r}")
         folder_name, split_id = _SPLITS[split]
         for c, name in enumerate(CLASSES):
             folder = root / folder_name / folder_name / name
-            if count:
-                folder.mkdir(parents=True, exist_ok=True)
-            for i in range(count):
-                path = folder / f"{i}.jpg"
-                if not path.exists():
-                    rng = np.random.default_rng([seed, split_id, c, i])
-                    _write_atomically(draw_scene(c, rng), path)
+            missing += [(folder / f"{i}.jpg", split_id, c, i) for i in range(count)
+                        if not (folder / f"{i}.jpg").exists()]
+    if missing:
+        _check_same_generator(root, seed)  # else two generators' images under one name
+    for path, split_id, c, i in missing:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists():  # another process may have written it meanwhile
+            _write_atomically(draw_scene(c, np.random.default_rng([seed, split_id, c, i])), path)
     return root
+
+
+def _check_same_generator(root: Path, seed: int) -> None:
+    """Refuses to extend a cache whose first image of each class and split is not what this
+    generator draws now (a changed draw_scene, numpy's random streams or its SIMD maths, or
+    Pillow's JPEG encoder), in one line: the new images would be mixed with the old ones."""
+    for folder_name, split_id in _SPLITS.values():
+        for c, name in enumerate(CLASSES):
+            path = root / folder_name / folder_name / name / "0.jpg"
+            if not path.is_file():
+                continue
+            buffer = io.BytesIO()
+            draw_scene(c, np.random.default_rng([seed, split_id, c, 0])).save(
+                buffer, format="JPEG", quality=JPEG_QUALITY)
+            if path.read_bytes() != buffer.getvalue():
+                raise UserError(
+                    f"the synthetic set in {str(root)!r} was generated otherwise than this "
+                    f"version draws it ({path.relative_to(root).as_posix()} differs: another "
+                    "version of the generator, or of numpy or Pillow, or a CPU numpy computes "
+                    "with other instructions), and it lacks images this run needs: adding them "
+                    "would mix two sets under one name. Move that folder away to generate the "
+                    "set anew, or run with the images it holds (--quick, if it was made by one).")
 
 
 def _write_atomically(img: Image.Image, path: Path) -> None:

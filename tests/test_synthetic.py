@@ -137,3 +137,20 @@ def test_each_preset_sees_its_own_images_in_a_shared_folder(tmp_path, monkeypatc
     assert load(both, "--quick") == alone[("--quick",)]  # the full run's 6 + 2 are there too
     assert load(both) == alone[()]  # and the quick run's 3 test images per class
     assert len(alone[()][2]) == 2 * len(CLASSES)
+
+
+def test_cache_of_another_generator_is_not_extended(tmp_path, monkeypatch):
+    """A set drawn by another generator (another version, or numpy/Pillow computing it
+    otherwise on another machine) is used as it is, but never topped up with this one's
+    images: the set would be two sets under one name."""
+    from modules.config import UserError
+    root = ensure_synthetic(tmp_path / "s", 2, 1)
+    before = {rel: (root / rel).read_bytes() for rel in _files(root)}
+    monkeypatch.setattr(synthetic, "JPEG_QUALITY", synthetic.JPEG_QUALITY - 5)
+    assert ensure_synthetic(root, 2, 1) == root  # nothing to add: used as it is
+    with pytest.raises(UserError, match="generated otherwise"):
+        ensure_synthetic(root, 3, 1)
+    assert {rel: (root / rel).read_bytes() for rel in _files(root)} == before  # nothing added
+    monkeypatch.undo()
+    ensure_synthetic(root, 3, 1)  # this generator's own set is extended
+    assert len(_files(root)) == len(before) + len(CLASSES)
