@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import errno
 import os
 import random
 import re
@@ -141,10 +142,43 @@ def copy_sqlite(source: Path, target: Path) -> None:
                 contextlib.closing(sqlite3.connect(tmp)) as dst:
             src.backup(dst)
     except sqlite3.Error as exc:
-        tmp.unlink(missing_ok=True)
-        raise UserError(f"cannot copy the Optuna study {str(source)!r} to {str(target)!r} "
-                        f"({exc}); if it is damaged, move it aside and run again.") from None
+        with contextlib.suppress(OSError):  # a read-only or failing drive: the cause is exc
+            tmp.unlink(missing_ok=True)
+        raise copy_error(source, target, exc) from None
     os.replace(tmp, target)
+
+
+# SQLite's primary result codes (sqlite3.Error.sqlite_errorcode from Python 3.11; its message
+# before that): what a failed copy says depends on them.
+SQLITE_CAUSES = {8: "readonly", 10: "io", 11: "damaged", 13: "full", 14: "cantopen",
+                 26: "damaged"}
+SQLITE_TEXTS = (("database or disk is full", "full"), ("disk i/o error", "io"),
+                ("readonly database", "readonly"), ("unable to open", "cantopen"),
+                ("malformed", "damaged"), ("not a database", "damaged"))
+
+
+def copy_error(source: Path, target: Path, exc: sqlite3.Error) -> UserError:
+    """The one line for a copy of the study that failed. Only a damaged source is to be moved
+    aside: a full disk, a drive that failed or refused the write, leave both copies as they
+    were, and the run goes on from them with --resume (the study moved aside would be searched
+    again from its first trial)."""
+    from modules.files import RESUME, ReadFailed, write_error
+    code = getattr(exc, "sqlite_errorcode", None)
+    cause = SQLITE_CAUSES.get(code & 0xFF) if isinstance(code, int) else None
+    if cause is None:
+        text = str(exc).lower()
+        cause = next((kind for words, kind in SQLITE_TEXTS if words in text), None)
+    what = f"the Optuna study {str(source)!r} to {str(target)!r}"
+    if cause == "full":  # the copy's writes, beside target
+        return write_error(target, OSError(errno.ENOSPC, str(exc)), in_run=True)
+    if cause == "io":
+        return ReadFailed(f"could not copy {what} ({exc}): the disk or network drive failed; "
+                          f"check it, {RESUME}")
+    if cause == "damaged":
+        return UserError(f"cannot copy {what} ({exc}): {str(source)!r} is damaged; move it "
+                         "aside and run again.")
+    return ReadFailed(f"cannot copy {what} ({exc}); check that both folders can be read and "
+                      f"written, {RESUME}")
 
 
 def storage_cause(exc: BaseException) -> BaseException | None:

@@ -213,6 +213,46 @@ def test_a_copy_of_the_study_cut_short_before_is_made_again(tmp_path):
         copy_sqlite(source, target)
 
 
+def test_a_copy_of_the_study_onto_a_full_disk_is_not_called_damaged(tmp_path, monkeypatch):
+    """A full disk under the copy (Drive's quota on the way out, the local disk on a new VM's
+    restore) said "if it is damaged, move it aside": a study moved aside is searched again
+    from its first trial. It says what is full, keeps both copies, and names --resume."""
+    import sqlite3
+    from modules import storage
+    source, target = tmp_path / "local.db", tmp_path / "drive" / "optuna.db"
+    target.parent.mkdir()
+    for path, n in ((source, 8), (target, 7)):
+        with sqlite3.connect(path) as db:
+            db.execute("create table trials (n integer)")
+            db.execute("insert into trials values (?)", (n,))
+        db.close()
+    full = sqlite3.OperationalError("database or disk is full")
+    full.sqlite_errorcode, full.sqlite_errorname = 13, "SQLITE_FULL"
+    real = sqlite3.connect
+
+    class Source:  # a real connection whose backup meets a full disk
+        def __init__(self, path):
+            self.db = real(path)
+
+        def backup(self, target):
+            raise full
+
+        def close(self):
+            self.db.close()
+    monkeypatch.setattr(storage.sqlite3, "connect",
+                        lambda path: Source(path) if str(path) == str(source) else real(path))
+    with pytest.raises(UserError) as failed:
+        storage.copy_sqlite(source, target)
+    said = str(failed.value)
+    assert "no space left on the device holding" in said and "--resume" in said
+    assert "damaged" not in said and "move it aside" not in said
+    monkeypatch.undo()
+    assert sorted(p.name for p in target.parent.iterdir()) == ["optuna.db"]
+    with sqlite3.connect(target) as db:  # the earlier copy, as it was
+        assert db.execute("select n from trials").fetchall() == [(7,)]
+    db.close()
+
+
 def test_a_study_of_other_data_is_refused(index, tmp_path, monkeypatch):
     monkeypatch.setattr(optuna_optimizer, "fit", fake_fit)
     level = optuna.logging.get_verbosity()
