@@ -56,7 +56,7 @@ from modules.results import (CLOCK_SUFFIX, RUN_FILE, checkpoint_file, compare_to
                              forget_refused_run, footprint, json_safe, keep_best_model,
                              mark_finished, merge_results, previous_row, result_row, run_folder,
                              run_record_beside, start_run, write_json)
-from modules.storage import check_storage, shown_argv
+from modules.storage import check_storage, local_dir_unused, shown_argv
 from modules.trainer import TIMING_WARMUP_STEPS, prepare, train
 from optuna_optimizer import BATCH_SIZES, EarlierTrial, OptunaTuner, end_trials, follow_trials
 from resolution_tuner import (CPU_RESOLUTIONS, GPU_RESOLUTIONS, QUICK_CPU_RESOLUTIONS,
@@ -1147,6 +1147,8 @@ def _search(config: TrainConfig, args: RunOptions, index: DatasetIndex, output_d
     # A study of its own for each run in the output dir's SQLite file; on a shared --storage
     # one study per dataset that every worker joins, each sampling from its own seed.
     shared = args.storage is not None
+    if (unused := local_dir_unused(args.storage, args.local_dir)) is not None:
+        log.info("hpo: %s", unused)
     tuner = OptunaTuner(index, dataclasses.replace(config, image_size=trial_size),
                         output_dir=output_dir, n_trials=n_trials, final_size=config.image_size,
                         keep_study_size=args.search_size == "auto",

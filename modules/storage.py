@@ -181,6 +181,21 @@ def copy_error(source: Path, target: Path, exc: sqlite3.Error) -> UserError:
                       f"written, {RESUME}")
 
 
+def local_dir_unused(storage: str | None, local_dir: str | None) -> str | None:
+    """The line for a --local-dir given with a --storage URL, which the study then lives in
+    (nothing is copied): said, since a SQLite --storage on a network drive (Google Drive) is
+    what --local-dir is for; None when there is nothing to say."""
+    if not storage or not local_dir:
+        return None
+    where = without_password(storage)
+    if storage.strip().lower().startswith("sqlite"):
+        return (f"the study is in --storage {where!r}, where it is written directly; "
+                "--local-dir keeps only the generated data, not the study (SQLite's locking "
+                "is unsafe on a network drive such as Google Drive: put that file on a local "
+                "disk)")
+    return f"the study is in --storage {where!r}; --local-dir keeps only the generated data"
+
+
 def storage_cause(exc: BaseException) -> BaseException | None:
     """The storage error `exc` is or arose from (Optuna can fail on with another exception,
     an UnboundLocalError, while handling one), or None: the database's own when there is one

@@ -1616,3 +1616,14 @@ def test_a_study_resumed_with_other_accumulation_is_refused(index, tmp_path, mon
                         resume=True)
     with pytest.raises(UserError, match="grad_accum_steps=1.*grad_accum_steps=4"):
         other.run()
+
+
+def test_a_local_dir_beside_a_storage_url_is_said_to_keep_no_study():
+    """--local-dir with --storage: the study is written to that database directly, a SQLite
+    file on Drive included, and --local-dir was silently not used for it."""
+    from modules.storage import local_dir_unused
+    said = local_dir_unused("sqlite:////content/drive/MyDrive/s.db", "/root/.cache/local")
+    assert "'sqlite:////content/drive/MyDrive/s.db'" in said and "unsafe" in said
+    said = local_dir_unused("postgresql://u:secret@host/db", "/root/.cache/local")
+    assert "secret" not in said and "postgresql://host/db" in said and "unsafe" not in said
+    assert local_dir_unused(None, "/x") is None and local_dir_unused("sqlite:////a.db", None) is None
