@@ -44,7 +44,7 @@ from modules.final_runs import (COUNTED, EARLIER_ROW, default_if_better, earlier
                                 replaced_record, resolution_final_row, reused_seconds,
                                 row_tuning_s, same_final, show_in_tensorboard, taken_tuning_s)
 from modules.files import (atomic_write_text, folder_lock, kept_file, name_folder, refuse_if_in_use,
-                           resolved, run_log)
+                           resolved, run_log, Said)
 from modules.hardware import max_batch_size
 from modules.models import pinned_weights_file, possible_starts, start_weights, weights_file
 from modules.monitor import SystemSampler
@@ -1439,9 +1439,13 @@ def run(args: RunOptions, index: DatasetIndex | None = None) -> list[dict[str, A
     with run_lock(output_dir), process_settings_kept(), interrupts.stoppable(), \
             pinned_weights_file(weights_file(args.weights)):
         start = weights_file(args.weights)
+        # What the check says of the start (validation reads high ...) goes to run.log too,
+        # which opens once start_run has named the run.
+        checked = Said(membership.__name__)
         try:
-            begun = membership.check_start(start, index, args.seed, run_record_beside(start),
-                                           split_with(args, index))
+            with checked:
+                begun = membership.check_start(start, index, args.seed,
+                                               run_record_beside(start), split_with(args, index))
         except UserError:
             if not args.resume:
                 raise
@@ -1457,7 +1461,7 @@ def run(args: RunOptions, index: DatasetIndex | None = None) -> list[dict[str, A
             command=args.command or shlex.join(launcher() + shown_argv(sys.argv))))
         runs = run_folder(output_dir, "runs", args.run_id)
         with (run_log(runs / "run.log", data_record(index, runs) + [
-                f"start weights: {start_weights(args.model, args.weights)}"])
+                f"start weights: {start_weights(args.model, args.weights)}", *checked.records])
               if distributed.is_main()
               else contextlib.nullcontext()):
             try:

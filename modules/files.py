@@ -483,18 +483,38 @@ def sweep_unfinished_writes(folder: Path) -> None:
                  removed, folder, size / 2**20)
 
 
+class Said(logging.Handler):
+    """The records a logger and its children log at `level` or above while this is open
+    (`.records`), as well as where they go: what a run said before its run_log opened."""
+
+    def __init__(self, logger: str, level: int = logging.WARNING):
+        super().__init__(level)
+        self.records: list[logging.LogRecord] = []
+        self._logger = logging.getLogger(logger)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def __enter__(self) -> "Said":
+        self._logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._logger.removeHandler(self)
+
+
 @contextlib.contextmanager
-def run_log(path: Path, preamble: list[str] = ()):
+def run_log(path: Path, preamble: list[str | logging.LogRecord] = ()):
     """While it is open, every log line also goes to `path` with its wall-clock time (appended:
     a resumed run continues the same file), so the log says where a run's time went.
-    `preamble`: lines said before the file could be opened (the data's), written first, to
-    the file only."""
+    `preamble`: lines said before the file could be opened (the data's), or the records
+    logged then (said), written first, to the file only."""
     path.parent.mkdir(parents=True, exist_ok=True)
     handler = _RunLog(path, encoding="utf-8", errors="backslashreplace", delay=True)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     for line in preamble:
-        handler.handle(logging.LogRecord("modules.dataset", logging.INFO, __file__, 0, line,
-                                         None, None))
+        handler.handle(line if isinstance(line, logging.LogRecord) else logging.LogRecord(
+            "modules.dataset", logging.INFO, __file__, 0, line, None, None))
     root = logging.getLogger()
     root.addHandler(handler)
     try:

@@ -609,6 +609,22 @@ def test_a_start_that_trained_on_validation_images_is_said(tmp_path, caplog):
            "test images are new to it." in caplog.text
 
 
+def test_what_is_said_of_the_start_is_in_the_run_log(tmp_path):
+    """The warning that a start trained on this run's validation images (so validation, and
+    the val_acc the best model is kept by, reads high) went to the console only: the check
+    runs before the run has an id, and run.log opens after."""
+    import json
+    from conftest import make_folder
+    root = make_folder(tmp_path / "d", layout="train/test", n_train=8, n_test=3)
+    model, _ = _train_once(root, tmp_path / "out1", seed=1)
+    out = tmp_path / "out2"
+    _train_once(root, out, seed=2, weights=model)
+    run_id = json.loads((out / "latest_run.json").read_text())["run_id"]
+    text = (out / "runs" / run_id / "run.log").read_text()
+    assert "WARNING modules.membership: --weights" in text
+    assert "validation, which picks epochs and settings, reads high" in text
+
+
 @pytest.mark.parametrize("layout", ["class folders", "train/test"])
 def test_a_start_model_of_these_images_split_otherwise_is_refused_or_said(tmp_path, layout,
                                                                            caplog):
