@@ -662,13 +662,14 @@ def run_scenario(name: str, args: RunOptions, index: DatasetIndex, output_dir: P
     carried = None
     if result.resumed_from_epoch is not None and result.resumed_from_epoch >= result.epochs_run:
         # Resumed after it had finished: this process only evaluated, so the figures measured
-        # while it trained stay (without results.json: the checkpoint's step timing, and
-        # machine samples of the test evaluation only).
+        # while it trained stay (without results.json: the checkpoint's step timing, and no
+        # machine figures: those of a test evaluation are not the training's).
         # None: a row of another run, not of the one in the checkpoint
         carried = own_run(previous_row(output_dir / "results.json", name, index.name,
                                        args.run_id), json.loads(json.dumps(json_safe(result.history))))
         log.info("%s had finished; %s", name, "keeping the figures measured while it trained"
-                 if carried else "its machine figures cover only the test evaluation")
+                 if carried else "its machine figures are n/a (no row of the session that "
+                 "trained it; this one only evaluated)")
     # Its row's pure-step timing too: measured again now, under another load, it would give
     # the row a diagnosis at odds with the step time carried beside it.
     fixed = carried.get("fixed_step") if carried else None

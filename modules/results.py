@@ -387,6 +387,11 @@ def result_row(name: str, config: TrainConfig, result: TrainResult, test: dict[s
     if carried is not None:
         keys = MACHINE_FIGURES + (STEP_FIGURES if not t.get("steps") else ())
         row.update({k: carried[k] for k in keys if k in carried})
+    elif result.resumed_from_epoch is not None and result.resumed_from_epoch >= result.epochs_run:
+        # Resumed after it had finished, with no row of the session that trained it: this
+        # process only evaluated the test set. Its CPU load, memory peak (no gradients or
+        # optimizer state) and GPU use are not the training's: not measured, not the eval's.
+        row.update(dict.fromkeys(MACHINE_FIGURES))
     row["diagnosis"] = diagnose({
         **{k: row[k] for k in ("data_wait_frac", "h2d_frac", "avg_step_ms", "samples_per_s",
                                "gpu_util_pct", "cpu_util_pct", "process_cpu_pct",

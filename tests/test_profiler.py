@@ -769,3 +769,40 @@ def test_a_compile_that_fell_back_to_eager_is_not_called_on_already():
     assert not any("is on already" in r for r in recs)
     assert not any("Try --compile" in r for r in recs)
     assert any("torch.compile failed here (no C++ compiler)" in r for r in recs)
+
+
+def test_a_finished_run_resumed_without_its_row_has_no_machine_figures():
+    """Resumed after it had finished, with no results.json row of the session that trained it
+    (stopped during the test pass): the process only evaluated, so its CPU load and memory peak
+    (no gradients, no optimizer state) are not the training's, and the diagnosis must not read
+    them (an eval-only peak advised raising the batch)."""
+    from types import SimpleNamespace
+
+    from modules.config import TrainConfig
+    from modules.results import MACHINE_FIGURES, result_row
+    from modules.trainer import TrainResult
+    history = [{"epoch": e, "train_acc": .5, "train_loss": 1.0, "val_acc": .5, "val_loss": 1.0}
+               for e in (1, 2)]
+    index = SimpleNamespace(name="x", fingerprint=lambda: "f", val=[0] * 10, test=[0] * 10,
+                            classes=["a", "b"], skipped_files=0, ignored={}, copies=[])
+    test = {"acc": .5, "loss": 1.0, "per_class_acc": [.5, .5], "confusion": [[1, 1], [1, 1]]}
+    system = {"cpu_util_pct": 30.0, "process_cpu_pct": 60.0, "ram_peak_mb": 400.0,
+              "energy_j": 5.0}
+    rows = {}
+    for resumed in (None, 1, 2):
+        result = TrainResult(
+            model=nn.Linear(2, 2), history=history, best_epoch=2, best_val_acc=.5, epochs_run=2,
+            nonfinite_steps=0, stopped_early=False, resumed_from_epoch=resumed, wall_s=10.0,
+            time_to_best_s=10.0,
+            timing={"steps": 100, "avg_step_ms": 120.0, "samples_per_s": 260.0,
+                    "data_wait_frac": 0.02, "h2d_frac": 0.0, "cpu_exec_us": 2e5},
+            settings={"amp_dtype": "fp32", "cpu_threads": 2})
+        rows[resumed] = result_row("baseline", TrainConfig(), result, test, index,
+                                   torch.device("cpu"), system, "decoded cache")
+    # trained here, in whole or in part: this session's samples are of training
+    for resumed in (None, 1):
+        assert rows[resumed]["cpu_util_pct"] == 30.0 and rows[resumed]["peak_mem_mb"] == 400.0
+    finished = rows[2]
+    assert all(finished[k] is None for k in MACHINE_FIGURES), \
+        {k: finished[k] for k in MACHINE_FIGURES}
+    assert finished["avg_step_ms"] == 120.0  # the checkpoint's step timing stays
